@@ -1,0 +1,119 @@
+"""GPT-2 in one file (nanoGPT style): learned positions, pre-LayerNorm, GELU MLP.
+
+Letters in the shape comments: B batch, S sequence, D = n_embd, H = n_head,
+Dh = D / H, V = vocab_size, S_max = block_size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPT2Config:
+    block_size: int = 1024  # S_max: longest sequence the position table holds
+    vocab_size: int = 50257  # V: tokens in the vocabulary
+    n_layer: int = 12  # L: transformer blocks
+    n_head: int = 12  # H: attention heads
+    n_embd: int = 768  # D: model width
+    dropout: float = 0.1  # on embeddings, attention probabilities and residuals
+    bias: bool = True  # biases in Linear and LayerNorm
+    tie_weights: bool = True  # LM head shares the token-embedding matrix
+    sdpa: bool = False  # attention through F.scaled_dot_product_attention
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.sdpa = config.sdpa
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        if not config.sdpa:
+            mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
+            self.register_buffer("mask", mask, persistent=False)  # (S_max, S_max)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        Dh = D // self.n_head
+        q, k, v = self.c_attn(x).split(D, dim=2)  # 3 x (B, S, D)
+        q = q.view(B, S, self.n_head, Dh).transpose(1, 2)  # (B, H, S, Dh)
+        k = k.view(B, S, self.n_head, Dh).transpose(1, 2)  # (B, H, S, Dh)
+        v = v.view(B, S, self.n_head, Dh).transpose(1, 2)  # (B, H, S, Dh)
+        if self.sdpa:
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(Dh))  # (B, H, S, S)
+            att = att.masked_fill(~self.mask[:S, :S], float("-inf"))  # (B, H, S, S)
+            att = F.softmax(att, dim=-1)  # (B, H, S, S)
+            att = self.attn_dropout(att)
+            y = att @ v  # (B, H, S, Dh)
+        y = y.transpose(1, 2).contiguous().view(B, S, D)  # (B, S, D)
+        return self.resid_dropout(self.c_proj(y))  # (B, S, D)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gelu(self.c_fc(x))  # (B, S, 4D)
+        return self.dropout(self.c_proj(h))  # (B, S, D)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, S, D)
+        return x + self.mlp(self.ln_2(x))  # (B, S, D)
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # (V, D)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)  # (S_max, D)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        B, S = idx.shape
+        pos = torch.arange(S, device=idx.device)  # (S,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, S, D)
+        for block in self.blocks:
+            x = block(x)  # (B, S, D)
+        logits = self.lm_head(self.ln_f(x))  # (B, S, V)
+        if targets is None:
+            return logits
+        V = logits.size(-1)
+        return F.cross_entropy(logits.view(B * S, V), targets.view(B * S))  # scalar
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and next-token targets, both (B, S) int64."""
+        V = self.config.vocab_size
+        return torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))

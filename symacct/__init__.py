@@ -1,0 +1,13 @@
+"""symacct: symbolic resource accounting for PyTorch training steps.
+
+``symacct.derive(model)`` traces one training step on fake tensors and
+returns an :class:`Accounting` whose FLOP, byte and parameter counts are
+sympy formulas in the model's own dimensions.
+"""
+
+from symacct.accounting import Accounting
+from symacct.derive import derive
+from symacct.errors import SymacctError
+
+__all__ = ["Accounting", "SymacctError", "derive"]
+__version__ = "0.1.0"

@@ -1,0 +1,354 @@
+"""The result of ``derive``: formulas per phase, module and component.
+
+Every quantity is a sympy expression in the model's symbols, stored expanded
+(printing collects by monomials). ``acct.at(B=8, S=1024)`` returns the same
+structure with integers, every config symbol defaulting to the model's own
+value; ``acct.sweep("flops.total", B=array, ...)`` evaluates one formula over
+numpy arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import sympy
+
+from symacct.errors import SymacctError
+from symacct.probe import Probe
+from symacct.symbols import sort_key, sym
+from symacct.trace import StepTrace
+
+Expr = Any  # sympy.Expr, or int once evaluated
+
+_ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+_MATMUL_OPS = ("aten.bmm.", "aten.mm.", "aten.baddbmm.", "aten.addmm.")
+
+
+@dataclass
+class Flops:
+    """FLOPs of one step. Matmul family (2 per multiply-add, as flop_counter) by phase; the rest in ``other``."""
+
+    forward: Expr = 0
+    backward: Expr = 0
+    optimizer: Expr = 0
+    total: Expr = 0  # forward + backward + optimizer, matmul family
+    other: Expr = 0  # every non-matmul FLOP of the step (elementwise, reductions, norms, softmax)
+    other_forward: Expr = 0
+    other_backward: Expr = 0
+    other_optimizer: Expr = 0
+
+
+@dataclass
+class Bytes:
+    """Bytes moved by the step's ops (views move 0)."""
+
+    read: Expr = 0
+    written: Expr = 0
+    read_forward: Expr = 0
+    written_forward: Expr = 0
+    read_backward: Expr = 0
+    written_backward: Expr = 0
+
+
+@dataclass
+class Accounting:
+    """Formulas derived from one traced step; see the module docstring."""
+
+    graph: nx.DiGraph
+    flops: Flops
+    bytes: Bytes
+    params: Expr  # parameter count N (tied weights once)
+    params_embedding: Expr  # parameters of nn.Embedding tables
+    saved_bytes: Expr  # bytes of activation storages saved for backward (params and inputs excluded)
+    modules: dict[str, dict[str, Expr]]  # module path ('blocks.*.attn') -> metric -> formula
+    components: dict[str, dict[str, Expr]]  # embedding / attention / mlp / norm / head / loss / other
+    per_layer: dict[str, dict[str, Expr]]  # stack path -> metric -> formula of one repeated block
+    symbols: dict[str, int]  # letter -> the model's own value (B and S have none)
+    fields: dict[str, str]  # letter -> config field
+    unaccounted: list[str] = field(default_factory=list)  # ops without a rule (strict=False)
+    notes: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, int] | None = None  # set on an evaluated copy
+
+    # ---- evaluation -------------------------------------------------------------
+    def free_symbols(self) -> list[str]:
+        """Letters that appear in the formulas, in the fixed print order."""
+        names: set[str] = set()
+        for e in self._flat().values():
+            if isinstance(e, sympy.Basic):
+                names |= {s.name for s in e.free_symbols}
+        return sorted(names, key=sort_key)
+
+    def _subs(self, values: Mapping[str, int]) -> dict[sympy.Symbol, int]:
+        full = {**self.symbols, **values}
+        missing = [n for n in self.free_symbols() if n not in full]
+        if missing:
+            raise SymacctError(
+                f"no value for {', '.join(missing)}",
+                hint="pass them to at(), e.g. acct.at(" + ", ".join(f"{m}=..." for m in missing) + ")",
+            )
+        unknown = [k for k in values if k not in self.symbols and k not in ("B", "S")]
+        if unknown:
+            raise SymacctError(
+                f"unknown symbol(s) {', '.join(unknown)}",
+                hint="symbols of this model: " + ", ".join(self.free_symbols()),
+            )
+        for k, v in full.items():
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+                raise SymacctError(f"{k}={v!r} is not a positive integer", hint="sizes are positive integers")
+        return {sym(k): int(v) for k, v in full.items()}
+
+    def at(self, **values: int) -> Accounting:
+        """The same accounting with every formula evaluated (config symbols default to the model's values)."""
+        subs = self._subs(values)
+
+        def ev(x: Any) -> Any:
+            if isinstance(x, sympy.Basic):
+                r = sympy.sympify(x.xreplace(subs))
+                return int(r) if r.is_Integer else r
+            if isinstance(x, dict):
+                return {k: ev(v) for k, v in x.items()}
+            if dataclasses.is_dataclass(x) and not isinstance(x, type):
+                return type(x)(**{f.name: ev(getattr(x, f.name)) for f in dataclasses.fields(x)})
+            return x
+
+        g = nx.DiGraph()
+        for n, attrs in self.graph.nodes(data=True):
+            g.add_node(n, **{k: (ev(v) if k in _NODE_NUMBERS else v) for k, v in attrs.items()})
+            for key in ("shapes", "in_shapes"):
+                g.nodes[n][key] = [tuple(ev(s) for s in shape) for shape in attrs[key]]
+        g.add_edges_from(self.graph.edges)
+        kw = {f.name: ev(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "graph"}
+        kw["values"] = {s.name: v for s, v in subs.items()}
+        return Accounting(graph=g, **kw)
+
+    def _flat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"params": self.params, "params_embedding": self.params_embedding}
+        out["saved_bytes"] = self.saved_bytes
+        for name in ("flops", "bytes"):
+            obj = getattr(self, name)
+            for f in dataclasses.fields(obj):
+                out[f"{name}.{f.name}"] = getattr(obj, f.name)
+        return out
+
+    def formula(self, name: str) -> sympy.Expr:
+        """A formula by dotted name: 'flops.total', 'params', 'bytes.read', ..."""
+        flat = self._flat()
+        if name not in flat:
+            raise SymacctError(f"no formula called {name!r}", hint="one of: " + ", ".join(sorted(flat)))
+        return sympy.sympify(flat[name])
+
+    def sweep(self, name: str, **arrays: Any) -> np.ndarray:
+        """Evaluate one formula over arrays of sizes (numpy broadcasting); vectorised via lambdify."""
+        expr = self.formula(name)
+        names = self.free_symbols()
+        fn = _lambdified(expr, tuple(names))
+        args = []
+        for n in names:
+            v = arrays.get(n, self.symbols.get(n))
+            if v is None:
+                raise SymacctError(f"no value for {n}", hint=f"pass {n}=array to sweep()")
+            args.append(np.asarray(v, dtype=np.float64 if _big(expr) else np.int64))
+        return np.asarray(fn(*args))
+
+
+_NODE_NUMBERS = ("flops", "flops_other", "bytes_read", "bytes_written", "count")
+
+_LAMBDA_CACHE: dict[tuple[sympy.Expr, tuple[str, ...]], Any] = {}
+
+
+def _big(expr: sympy.Expr) -> bool:
+    return False
+
+
+def _lambdified(expr: sympy.Expr, names: tuple[str, ...]) -> Any:
+    key = (expr, names)
+    if key not in _LAMBDA_CACHE:
+        _LAMBDA_CACHE[key] = sympy.lambdify([sym(n) for n in names], expr, modules="numpy")
+    return _LAMBDA_CACHE[key]
+
+
+# ---- aggregation (called by derive) -----------------------------------------------
+
+_LAYER = re.compile(r"(^|\.)(\d+)(?=\.|$)")
+
+
+def generic_path(module: str, stacks: list[str]) -> str:
+    """'blocks.3.attn' -> 'blocks.*.attn' for modules inside a factored stack."""
+    for p in stacks:
+        prefix = p + "."
+        if module.startswith(prefix):
+            head, _, rest = module[len(prefix) :].partition(".")
+            if head.isdigit():
+                return f"{p}.*" + (f".{rest}" if rest else "")
+    return module
+
+
+def component(module: str, stacks: list[str], types: Mapping[str, str], phase: str) -> str:
+    """Coarse component of a module path: embedding, attention, mlp, norm, head, loss, optimizer, other."""
+    if phase == "optimizer":
+        return "optimizer"
+    parts = module.split(".") if module else []
+    kinds = [types.get(".".join(parts[: i + 1]), "") for i in range(len(parts))]
+    if any("Norm" in k for k in kinds):
+        return "norm"
+    if any("Embedding" in k for k in kinds):
+        return "embedding"
+    low = module.lower()
+    if "att" in low:
+        return "attention"
+    if any(w in low for w in ("mlp", "ffn", "feed_forward", "feedforward", "moe", "expert")):
+        return "mlp"
+    in_stack = generic_path(module, stacks) != module
+    if not module:
+        return "loss"
+    if not in_stack and kinds and kinds[-1] == "Linear":
+        return "head"
+    if not in_stack and any(w in low for w in ("drop",)):
+        return "embedding"
+    return "other"
+
+
+def _is_attention(attrs: dict[str, Any]) -> bool:
+    op = attrs["op"]
+    if any(a in op for a in _ATTENTION_OPS):
+        return True
+    if not op.startswith(_MATMUL_OPS):
+        return False
+    S = sym("S")
+    for shape in list(attrs["shapes"]) + list(attrs.get("in_shapes", [])):
+        if len(shape) >= 2 and shape[-1] == S and shape[-2] == S:
+            return True
+    return False
+
+
+def aggregate(
+    graph: nx.DiGraph,
+    trace: StepTrace,
+    probe: Probe,
+    param_counts: dict[str, Any],
+    stacks: list[str],
+    *,
+    defaults: dict[str, int],
+    fields: dict[str, str],
+    notes: list[str],
+    causal_discount: bool,
+    options: dict[str, Any],
+) -> Accounting:
+    flops = defaultdict(lambda: sympy.Integer(0))
+    byts = defaultdict(lambda: sympy.Integer(0))
+    modules: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(lambda: sympy.Integer(0)))
+    comps: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(lambda: sympy.Integer(0)))
+    per_layer: dict[str, dict[str, Any]] = {}
+    unaccounted: list[str] = []
+    L = sym("L")
+    for n, a in graph.nodes(data=True):
+        if a["phase"] == "input":
+            continue
+        c = a["count"]
+        if c == 0:
+            continue
+        mm = a["flops"]
+        if causal_discount and mm and _is_attention(a):
+            mm = mm / 2
+        ph = a["phase"]
+        flops[ph] += mm * c
+        flops["other_" + ph] += a["flops_other"] * c
+        byts["read_" + ph] += a["bytes_read"] * c
+        byts["written_" + ph] += a["bytes_written"] * c
+        gp = generic_path(a["module"], stacks)
+        comp = component(a["module"], stacks, trace.module_types, ph)
+        for target in (modules[gp], comps[comp]):
+            target["flops_" + ph] += mm * c
+            target["flops_other"] += a["flops_other"] * c
+            target["bytes_read"] += a["bytes_read"] * c
+            target["bytes_written"] += a["bytes_written"] * c
+        if gp != a["module"] and c.has(L):
+            stack = next(p for p in stacks if a["module"].startswith(p + "."))
+            blk = per_layer.setdefault(stack, defaultdict(lambda: sympy.Integer(0)))
+            blk["flops_" + ph] += mm
+            blk["flops_other"] += a["flops_other"]
+            blk["bytes_read"] += a["bytes_read"]
+            blk["bytes_written"] += a["bytes_written"]
+        if not a.get("ruled", True):
+            unaccounted.append(f"#{n} {a['op']} in '{a['module']}' ({ph})")
+    # parameters
+    params = sympy.Integer(0)
+    params_emb = sympy.Integer(0)
+    for ph in trace.placeholders:
+        if ph.kind != "param":
+            continue
+        numel = sympy.Integer(1)
+        for s in ph.meta.shape:
+            numel *= probe.to_expr(s)
+        n = numel * param_counts[ph.name]
+        params += n
+        mod = ph.name.rpartition(".")[0]
+        if "Embedding" in trace.module_types.get(mod, ""):
+            params_emb += n
+        modules[generic_path(mod, stacks)]["params"] += n
+        comps[component(mod, stacks, trace.module_types, "forward")]["params"] += n
+        b = next((p for p in stacks if mod.startswith(p + ".")), None)
+        if b is not None and param_counts[ph.name].has(L):
+            per_layer.setdefault(b, defaultdict(lambda: sympy.Integer(0)))["params"] += numel
+    # saved activations: each saved storage once, sized by the op that made it
+    saved = sympy.Integer(0)
+    for st in trace.saved_storages:
+        producer = trace.storage_producer.get(st)
+        if producer is None:
+            continue
+        rec = trace.ops[producer]
+        nbytes = trace.storage_nbytes[st]
+        c = graph.nodes[producer]["count"]
+        saved += probe.to_expr(nbytes) * c if c != 0 else 0
+        _ = rec
+    fl = Flops(
+        forward=sympy.expand(flops["forward"]),
+        backward=sympy.expand(flops["backward"]),
+        optimizer=sympy.expand(flops["optimizer"]),
+        total=sympy.expand(flops["forward"] + flops["backward"] + flops["optimizer"]),
+        other=sympy.expand(flops["other_forward"] + flops["other_backward"] + flops["other_optimizer"]),
+        other_forward=sympy.expand(flops["other_forward"]),
+        other_backward=sympy.expand(flops["other_backward"]),
+        other_optimizer=sympy.expand(flops["other_optimizer"]),
+    )
+    by = Bytes(
+        read=sympy.expand(sum(v for k, v in byts.items() if k.startswith("read_"))),
+        written=sympy.expand(sum(v for k, v in byts.items() if k.startswith("written_"))),
+        read_forward=sympy.expand(byts["read_forward"]),
+        written_forward=sympy.expand(byts["written_forward"]),
+        read_backward=sympy.expand(byts["read_backward"]),
+        written_backward=sympy.expand(byts["written_backward"]),
+    )
+
+    def finish(d: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return {k: {m: sympy.expand(v) for m, v in sorted(inner.items())} for k, inner in sorted(d.items())}
+
+    return Accounting(
+        graph=graph,
+        flops=fl,
+        bytes=by,
+        params=sympy.expand(params),
+        params_embedding=sympy.expand(params_emb),
+        saved_bytes=sympy.expand(saved),
+        modules=finish(modules),
+        components=finish(comps),
+        per_layer=finish(per_layer),
+        symbols=defaults,
+        fields=fields,
+        unaccounted=unaccounted,
+        notes=notes,
+        options=options,
+    )

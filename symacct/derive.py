@@ -1,0 +1,393 @@
+"""``derive``: trace a step twice at probe sizes, symbolise, factor the layer stack, verify.
+
+1. The model is rebuilt as ``type(model)(config)`` with every integer config
+   field replaced by a probe value (``symacct.probe``): L = 3 layers, the
+   other symbols primes. Nothing of real size is built, so the model's own
+   size does not matter (a 405B config, or a model on the meta device).
+2. The step is recorded on fake tensors (``symacct.trace``) and every traced
+   size is read back as a product of symbols; the rules give each op a cost.
+3. Layer stacks (ModuleLists with L children) are factored: blocks 1 and 2
+   must be identical op for op; block 0 may differ (a first layer whose input
+   needs no gradient), giving ``block0 + (L-1)*block`` instead of ``L*block``.
+   Where blocks 1 and 2 differ, the stack is left unfactored (L fixed).
+4. A second trace with other primes and L = 4 is costed with plain integers,
+   and every total must equal the formulas evaluated at the second probe.
+   A mismatch raises, naming the first node whose size the formulas miss.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import sympy
+import torch
+from torch import nn
+
+from symacct.accounting import Accounting, aggregate
+from symacct.errors import SymacctError
+from symacct.graph import CostedOp, build_graph, cost_ops
+from symacct.probe import FIRST_PRIMES, LAYERS, SECOND_PRIMES, Probe, make_probe
+from symacct.symbols import letter_for_field, sym
+from symacct.trace import StepTrace, call_inputs, record_step
+
+_METRICS = ("flops", "flops_other", "bytes_read", "bytes_written")
+
+
+@dataclasses.dataclass
+class _Source:
+    """How to build the model at any sizes: fields -> letters, and a builder."""
+
+    fields: dict[str, str]  # config field -> letter
+    values: dict[str, int]  # config field -> the model's own value
+    build: Callable[[dict[str, int]], nn.Module]  # field values -> model (called inside fake mode)
+    inputs: Callable[[nn.Module, int, int], tuple[Any, ...]]
+    configless: bool = False
+
+
+def _int_fields(config: Any) -> dict[str, int]:
+    if dataclasses.is_dataclass(config):
+        items = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    else:
+        items = list(vars(config).items())
+    return {k: v for k, v in items if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _with_fields(config: Any, values: Mapping[str, int]) -> Any:
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.replace(config, **values)
+    new = copy.copy(config)
+    for k, v in values.items():
+        setattr(new, k, v)
+    return new
+
+
+def _source(
+    model: Any, inputs: Callable[..., Any] | None, dims: Mapping[str, int] | None, fixed: Iterable[str]
+) -> _Source:
+    fixed = set(fixed)
+
+    def make_inputs_fn(default_owner: bool) -> Callable[[nn.Module, int, int], tuple[Any, ...]]:
+        if inputs is not None:
+            return lambda m, B, S: call_inputs(inputs, m, B, S)
+        if not default_owner:
+            raise SymacctError(
+                "the model has no example_inputs(B, S) method",
+                hint="pass inputs=lambda B, S: (...) returning the positional inputs of one step",
+            )
+        return lambda m, B, S: tuple(m.example_inputs(B, S))
+
+    if dims is not None:
+        if not callable(model) or isinstance(model, nn.Module):
+            raise SymacctError(
+                "dims= needs a factory, not a built module",
+                hint="pass derive(lambda D, L: MyModel(D, L), dims={'D': 512, 'L': 4}, inputs=...)",
+            )
+        factory = model
+        fields = {k: letter_for_field(k) for k in dims if k not in fixed}
+        return _Source(
+            fields=fields,
+            values=dict(dims),
+            build=lambda vals: factory(**{**dims, **vals}),
+            inputs=make_inputs_fn(False),
+        )
+    if not isinstance(model, nn.Module):
+        raise SymacctError(
+            f"expected an nn.Module, got {type(model).__name__}",
+            hint="pass a model, or a factory with dims={...}",
+        )
+    config = getattr(model, "config", None)
+    has_example = hasattr(model, "example_inputs")
+    if config is None:
+        original = model
+
+        def build_copy(vals: dict[str, int]) -> nn.Module:
+            return copy.deepcopy(original)
+
+        return _Source({}, {}, build_copy, make_inputs_fn(has_example), configless=True)
+    ints = _int_fields(config)
+    fields = {k: letter_for_field(k) for k in ints if k not in fixed}
+    cls = type(model)
+    return _Source(
+        fields=fields,
+        values=ints,
+        build=lambda vals: cls(_with_fields(config, vals)),
+        inputs=make_inputs_fn(has_example),
+    )
+
+
+def _probe_for(src: _Source, primes: tuple[int, ...], layers: int, avoid: set[int]) -> Probe:
+    letters = sorted({letter for letter in src.fields.values() if letter != "L"} | {"B", "S"})
+    layers_or_none = layers if "L" in src.fields.values() else None
+    return make_probe(letters, primes, layers_or_none, strict=not src.configless, avoid=avoid)
+
+
+def _field_values(src: _Source, probe: Probe) -> dict[str, int]:
+    out = {}
+    for f, letter in src.fields.items():
+        out[f] = probe.layers if letter == "L" else probe.values[letter]
+    return out
+
+
+def _record(src: _Source, probe: Probe, step: str, loss: Any, optimizer: Any) -> StepTrace:
+    vals = _field_values(src, probe)
+    B, S = probe.values["B"], probe.values["S"]
+    if src.configless:
+        from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+        def build() -> nn.Module:
+            mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+            assert isinstance(mode, FakeTensorMode)
+            with FakeCopyMode(mode):
+                return src.build(vals)
+    else:
+
+        def build() -> nn.Module:
+            return src.build(vals)
+
+    return record_step(build, lambda m: src.inputs(m, B, S), loss=loss, step=step, optimizer=optimizer)
+
+
+def _stacks(trace: StepTrace, n: int) -> list[str]:
+    """Paths of ModuleLists with exactly ``n`` numbered children."""
+    children: dict[str, set[int]] = defaultdict(set)
+    for name in trace.module_names:
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            children[parent].add(int(last))
+    return sorted(p for p, idx in children.items() if idx == set(range(n)))
+
+
+def _block_of(module: str, stacks: list[str]) -> tuple[str, int] | None:
+    for p in stacks:
+        prefix = p + "." if p else ""
+        if module.startswith(prefix):
+            rest = module[len(prefix) :]
+            head = rest.split(".", 1)[0]
+            if head.isdigit():
+                return p, int(head)
+    return None
+
+
+def _relative(module: str, stack: str, i: int) -> str:
+    prefix = f"{stack}.{i}" if stack else str(i)
+    return module[len(prefix) :]
+
+
+def _signature(ops: list[CostedOp], trace: StepTrace, stack: str, i: int) -> list[tuple[Any, ...]]:
+    sig = []
+    for c in ops:
+        r = c.rec
+        sig.append(
+            (
+                str(r.op),
+                r.phase,
+                _relative(r.module, stack, i),
+                tuple(t.shape for t in c.call.outputs),
+                tuple(getattr(c.cost, m) for m in _METRICS),
+                any(t.storage in trace.saved_storages for t in r.outputs),
+            )
+        )
+    return sig
+
+
+def _counts(
+    trace: StepTrace, costed: list[CostedOp], stacks: list[str]
+) -> tuple[list[sympy.Expr], dict[str, sympy.Expr], list[str]] | None:
+    """Multiplicity of every node and every parameter; None when blocks 1 and 2 differ."""
+    L = sym("L")
+    per_block: dict[tuple[str, int], list[CostedOp]] = defaultdict(list)
+    for c in costed:
+        b = _block_of(c.rec.module, stacks)
+        if b is not None:
+            per_block[b].append(c)
+    block_count: dict[tuple[str, int], sympy.Expr] = {}
+    notes = []
+    for p in stacks:
+        sigs = [_signature(per_block[(p, i)], trace, p, i) for i in range(3)]
+        if sigs[1] != sigs[2]:
+            return None
+        if sigs[0] == sigs[1]:
+            block_count.update({(p, 0): L, (p, 1): sympy.Integer(0), (p, 2): sympy.Integer(0)})
+            notes.append(f"{p}: {3} probe blocks identical; counted as L * block")
+        else:
+            block_count.update({(p, 0): sympy.Integer(1), (p, 1): L - 1, (p, 2): sympy.Integer(0)})
+            notes.append(f"{p}: block 0 differs from the others; counted as block0 + (L-1) * block")
+    counts = []
+    for c in costed:
+        b = _block_of(c.rec.module, stacks)
+        counts.append(block_count[b] if b is not None else sympy.Integer(1))
+    param_counts = {}
+    for ph in trace.placeholders:
+        b = _block_of(ph.name.rpartition(".")[0], stacks)
+        param_counts[ph.name] = block_count[b] if b is not None else sympy.Integer(1)
+    return counts, param_counts, notes
+
+
+def _totals(costed: list[CostedOp], counts: list[Any]) -> dict[tuple[str, str], Any]:
+    out: dict[tuple[str, str], Any] = defaultdict(int)
+    for c, n in zip(costed, counts):
+        for m in _METRICS:
+            out[(c.rec.phase, m)] += getattr(c.cost, m) * n
+    return out
+
+
+def _check(costed1: list[CostedOp], counts1: list[Any], costed2: list[CostedOp], probe2: Probe, L2: int | None) -> None:
+    subs = {sym(k): v for k, v in probe2.values.items()}
+    if L2 is not None:
+        subs[sym("L")] = L2
+    predicted = _totals(costed1, counts1)
+    measured = _totals(costed2, [1] * len(costed2))
+    for key in sorted(set(predicted) | set(measured)):
+        p = sympy.sympify(predicted.get(key, 0)).subs(subs)
+        m = measured.get(key, 0)
+        if p != m:
+            _locate(costed1, costed2, subs)
+            phase, metric = key
+            raise SymacctError(
+                f"the derived {metric} of the {phase} phase does not predict a second trace at other sizes "
+                f"({p} predicted, {m} counted)",
+                hint="a size or the op sequence depends on the dimensions in a way that is not a product of "
+                "symbols; keep the fields involved at their values with derive(..., fixed=[...])",
+            )
+
+
+def _locate(costed1: list[CostedOp], costed2: list[CostedOp], subs: dict[sympy.Symbol, int]) -> None:
+    """Raise naming the first node whose symbolic shapes miss the second trace."""
+    by_key1: dict[tuple[str, str], list[CostedOp]] = defaultdict(list)
+    by_key2: dict[tuple[str, str], list[CostedOp]] = defaultdict(list)
+    for c in costed1:
+        by_key1[(c.rec.module, c.rec.phase)].append(c)
+    for c in costed2:
+        by_key2[(c.rec.module, c.rec.phase)].append(c)
+    for key, ops1 in by_key1.items():
+        ops2 = by_key2.get(key)
+        if ops2 is None:
+            continue
+        for a, b in zip(ops1, ops2):
+            if a.rec.op != b.rec.op:
+                raise SymacctError(
+                    "the op sequence changes with the sizes (size-dependent control flow)",
+                    node=f"#{a.rec.index}",
+                    module=a.rec.module,
+                    op=f"{a.rec.op} vs {b.rec.op}",
+                    hint="symacct needs the same ops at every size; remove the size-dependent branch",
+                )
+            for ta, tb, traw in zip(a.call.outputs, b.call.outputs, a.rec.outputs):
+                pred = tuple(sympy.sympify(s).subs(subs) for s in ta.shape)
+                if pred != tuple(tb.shape):
+                    raise SymacctError(
+                        f"a tensor size is not the product of symbols it looked like: read as "
+                        f"({', '.join(str(s) for s in ta.shape)}) from {traw.shape}, which predicts "
+                        f"{pred} at other sizes, but the trace has {tuple(tb.shape)}",
+                        node=f"#{a.rec.index}",
+                        module=a.rec.module,
+                        op=str(a.rec.op),
+                        hint="make that size a config field of its own (it then gets a symbol), or keep "
+                        "the fields it depends on at their values with derive(..., fixed=[...])",
+                    )
+
+
+def derive(
+    model: Any,
+    *,
+    inputs: Callable[..., Any] | None = None,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    step: str = "train",
+    dims: Mapping[str, int] | None = None,
+    fixed: Iterable[str] = (),
+    strict: bool = True,
+    causal_discount: bool = False,
+    embedding_flops: str = "lookup",
+) -> Accounting:
+    """Derive the FLOP and byte formulas of one step of ``model``.
+
+    Args:
+        model: an ``nn.Module`` whose ``config`` (a dataclass) rebuilds it as
+            ``type(model)(config)``; or, with ``dims``, a factory called as
+            ``model(**dims)``; or a module without config (only B and S are
+            symbols then).
+        inputs: ``(B, S) -> args`` or ``(model, B, S) -> args``; default
+            ``model.example_inputs``.
+        loss: turns the model's output into the scalar loss (default: the
+            output must be the loss).
+        step: ``"train"`` (forward + backward) or ``"forward"`` (no_grad).
+        dims: config-free sizes for a factory, e.g. ``{"D": 512, "L": 4}``.
+        fixed: config fields kept at their values (constants, not symbols).
+        strict: raise on an op without a rule (default); False lists it in
+            ``acct.unaccounted`` and counts it as 0.
+        causal_discount: halve attention-score matmul FLOPs (Megatron's
+            convention); default False (flop_counter's, PaLM's).
+        embedding_flops: ``"lookup"`` (0 FLOPs, flop_counter's; default) or
+            ``"matmul"`` (2*tokens*V*D forward, twice that backward).
+
+    Conventions: docs/conventions.md.
+    """
+    if step not in ("train", "forward"):
+        raise SymacctError(f"unknown step {step!r}", hint="use step='train' or step='forward'")
+    if embedding_flops not in ("lookup", "matmul"):
+        raise SymacctError(f"unknown embedding_flops {embedding_flops!r}", hint="use 'lookup' or 'matmul'")
+    options = {"embedding_flops": embedding_flops}
+    src = _source(model, inputs, dims, fixed)
+    # a fixed field's value is a constant; its prime factors may appear in sizes
+    avoid = set()
+    for f in fixed:
+        if f in src.values:
+            avoid |= set(sympy.factorint(src.values[f]))
+    probe1 = _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid)
+    probe2 = _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid)
+    trace1 = _record(src, probe1, step, loss, None)
+    stacks = _stacks(trace1, LAYERS[0]) if probe1.layers is not None else []
+    costed1 = cost_ops(trace1, probe1.to_expr, strict=strict, options=options)
+    notes: list[str] = []
+    if stacks:
+        got = _counts(trace1, costed1, stacks)
+        if got is None:
+            lfields = [f for f, letter in src.fields.items() if letter == "L"]
+            acct = derive(
+                model,
+                inputs=inputs,
+                loss=loss,
+                step=step,
+                dims=dims,
+                fixed=[*fixed, *lfields],
+                strict=strict,
+                causal_discount=causal_discount,
+                embedding_flops=embedding_flops,
+            )
+            acct.notes.insert(0, "the blocks of the layer stack differ: left unfactored, L fixed at its value")
+            return acct
+        counts, param_counts, notes = got
+    else:
+        counts = [sympy.Integer(1)] * len(costed1)
+        param_counts = {ph.name: sympy.Integer(1) for ph in trace1.placeholders}
+    trace2 = _record(src, probe2, step, loss, None)
+    if probe1.layers is not None and not stacks:
+        if len(trace2.ops) != len(trace1.ops):
+            raise SymacctError(
+                "the number of ops changes with L, but no ModuleList of L blocks was found",
+                hint="keep the blocks in an nn.ModuleList of length L, or fix L with fixed=[...]",
+            )
+    costed2 = cost_ops(trace2, lambda v: v, strict=strict, options=options)
+    _check(costed1, counts, costed2, probe2, probe2.layers if stacks else None)
+    graph = build_graph(trace1, costed1, counts, probe1.to_expr)
+    defaults = {}
+    field_names = {}
+    for f, letter in src.fields.items():
+        defaults.setdefault(letter, src.values[f])
+        field_names.setdefault(letter, f)
+    return aggregate(
+        graph,
+        trace1,
+        probe1,
+        param_counts,
+        stacks,
+        defaults=defaults,
+        fields=field_names,
+        notes=notes,
+        causal_discount=causal_discount,
+        options={"step": step, "causal_discount": causal_discount, "embedding_flops": embedding_flops},
+    )

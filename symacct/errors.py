@@ -1,0 +1,45 @@
+"""The one public exception type of symacct."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class SymacctError(Exception):
+    """Raised when symacct cannot give a correct number.
+
+    The message names where it happened (node, module path, op, shapes) and
+    what the user can do about it, in one paragraph.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        node: str | None = None,
+        module: str | None = None,
+        op: str | None = None,
+        shapes: Sequence[object] | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.what = what
+        self.node = node
+        self.module = module
+        self.op = op
+        self.shapes = shapes
+        self.hint = hint
+        where = []
+        if node is not None:
+            where.append(f"node {node}")
+        if module is not None:
+            where.append(f"module '{module or '<root>'}'")
+        if op is not None:
+            where.append(f"op {op}")
+        if shapes is not None:
+            where.append("shapes " + ", ".join(str(s) for s in shapes))
+        msg = what
+        if where:
+            msg += " [" + "; ".join(where) + "]"
+        if hint:
+            msg += ". " + hint
+        super().__init__(msg)

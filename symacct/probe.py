@@ -1,0 +1,123 @@
+"""Probe sizes, and how a traced integer becomes a product of symbols.
+
+Each symbol gets a probe value that carries a prime of its own (>= 11), so a
+traced dimension factors uniquely into symbols: 2*D/H, 3*D, B*S... The small
+primes 2, 3, 5, 7 are left for constants. Structure the models need is
+built in: H is a multiple of H_kv, D a multiple of 2*H (an even head width,
+as rotary embeddings need), S_max the largest value (positions >= S).
+
+A dimension that leaves a foreign prime after division by the symbols' own
+primes is not a product of the model's symbols; :func:`Probe.to_expr`
+returns None for it, and derive raises naming the tensor. A second probe
+with other primes checks every formula against a second trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+
+from symacct.symbols import sym
+
+SMALL_PRIMES = (2, 3, 5, 7)
+FIRST_PRIMES = (11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)
+SECOND_PRIMES = (53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 101)
+LAYERS = (3, 4)  # probe values of L in the first and second trace
+
+
+def _factor(v: int, primes: list[int]) -> tuple[dict[int, int], int]:
+    vec: dict[int, int] = {}
+    for p in primes:
+        while v % p == 0:
+            vec[p] = vec.get(p, 0) + 1
+            v //= p
+    return vec, v
+
+
+@dataclass
+class Probe:
+    """Probe values for a set of symbols (L excluded: it is structural)."""
+
+    values: dict[str, int]
+    own: dict[str, int]  # symbol -> its own prime
+    vectors: dict[str, dict[int, int]]  # symbol -> prime exponents of its value
+    order: list[str]  # construction order (later symbols may contain earlier ones)
+    layers: int | None = None
+    strict: bool = True  # False: a foreign factor is kept as a constant (models without config)
+    constants: tuple[int, ...] = SMALL_PRIMES  # primes that constants may carry
+    _cache: dict[int, sympy.Expr | None] = field(default_factory=dict)
+
+    def to_expr(self, v: int) -> sympy.Expr | None:
+        """The monomial (rational constant times symbol powers) equal to ``v``, or None."""
+        if v in self._cache:
+            return self._cache[v]
+        expr: sympy.Expr | None
+        if v <= 0:
+            expr = sympy.Integer(v)
+        else:
+            big = sorted(set(self.own.values()))
+            vec, rest = _factor(v, big)
+            small, rest = _factor(rest, list(self.constants))
+            if rest != 1 and self.strict:
+                expr = None
+            else:
+                for p, e in small.items():
+                    vec[p] = vec.get(p, 0) + e
+                expr = sympy.Integer(1)
+                for name in reversed(self.order):
+                    e = vec.get(self.own[name], 0)
+                    if e:
+                        expr = expr * sym(name) ** e
+                        for p, k in self.vectors[name].items():
+                            vec[p] = vec.get(p, 0) - e * k
+                const = sympy.Rational(1)
+                for p, e in vec.items():
+                    if e and p not in self.constants:  # cannot happen: own primes are unique
+                        raise AssertionError(f"probe factorisation left prime {p}")
+                    const *= sympy.Rational(p) ** e
+                expr = const * rest * expr
+        self._cache[v] = expr
+        return expr
+
+
+def make_probe(
+    names: list[str],
+    primes: tuple[int, ...],
+    layers: int | None,
+    strict: bool = True,
+    avoid: set[int] | None = None,
+) -> Probe:
+    """Probe values for ``names``; H_kv | H, 2H | D, S_max largest.
+
+    ``avoid``: primes of constants (fixed fields' values) that no symbol may use.
+    """
+    avoid = avoid or set()
+    pool = [p for p in primes if p not in avoid]
+    extra = pool[-1]
+    while len(pool) < len(names) + 1:
+        extra = int(sympy.nextprime(extra))
+        if extra not in avoid:
+            pool.append(extra)
+    firsts = [n for n in ("H_kv", "H", "D") if n in names]
+    middle = sorted(n for n in names if n not in firsts and n != "S_max")
+    order = firsts + middle + (["S_max"] if "S_max" in names else [])
+    own: dict[str, int] = {}
+    vectors: dict[str, dict[int, int]] = {}
+    values: dict[str, int] = {}
+    small = iter(pool[:-1])
+    for name in order:
+        p = pool[-1] if name == "S_max" else next(small)
+        own[name] = p
+        vec = {p: 1}
+        if name == "H" and "H_kv" in values:
+            vec.update(vectors["H_kv"])
+        if name == "D" and "H" in values:
+            vec.update(vectors["H"])
+            vec[2] = vec.get(2, 0) + 1
+        vectors[name] = vec
+        values[name] = int(sympy.prod(q**e for q, e in vec.items()))
+    if "S_max" in values and "S" in values and values["S_max"] <= values["S"]:
+        raise AssertionError("probe: S_max must exceed S")
+    constants = tuple(sorted(set(SMALL_PRIMES) | avoid))
+    return Probe(values, own, vectors, order, layers, strict, constants)

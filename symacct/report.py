@@ -1,0 +1,97 @@
+"""Plain summaries of an accounting: formulas as text, evaluated numbers.
+
+Formulas are printed collected by L (the layer stack reads ``L*(...) + ...``)
+with sympy's deterministic ordering, so output is byte-identical across runs.
+No torch here: reports only read the accounting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+
+from symacct.accounting import Accounting
+from symacct.symbols import MEANING, sort_key, sym
+
+_ROWS = (
+    ("params", "parameters N"),
+    ("flops.forward", "matmul FLOPs, forward"),
+    ("flops.backward", "matmul FLOPs, backward"),
+    ("flops.total", "matmul FLOPs, step"),
+    ("flops.other", "other FLOPs, step"),
+    ("saved_bytes", "activation bytes saved for backward"),
+    ("bytes.read", "bytes read by all ops"),
+    ("bytes.written", "bytes written by all ops"),
+)
+
+
+def pretty(expr: Any) -> str:
+    """One formula as text: expanded, collected by L, sympy's stable term order."""
+    e = sympy.expand(sympy.sympify(expr))
+    L = sym("L")
+    if e.has(L):
+        e = sympy.collect(e, L)
+    return sympy.sstr(e, order="grlex")
+
+
+def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
+    """A JSON-ready summary: symbols, each formula and its value at (B, S)."""
+    at = acct.at(B=B, S=S) if "S" in acct.free_symbols() else acct.at(B=B)
+    values = dict(sorted(at.values.items(), key=lambda kv: sort_key(kv[0]))) if at.values else {}
+    rows = []
+    for key, label in _ROWS:
+        rows.append({"name": key, "label": label, "formula": pretty(acct.formula(key)), "value": int(at.formula(key))})
+    comps = []
+    for comp, metrics in acct.components.items():
+        mm = sum((v for k, v in metrics.items() if k.startswith("flops_") and k != "flops_other"), sympy.Integer(0))
+        mm_at = sum((v for k, v in at.components[comp].items() if k.startswith("flops_") and k != "flops_other"), 0)
+        comps.append(
+            {
+                "component": comp,
+                "flops": pretty(mm),
+                "flops_value": int(mm_at),
+                "params": pretty(metrics.get("params", 0)),
+                "params_value": int(at.components[comp].get("params", 0)),
+            }
+        )
+    return {
+        "model": name,
+        "step": acct.options.get("step", "train"),
+        "symbols": [
+            {"symbol": k, "meaning": MEANING.get(k, f"config field {acct.fields.get(k, k)}"), "value": v}
+            for k, v in values.items()
+        ],
+        "formulas": rows,
+        "components": comps,
+        "notes": list(acct.notes),
+        "unaccounted": list(acct.unaccounted),
+    }
+
+
+def _si(v: int) -> str:
+    for unit, scale in (("E", 10**18), ("P", 10**15), ("T", 10**12), ("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g}{unit}"
+    return str(v)
+
+
+def render_text(report: dict[str, Any]) -> str:
+    """The summary as aligned plain text."""
+    lines = [f"symacct derive {report['model']}  (step: {report['step']})", "", "symbols:"]
+    for s in report["symbols"]:
+        lines.append(f"  {s['symbol']:<6} = {s['value']:<10} {s['meaning']}")
+    lines += ["", "formulas (value at the symbols above):"]
+    for r in report["formulas"]:
+        lines.append(f"  {r['label']}")
+        lines.append(f"    = {r['formula']}")
+        lines.append(f"    = {r['value']}  ({_si(r['value'])})")
+    lines += ["", "matmul FLOPs and parameters by component:"]
+    for c in report["components"]:
+        lines.append(f"  {c['component']:<10} FLOPs {c['flops']}  = {_si(c['flops_value'])}")
+        lines.append(f"  {'':<10} params {c['params']}  = {_si(c['params_value'])}")
+    if report["notes"]:
+        lines += ["", "notes:"] + [f"  {n}" for n in report["notes"]]
+    if report["unaccounted"]:
+        lines += ["", "ops without a rule (counted as 0):"] + [f"  {u}" for u in report["unaccounted"]]
+    return "\n".join(lines)

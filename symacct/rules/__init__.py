@@ -1,0 +1,18 @@
+"""Per-op cost rules; importing this package registers all of them."""
+
+from symacct.rules import attention, matmul, memory_ops, pointwise, reductions
+from symacct.rules.registry import Call, Cost, default_bytes, lookup, registered_ops, rule
+
+__all__ = [
+    "Call",
+    "Cost",
+    "attention",
+    "default_bytes",
+    "lookup",
+    "matmul",
+    "memory_ops",
+    "pointwise",
+    "reductions",
+    "registered_ops",
+    "rule",
+]

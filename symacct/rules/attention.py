@@ -1,0 +1,48 @@
+"""Fused attention kernels.
+
+The CUDA kernels (flash, efficient, cudnn) are in flop_counter's registry and
+counted by its formulas. The CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``
+is not: FlopCounterMode counts it as 0. symacct counts it with the same
+formulas (flop_counter's ``sdpa_flop_count`` / ``sdpa_backward_flop_count``):
+forward = two batched matmuls, 4*B*H*S_q*S_k*Dh; backward = five,
+10*B*H*S_q*S_k*Dh (the scores are recomputed). The causal mask is not
+discounted here (see docs/conventions.md for the option that does).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from symacct.rules.registry import Call, Cost, rule, shapes_of
+
+aten = torch.ops.aten
+
+_CUDA_SDPA = (
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward,
+)
+
+
+@rule(*_CUDA_SDPA)
+def sdpa_cuda(call: Call) -> Cost:
+    formula = flop_registry[call.op.overloadpacket]
+    return Cost(flops=formula(*shapes_of(call.args), **shapes_of(call.kwargs), out_val=shapes_of(call.out)))
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu)
+def sdpa_cpu(call: Call) -> Cost:
+    # q: [b, h, s_q, d], k: [b, h_kv, s_k, d], v: [b, h_kv, s_k, d_v]
+    q, k, v = (shapes_of(a) for a in call.args[:3])
+    return Cost(flops=sdpa_flop_count(q, k, v))
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def sdpa_cpu_backward(call: Call) -> Cost:
+    # grad_out: [b, h, s_q, d_v], then q, k, v as in the forward
+    grad_out, q, k, v = (shapes_of(a) for a in call.args[:4])
+    return Cost(flops=sdpa_backward_flop_count(grad_out, q, k, v))

@@ -1,0 +1,68 @@
+"""Reductions and fused normalisation / softmax / loss kernels.
+
+Convention: a reduction costs 1 FLOP per element it reads. A fused kernel
+costs the FLOPs of its decomposition per element of its largest operand,
+as listed in ``FUSED`` (docs/conventions.md prints the table).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from symacct.rules.registry import Call, Cost, numel, rule
+
+aten = torch.ops.aten
+
+
+@rule(tag=torch.Tag.reduction)
+def reduction(call: Call) -> Cost:
+    return Cost(flops_other=numel(call.inputs[0].shape) if call.inputs else 0)
+
+
+@rule(aten.amax, aten.amin, aten.var, aten.var_mean, aten.linalg_vector_norm, aten.logsumexp)
+def reduction_untagged(call: Call) -> Cost:
+    return reduction(call)
+
+
+# FLOPs per element of the op's first tensor argument.
+FUSED: dict[str, int] = {
+    "_softmax": 5,  # max, sub, exp, sum, div
+    "_safe_softmax": 5,
+    "_softmax_backward_data": 4,  # grad * y, sum, sub, mul
+    "_log_softmax": 5,  # max, sub, exp, sum, sub (log per row not counted)
+    "_log_softmax_backward_data": 4,  # exp(y), sum(grad), mul, sub
+    "native_layer_norm": 7,  # mean, sub, square, mean, mul rstd, * weight, + bias
+    "native_layer_norm_backward": 13,  # xhat (2), g*w, sums (3), combine (4), dw (2), db (1)
+    "native_group_norm": 7,
+    "native_group_norm_backward": 13,
+    "native_batch_norm": 7,
+    "native_batch_norm_backward": 13,
+    "_native_batch_norm_legit": 7,
+    "_native_batch_norm_legit_functional": 7,
+    "_native_batch_norm_legit_no_training": 4,
+    "_fused_rms_norm": 5,  # square, mean, rsqrt-mul, * weight
+    "_fused_rms_norm_backward": 9,
+    "native_dropout": 3,  # mask draw, mul mask, mul scale
+}
+
+
+@rule(*(getattr(aten, n) for n in FUSED if hasattr(aten, n)))
+def fused(call: Call) -> Cost:
+    first = call.inputs[0]
+    return Cost(flops_other=FUSED[call.op.overloadpacket.__name__] * numel(first.shape))
+
+
+@rule(aten.nll_loss_forward, aten.nll_loss2d_forward)
+def nll_loss(call: Call) -> Cost:
+    """Gathers one logit per target and sums: N FLOPs, reads N logits and N targets."""
+    logp, target = call.inputs[0], call.inputs[1]
+    n = numel(target.shape)
+    return Cost(flops_other=n, bytes_read=n * (logp.itemsize + target.itemsize))
+
+
+@rule(aten.nll_loss_backward, aten.nll_loss2d_backward)
+def nll_loss_backward(call: Call) -> Cost:
+    """Writes the whole (N, V) gradient: zeros plus one scaled value per target."""
+    grad_out, target = call.inputs[0], call.inputs[2]
+    n = numel(target.shape)
+    return Cost(flops_other=n, bytes_read=n * target.itemsize + numel(grad_out.shape) * grad_out.itemsize)

@@ -1,0 +1,354 @@
+"""Record one training step at aten level on fake tensors.
+
+The step (forward, backward, optionally the optimizer) runs under
+``FakeTensorMode``: every tensor has a shape, a dtype and a (meta) storage,
+but nothing of real size is allocated. A ``TorchDispatchMode`` stacked on top
+of it sees every aten op that reaches dispatch (the same ops that
+``torch.utils.flop_counter.FlopCounterMode`` sees), and records:
+
+- the op, its arguments with tensors replaced by :class:`TMeta`,
+- the module path (``blocks.1.attn.c_attn``) from PyTorch's ``ModTracker``,
+- the phase (forward / backward / optimizer),
+- which storages autograd saves for backward (``saved_tensors_hooks``).
+
+Shapes here are concrete integers (the probe sizes); ``symbolize`` turns
+them into sympy expressions afterwards.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from symacct.errors import SymacctError
+
+aten = torch.ops.aten
+
+# Metadata queries that are not computation (the same list FlopCounterMode skips).
+_QUERIES = {
+    aten.sym_is_contiguous.default,
+    aten.is_contiguous.default,
+    aten.is_contiguous.memory_format,
+    aten.is_strides_like_format.default,
+    aten.is_non_overlapping_and_dense.default,
+    aten.size.default,
+    aten.sym_size.default,
+    aten.stride.default,
+    aten.sym_stride.default,
+    aten.storage_offset.default,
+    aten.sym_storage_offset.default,
+    aten.numel.default,
+    aten.sym_numel.default,
+    aten.dim.default,
+    torch.ops.prim.layout.default,
+    torch.ops.prim.device.default,
+}
+
+
+@dataclass(frozen=True)
+class TMeta:
+    """A tensor as the rules see it: shape, dtype and the value it belongs to."""
+
+    shape: tuple[Any, ...]  # ints while recording, sympy expressions after symbolize
+    dtype: torch.dtype
+    vid: int  # value id: one per distinct tensor object seen in the step
+    storage: int  # storage id: values that share memory share it
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+@dataclass
+class OpRecord:
+    """One aten op of the step."""
+
+    index: int
+    op: torch._ops.OpOverload
+    module: str  # innermost module path, '' for the root
+    phase: str  # 'forward' | 'backward' | 'optimizer'
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any  # the op's return value with TMeta in place of tensors
+    outputs: list[TMeta]  # flattened tensor outputs
+    inputs: list[TMeta]  # flattened tensor arguments
+    is_view: bool  # every output aliases an input without writing it
+    mutated: list[TMeta]  # arguments the op writes in place
+
+
+@dataclass
+class Placeholder:
+    """A tensor that enters the step from outside: parameter, buffer or input."""
+
+    kind: str  # 'param' | 'buffer' | 'input' | 'state'
+    name: str
+    meta: TMeta
+
+
+@dataclass
+class StepTrace:
+    """All ops of one step in execution order, plus what entered and what was saved."""
+
+    ops: list[OpRecord] = field(default_factory=list)
+    placeholders: list[Placeholder] = field(default_factory=list)
+    saved_storages: dict[int, int] = field(default_factory=dict)  # storage -> nbytes
+    storage_producer: dict[int, int] = field(default_factory=dict)  # storage -> op index
+    storage_nbytes: dict[int, int] = field(default_factory=dict)
+    external_storages: set[int] = field(default_factory=set)  # params, buffers, inputs
+    param_names: dict[int, list[str]] = field(default_factory=dict)  # storage -> names
+    module_names: list[str] = field(default_factory=list)  # named_modules order
+    module_types: dict[str, str] = field(default_factory=dict)  # path -> class name
+
+
+class _Ids:
+    """Stable small ids for tensors and storages seen during the step."""
+
+    def __init__(self) -> None:
+        self._values: dict[int, int] = {}
+        self._storages: dict[int, int] = {}
+        self._keep: list[torch.Tensor] = []  # strong refs keep id() unique
+
+    def meta(self, t: torch.Tensor) -> TMeta:
+        key = id(t)
+        if key not in self._values:
+            self._values[key] = len(self._values)
+            self._keep.append(t)
+        return TMeta(tuple(int(s) for s in t.shape), t.dtype, self._values[key], self.storage(t))
+
+    def storage(self, t: torch.Tensor) -> int:
+        key = t.untyped_storage()._cdata
+        if key not in self._storages:
+            self._storages[key] = len(self._storages)
+        return self._storages[key]
+
+
+def _mutated_args(op: torch._ops.OpOverload) -> list[int]:
+    """Indices of the arguments the op writes in place, from its schema."""
+    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: StepTrace, ids: _Ids, tracker: ModTracker, root: str) -> None:
+        super().__init__()
+        self.trace = trace
+        self.ids = ids
+        self.tracker = tracker
+        self.root = root
+        self.phase = "forward"
+        self.seq_module: dict[int, str] = {}  # autograd sequence number -> module path
+
+    def module(self) -> str:
+        """Innermost module path of the op being dispatched.
+
+        Forward: ModTracker's innermost active module. Backward: the module
+        whose forward op created the autograd node now running (matched by
+        the node's sequence number), or the parameter's module for
+        ``AccumulateGrad``.
+        """
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is None:
+                return ""
+            seq = node._sequence_nr()
+            if seq in self.seq_module:
+                return self.seq_module[seq]
+            var = getattr(node, "variable", None)
+            if var is not None:
+                names = self.trace.param_names.get(self.ids.storage(var), [])
+                return names[0].rpartition(".")[0] if names else ""
+            return ""
+        if self.phase != "forward":
+            return ""
+        names = [p for p in self.tracker.parents if p != "Global"]
+        if not names:
+            return ""
+        inner = max(names, key=lambda n: n.count("."))
+        return inner[len(self.root) + 1 :] if inner.startswith(self.root + ".") else ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _QUERIES:
+            return func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except SymacctError:
+            raise
+        except Exception as e:  # data-dependent ops, missing fake kernels
+            shapes = [tuple(a.shape) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            dd = "data-dependent" in type(e).__name__.lower() or "DataDependent" in type(e).__name__
+            what = (
+                "the step depends on tensor values (data-dependent control flow or output shape)"
+                if dd or func in (aten._local_scalar_dense.default, aten.nonzero.default)
+                else f"the op failed on fake tensors: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            )
+            raise SymacctError(
+                what,
+                node=f"#{len(self.trace.ops)}",
+                module=self.module(),
+                op=str(func),
+                shapes=shapes,
+                hint="symacct traces with fake tensors and cannot read values: replace the "
+                "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops",
+            ) from e
+        self._record(func, args, kwargs, out)
+        if self.phase == "forward":
+            self.seq_module.setdefault(torch.autograd._get_sequence_nr() - 1, self.trace.ops[-1].module)
+        return out
+
+    def _record(self, func, args, kwargs, out) -> None:
+        ids = self.ids
+
+        def to_meta(x: Any) -> Any:
+            return ids.meta(x) if isinstance(x, torch.Tensor) else x
+
+        mutated_idx = _mutated_args(func)
+        margs = tree_map(to_meta, args)
+        mkwargs = tree_map(to_meta, kwargs)
+        inputs = [m for m in tree_flatten((margs, mkwargs))[0] if isinstance(m, TMeta)]
+        mout = tree_map(to_meta, out)
+        outputs = [m for m in tree_flatten(mout)[0] if isinstance(m, TMeta)]
+        mutated: list[TMeta] = []
+        for i in mutated_idx:
+            a = margs[i] if i < len(margs) else None
+            mutated.extend(m for m in tree_flatten(a)[0] if isinstance(m, TMeta))
+        in_storages = {m.storage for m in inputs}
+        # a view: writes nothing and every output shares an input's storage
+        # (by storage, not schema: aten._unsafe_view has no alias annotation)
+        is_view = not mutated and bool(outputs) and all(m.storage in in_storages for m in outputs)
+        rec = OpRecord(
+            index=len(self.trace.ops),
+            op=func,
+            module=self.module(),
+            phase=self.phase,
+            args=margs,
+            kwargs=mkwargs,
+            out=mout,
+            outputs=outputs,
+            inputs=inputs,
+            is_view=is_view,
+            mutated=mutated,
+        )
+        self.trace.ops.append(rec)
+        if not is_view:
+            flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            for t, m in zip(flat_out, outputs):
+                if m.storage not in self.trace.storage_producer and m.storage not in self.trace.external_storages:
+                    self.trace.storage_producer[m.storage] = rec.index
+                    self.trace.storage_nbytes[m.storage] = t.untyped_storage().nbytes()
+
+
+def call_inputs(inputs: Callable[..., Any], model: nn.Module, B: int, S: int) -> tuple[Any, ...]:
+    """Call an inputs builder given as ``f(B, S)`` or ``f(model, B, S)``."""
+    try:
+        n = len(inspect.signature(inputs).parameters)
+    except (TypeError, ValueError):
+        n = 2
+    got = inputs(model, B, S) if n >= 3 else inputs(B, S)
+    return tuple(got) if isinstance(got, (tuple, list)) else (got,)
+
+
+def record_step(
+    build: Callable[[], nn.Module],
+    make_inputs: Callable[[nn.Module], tuple[Any, ...]],
+    *,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    step: str = "train",
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+) -> StepTrace:
+    """Build a model and run one step on fake tensors, recording every aten op.
+
+    ``build`` constructs the model (inside the fake mode, so its parameters are
+    fake); ``make_inputs`` returns the positional inputs; ``loss`` turns the
+    model's output into the scalar to differentiate (default: the output
+    itself). ``step`` is 'train' (forward + backward [+ optimizer]) or
+    'forward' (forward under ``torch.no_grad()``).
+    """
+    trace = StepTrace()
+    ids = _Ids()
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake:
+        try:
+            model = build()
+        except SymacctError:
+            raise
+        except Exception as e:
+            raise SymacctError(
+                f"could not build the model at probe sizes: {type(e).__name__}: {e}",
+                hint="the model must be rebuildable as type(model)(config) with other sizes; "
+                "keep fields it cannot vary fixed with derive(..., fixed=[...])",
+            ) from e
+        try:
+            args = make_inputs(model)
+        except Exception as e:
+            raise SymacctError(
+                f"could not build the inputs: {type(e).__name__}: {e}",
+                hint="pass inputs=lambda B, S: (...) returning the positional inputs of one step",
+            ) from e
+        if step == "train":
+            model.train()
+        else:
+            model.eval()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            m = ids.meta(p)
+            trace.param_names.setdefault(m.storage, []).append(name)
+        for name, p in model.named_parameters():
+            m = ids.meta(p)
+            trace.placeholders.append(Placeholder("param", name, m))
+            trace.external_storages.add(m.storage)
+            trace.storage_nbytes[m.storage] = p.untyped_storage().nbytes()
+        for name, b in model.named_buffers():
+            m = ids.meta(b)
+            trace.placeholders.append(Placeholder("buffer", name, m))
+            trace.external_storages.add(m.storage)
+            trace.storage_nbytes[m.storage] = b.untyped_storage().nbytes()
+        for i, a in enumerate(tree_flatten(args)[0]):
+            if isinstance(a, torch.Tensor):
+                m = ids.meta(a)
+                trace.placeholders.append(Placeholder("input", f"input{i}", m))
+                trace.external_storages.add(m.storage)
+                trace.storage_nbytes[m.storage] = a.untyped_storage().nbytes()
+        trace.module_names = [n for n, _ in model.named_modules()]
+        trace.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
+        opt = optimizer(model) if (optimizer is not None and step == "train") else None
+
+        tracker = ModTracker()
+        root = type(model).__name__
+        recorder = _Recorder(trace, ids, tracker, root)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = ids.storage(t)
+            if st not in trace.external_storages:
+                trace.saved_storages[st] = t.untyped_storage().nbytes()
+            return t
+
+        with tracker, recorder:
+            if step == "train":
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(*args)
+                value = loss(out) if loss is not None else out
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    raise SymacctError(
+                        "the step's output is not a scalar loss",
+                        module="",
+                        shapes=[tuple(value.shape)] if isinstance(value, torch.Tensor) else None,
+                        hint="make forward return the loss when targets are given, or pass loss=",
+                    )
+                recorder.phase = "backward"
+                value.backward()
+                if opt is not None:
+                    recorder.phase = "optimizer"
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad():
+                    model(*args)
+    return trace
