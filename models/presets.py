@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from torch import nn
+
 from symacct.models.cruncher import Cruncher, CruncherConfig
 from symacct.models.gpt2 import GPT2, GPT2Config
 from symacct.models.llama import Llama, LlamaConfig
-from torch import nn
 
 # name -> (model class, config factory)
 PRESETS: dict[str, tuple[type[nn.Module], Callable[[], object]]] = {

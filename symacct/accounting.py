@@ -81,6 +81,7 @@ class Accounting:
     notes: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
     values: dict[str, int] | None = None  # set on an evaluated copy
+    minimum: dict[str, int] = field(default_factory=dict)  # least value for which the formulas hold
 
     # ---- evaluation -------------------------------------------------------------
     def free_symbols(self) -> list[str]:
@@ -108,6 +109,11 @@ class Accounting:
         for k, v in full.items():
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
                 raise SymacctError(f"{k}={v!r} is not a positive integer", hint="sizes are positive integers")
+            if v < self.minimum.get(k, 1):
+                raise SymacctError(
+                    f"{k}={v} is below {self.minimum[k]}, the least value for which these formulas hold",
+                    hint="the first and last blocks differ from the others; derive the model at that size instead",
+                )
         return {sym(k): int(v) for k, v in full.items()}
 
     def at(self, **values: int) -> Accounting:
@@ -132,6 +138,15 @@ class Accounting:
         g.add_edges_from(self.graph.edges)
         kw = {f.name: ev(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "graph"}
         kw["values"] = {s.name: v for s, v in subs.items()}
+        ones = sorted(
+            (n for n, v in kw["values"].items() if v == 1 and n != "L" and n in self.free_symbols()), key=sort_key
+        )
+        if ones:
+            kw["notes"] = [
+                *kw["notes"],
+                f"{', '.join(ones)} = 1: byte figures are derived for sizes >= 2; at size 1 PyTorch may "
+                "take a view instead of a copy (or the reverse), so bytes can differ (FLOPs do not)",
+            ]
         return Accounting(graph=g, **kw)
 
     def _flat(self) -> dict[str, Any]:
@@ -246,6 +261,7 @@ def aggregate(
     notes: list[str],
     causal_discount: bool,
     options: dict[str, Any],
+    minimum: dict[str, int],
 ) -> Accounting:
     flops = defaultdict(lambda: sympy.Integer(0))
     byts = defaultdict(lambda: sympy.Integer(0))
@@ -351,4 +367,5 @@ def aggregate(
         unaccounted=unaccounted,
         notes=notes,
         options=options,
+        minimum=minimum,
     )

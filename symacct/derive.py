@@ -195,10 +195,18 @@ def _signature(ops: list[CostedOp], trace: StepTrace, stack: str, i: int) -> lis
 
 
 def _counts(
-    trace: StepTrace, costed: list[CostedOp], stacks: list[str]
-) -> tuple[list[sympy.Expr], dict[str, sympy.Expr], list[str]] | None:
-    """Multiplicity of every node and every parameter; None when blocks 1 and 2 differ."""
+    trace: StepTrace, costed: list[CostedOp], stacks: list[str], n: int
+) -> tuple[list[sympy.Expr], dict[str, sympy.Expr], list[str], int] | None:
+    """Multiplicity of every node and parameter, from ``n`` probe blocks per stack.
+
+    The middle blocks (1 .. n-2) must be identical; the first and the last may
+    differ (a first layer whose input needs no gradient, a last layer that
+    feeds the head): ``first + (L-2)*block + last``, or ``L*block`` when all
+    agree. Returns None when the middle blocks differ; the int is the least L
+    for which the formula holds.
+    """
     L = sym("L")
+    zero, one = sympy.Integer(0), sympy.Integer(1)
     per_block: dict[tuple[str, int], list[CostedOp]] = defaultdict(list)
     for c in costed:
         b = _block_of(c.rec.module, stacks)
@@ -206,25 +214,34 @@ def _counts(
             per_block[b].append(c)
     block_count: dict[tuple[str, int], sympy.Expr] = {}
     notes = []
+    min_layers = 1
     for p in stacks:
-        sigs = [_signature(per_block[(p, i)], trace, p, i) for i in range(3)]
-        if sigs[1] != sigs[2]:
+        sigs = [_signature(per_block[(p, i)], trace, p, i) for i in range(n)]
+        if any(sigs[i] != sigs[1] for i in range(2, n - 1)):
             return None
-        if sigs[0] == sigs[1]:
-            block_count.update({(p, 0): L, (p, 1): sympy.Integer(0), (p, 2): sympy.Integer(0)})
-            notes.append(f"{p}: {3} probe blocks identical; counted as L * block")
-        else:
-            block_count.update({(p, 0): sympy.Integer(1), (p, 1): L - 1, (p, 2): sympy.Integer(0)})
-            notes.append(f"{p}: block 0 differs from the others; counted as block0 + (L-1) * block")
+        first, last = sigs[0] != sigs[1], sigs[n - 1] != sigs[1]
+        count = {i: zero for i in range(n)}
+        count[1] = L - int(first) - int(last)
+        if first:
+            count[0] = one
+        if last:
+            count[n - 1] = one
+        block_count.update({(p, i): c for i, c in count.items()})
+        min_layers = max(min_layers, int(first) + int(last))
+        name = p or "<root>"
+        shape = " + ".join(
+            ([f"{name}.0"] if first else []) + [f"({count[1]}) * {name}.1"] + ([f"{name}.{n - 1}"] if last else [])
+        )
+        notes.append(f"{name}: layer stack factored as {shape}" + (" (L >= 2)" if first and last else ""))
     counts = []
     for c in costed:
         b = _block_of(c.rec.module, stacks)
-        counts.append(block_count[b] if b is not None else sympy.Integer(1))
+        counts.append(block_count[b] if b is not None else one)
     param_counts = {}
     for ph in trace.placeholders:
         b = _block_of(ph.name.rpartition(".")[0], stacks)
-        param_counts[ph.name] = block_count[b] if b is not None else sympy.Integer(1)
-    return counts, param_counts, notes
+        param_counts[ph.name] = block_count[b] if b is not None else one
+    return counts, param_counts, notes, min_layers
 
 
 def _totals(costed: list[CostedOp], counts: list[Any]) -> dict[tuple[str, str], Any]:
@@ -251,7 +268,8 @@ def _check(costed1: list[CostedOp], counts1: list[Any], costed2: list[CostedOp],
                 f"the derived {metric} of the {phase} phase does not predict a second trace at other sizes "
                 f"({p} predicted, {m} counted)",
                 hint="a size or the op sequence depends on the dimensions in a way that is not a product of "
-                "symbols; keep the fields involved at their values with derive(..., fixed=[...])",
+                "symbols; a field that counts layers must be called L or an alias (n_layer, n_layers, "
+                "num_hidden_layers); keep other fields involved at their values with derive(..., fixed=[...])",
             )
 
 
@@ -344,7 +362,7 @@ def derive(
     costed1 = cost_ops(trace1, probe1.to_expr, strict=strict, options=options)
     notes: list[str] = []
     if stacks:
-        got = _counts(trace1, costed1, stacks)
+        got = _counts(trace1, costed1, stacks, LAYERS[0])
         if got is None:
             lfields = [f for f, letter in src.fields.items() if letter == "L"]
             acct = derive(
@@ -360,8 +378,9 @@ def derive(
             )
             acct.notes.insert(0, "the blocks of the layer stack differ: left unfactored, L fixed at its value")
             return acct
-        counts, param_counts, notes = got
+        counts, param_counts, notes, min_layers = got
     else:
+        min_layers = 1
         counts = [sympy.Integer(1)] * len(costed1)
         param_counts = {ph.name: sympy.Integer(1) for ph in trace1.placeholders}
     trace2 = _record(src, probe2, step, loss, None)
@@ -390,4 +409,5 @@ def derive(
         notes=notes,
         causal_discount=causal_discount,
         options={"step": step, "causal_discount": causal_discount, "embedding_flops": embedding_flops},
+        minimum={"L": min_layers} if stacks else {},
     )

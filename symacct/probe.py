@@ -23,7 +23,7 @@ from symacct.symbols import sym
 SMALL_PRIMES = (2, 3, 5, 7)
 FIRST_PRIMES = (11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)
 SECOND_PRIMES = (53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 101)
-LAYERS = (3, 4)  # probe values of L in the first and second trace
+LAYERS = (4, 5)  # probe values of L in the first and second trace
 
 
 def _factor(v: int, primes: list[int]) -> tuple[dict[int, int], int]:

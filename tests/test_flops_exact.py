@@ -19,10 +19,10 @@ from functools import cache
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig
 
 import symacct
 from symacct.measure import measure_step
+from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig
 
 
 @cache
