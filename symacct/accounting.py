@@ -166,7 +166,12 @@ class Accounting:
         return sympy.sympify(flat[name])
 
     def sweep(self, name: str, **arrays: Any) -> np.ndarray:
-        """Evaluate one formula over arrays of sizes (numpy broadcasting); vectorised via lambdify."""
+        """Evaluate one formula over arrays of sizes (numpy broadcasting, via lambdify).
+
+        Exact int64 results while every value stays below 2**53; above that
+        the result is float64 (relative error below 1e-15), never a wrapped
+        integer.
+        """
         expr = self.formula(name)
         names = self.free_symbols()
         fn = _lambdified(expr, tuple(names))
@@ -175,17 +180,16 @@ class Accounting:
             v = arrays.get(n, self.symbols.get(n))
             if v is None:
                 raise SymacctError(f"no value for {n}", hint=f"pass {n}=array to sweep()")
-            args.append(np.asarray(v, dtype=np.float64 if _big(expr) else np.int64))
-        return np.asarray(fn(*args))
+            args.append(np.asarray(v))
+        approx = np.asarray(fn(*(a.astype(np.float64) for a in args)), dtype=np.float64)
+        if np.all(np.abs(approx) < 2.0**53):
+            return np.asarray(fn(*(a.astype(np.int64) for a in args))).astype(np.int64)
+        return approx
 
 
 _NODE_NUMBERS = ("flops", "flops_other", "bytes_read", "bytes_written", "count")
 
 _LAMBDA_CACHE: dict[tuple[sympy.Expr, tuple[str, ...]], Any] = {}
-
-
-def _big(expr: sympy.Expr) -> bool:
-    return False
 
 
 def _lambdified(expr: sympy.Expr, names: tuple[str, ...]) -> Any:

@@ -1,0 +1,121 @@
+"""Derive speed, memory, and formula sweeps against FlopCounterMode, in one run.
+
+Prints, with medians over repeats (this machine is shared and noisy):
+
+1. derive time of a gpt2 training step at L = 2, 12, 96 (derive traces probe
+   models, so it must not grow with L) and the L=96 / L=2 ratio;
+2. peak RSS of deriving a Llama-3-405B config (in a fresh subprocess);
+3. a sweep of N random (B, S, D, L) gpt2 configs: the derived formula
+   evaluated with numpy (acct.sweep) vs FlopCounterMode running each step on
+   meta tensors, with the ratio; every swept value is checked equal.
+
+    python benchmarks/bench_derive.py [--n 1000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import symacct
+from symacct.models import GPT2, GPT2Config
+
+RSS_CHILD = """
+import resource, time, torch, symacct
+from symacct.models.presets import PRESETS
+cls, make = PRESETS["{name}"]
+with torch.device("meta"):
+    model = cls(make())
+t = time.perf_counter()
+acct = symacct.derive(model)
+dt = time.perf_counter() - t
+print(dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def gpt2(L: int, **kw: int) -> GPT2:
+    cfg = GPT2Config(n_layer=L, **kw)
+    with torch.device("meta"):
+        return GPT2(cfg)
+
+
+def time_derive(L: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        model = gpt2(L)
+        t = time.perf_counter()
+        symacct.derive(model)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def rss_of(name: str) -> tuple[float, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD.format(name=name)], capture_output=True, text=True, check=True
+    )
+    dt, kb = out.stdout.split()
+    return float(dt), int(kb) / 1024
+
+
+def flop_counter_meta(B: int, S: int, D: int, L: int) -> int:
+    cfg = GPT2Config(n_layer=L, n_embd=D, n_head=4, vocab_size=512, block_size=S, dropout=0.0)
+    with torch.device("meta"):
+        model = GPT2(cfg)
+        idx = torch.zeros(B, S, dtype=torch.long)
+    with FlopCounterMode(display=False) as fc:
+        model(idx, idx).backward()
+    return fc.get_total_flops()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, symacct {symacct.__version__}")
+
+    print("\n1. derive time, gpt2 training step (median of", args.repeats, "runs)")
+    t = {L: time_derive(L, args.repeats) for L in (2, 12, 96)}
+    for L, s in t.items():
+        print(f"   L={L:<3} {s:.3f} s")
+    print(f"   ratio L=96 / L=2: {t[96] / t[2]:.2f}  (target <= 1.2; gpt2 target <= 2 s)")
+
+    print("\n2. peak RSS of one derive in a fresh process")
+    for name in ("gpt2", "llama3-70b", "llama3-405b"):
+        dt, mb = rss_of(name)
+        print(f"   {name:<12} derive {dt:.2f} s, peak RSS {mb:.0f} MiB")
+
+    print(f"\n3. sweep of {args.n} random gpt2 configs (B, S, D, L); V=512, H=4")
+    rng = random.Random(0)
+    cfgs = [(rng.randint(1, 16), rng.randint(8, 256), 4 * rng.randint(2, 64), rng.randint(1, 8)) for _ in range(args.n)]
+    B, S, D, L = (np.array(c) for c in zip(*cfgs))
+    acct = symacct.derive(gpt2(2, n_head=4, vocab_size=512, dropout=0.0))
+    sweeps = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        got = acct.sweep("flops.total", B=B, S=S, D=D, L=L, H=4, V=512, S_max=S)
+        sweeps.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    counted = [flop_counter_meta(*c) for c in cfgs]
+    t_fc = time.perf_counter() - t0
+    assert [int(x) for x in got] == counted, "formula and FlopCounterMode disagree"
+    t_sw = statistics.median(sweeps)
+    print(f"   derived formula (numpy): {t_sw * 1e3:.2f} ms  (median of {args.repeats})")
+    print(f"   FlopCounterMode on meta: {t_fc:.1f} s  (one pass)")
+    print(f"   all {args.n} values equal; ratio {t_fc / t_sw:,.0f}x  (target >= 200x)")
+    print(
+        f"   (derive itself, once: see 1.; peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)"
+    )
+
+
+if __name__ == "__main__":
+    main()

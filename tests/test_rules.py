@@ -1,0 +1,134 @@
+"""Unit tests per rule, with the arithmetic spelled out. Distinct primes for dimensions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symacct.graph import cost_ops
+from symacct.rules import lookup, registered_ops
+from symacct.trace import record_step
+
+aten = torch.ops.aten
+
+
+def costs_of(fn, *shapes, dtype=torch.float32, requires_grad=False):
+    """Record ``fn`` on fake tensors of ``shapes`` (forward only) and cost every op with integer shapes."""
+
+    class M(torch.nn.Module):
+        def forward(self, *xs):
+            return fn(*xs)
+
+    tr = record_step(
+        lambda: M(),
+        lambda m: tuple(torch.ones(s, dtype=dtype, requires_grad=requires_grad) for s in shapes),
+        step="forward",
+    )
+    return [(str(c.rec.op), c.cost) for c in cost_ops(tr, lambda v: v)]
+
+
+def only(costs, name):
+    got = [c for op, c in costs if op.startswith(name)]
+    assert len(got) == 1, costs
+    return got[0]
+
+
+def test_mm_is_2mkn():
+    c = only(costs_of(lambda a, b: a @ b, (3, 5), (5, 7)), "aten.mm")
+    assert c.flops == 2 * 3 * 5 * 7  # 2*M*K*N
+    assert c.flops_other == 0
+    assert c.bytes_read == (3 * 5 + 5 * 7) * 4  # both operands, fp32
+    assert c.bytes_written == 3 * 7 * 4
+
+
+def test_bmm_is_2bmkn():
+    c = only(costs_of(lambda a, b: a @ b, (2, 3, 5), (2, 5, 7)), "aten.bmm")
+    assert c.flops == 2 * 2 * 3 * 5 * 7  # 2*B*M*K*N
+
+
+def test_addmm_bias_not_counted():
+    c = only(costs_of(lambda x, w, b: torch.addmm(b, x, w), (3, 5), (5, 7), (7,)), "aten.addmm")
+    assert c.flops == 2 * 3 * 5 * 7
+
+
+def test_pointwise_one_flop_per_element():
+    c = only(costs_of(lambda a, b: a + b, (3, 5), (3, 5)), "aten.add")
+    assert c.flops == 0 and c.flops_other == 3 * 5
+    assert c.bytes_read == 2 * 3 * 5 * 4 and c.bytes_written == 3 * 5 * 4
+
+
+def test_broadcast_reads_each_operand_once():
+    c = only(costs_of(lambda a, b: a * b, (3, 5), (5,)), "aten.mul")
+    assert c.bytes_read == (3 * 5 + 5) * 4
+    assert c.flops_other == 3 * 5
+
+
+def test_gelu_counts_its_definition():
+    c = only(costs_of(torch.nn.functional.gelu, (3, 7)), "aten.gelu")
+    assert c.flops_other == 5 * 3 * 7  # x * 0.5 * (1 + erf(x / sqrt 2)): 5 per element
+
+
+def test_views_move_nothing_copies_move_bytes():
+    costs = costs_of(lambda a: a.t().contiguous(), (3, 5))
+    t = only(costs, "aten.t")
+    assert (t.bytes_read, t.bytes_written, t.flops_other) == (0, 0, 0)
+    clone = only(costs, "aten.clone")
+    assert (clone.bytes_read, clone.bytes_written, clone.flops_other) == (3 * 5 * 4, 3 * 5 * 4, 0)
+
+
+def test_reduction_one_flop_per_input_element():
+    c = only(costs_of(lambda a: a.sum(-1), (3, 5, 7)), "aten.sum")
+    assert c.flops_other == 3 * 5 * 7
+    assert c.bytes_written == 3 * 5 * 4
+
+
+def test_softmax_five_per_element():
+    c = only(costs_of(lambda a: torch.softmax(a, -1), (3, 5)), "aten._softmax")
+    assert c.flops_other == 5 * 3 * 5  # max, sub, exp, sum, div
+
+
+def test_embedding_reads_only_gathered_rows():
+    def f(idx, w):
+        return torch.nn.functional.embedding(idx.long(), w)
+
+    c = only(costs_of(f, (3, 5), (11, 7)), "aten.embedding")
+    # indices after .long() (3*5 int64) + the 3*5 rows of 7 floats, not the 11x7 table
+    assert c.bytes_read == 3 * 5 * 8 + 3 * 5 * 7 * 4
+    assert c.flops == 0
+
+
+def test_layer_norm_seven_per_element():
+    c = only(costs_of(lambda a: torch.nn.functional.layer_norm(a, (5,)), (3, 5)), "aten.native_layer_norm")
+    assert c.flops_other == 7 * 3 * 5
+
+
+def test_sdpa_cpu_kernel_counted_like_flop_counter_formula():
+    q = (2, 3, 5, 7)  # b, h, s, d
+    c = only(
+        costs_of(lambda a, b, v: torch.nn.functional.scaled_dot_product_attention(a, b, v), q, q, q),
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+    )
+    assert c.flops == 2 * (2 * 2 * 3 * 5 * 5 * 7)  # QK^T and PV: 2 x 2*b*h*s*s*d
+
+
+def test_every_registered_op_exists_and_duplicates_raise():
+    from symacct.rules import rule
+
+    assert len(registered_ops()) > 100
+    with pytest.raises(RuntimeError, match="duplicate"):
+        rule(aten.mm)(lambda call: None)
+    assert lookup(aten.mm.default) is not None
+    assert lookup(aten.add.Tensor) is not None  # via the pointwise tag
+
+
+def test_conventions_doc_lists_every_table_entry():
+    """docs/conventions.md prints the per-element tables; it must not go stale."""
+    from pathlib import Path
+
+    from symacct.rules.pointwise import PER_ELEMENT
+    from symacct.rules.reductions import FUSED
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "conventions.md").read_text()
+    for table in (PER_ELEMENT, FUSED):
+        for op, k in table.items():
+            assert f"| `{op}` | {k} |" in doc, f"docs/conventions.md is stale for {op}"
