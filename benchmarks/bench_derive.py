@@ -112,9 +112,8 @@ def main() -> None:
     print(f"   derived formula (numpy): {t_sw * 1e3:.2f} ms  (median of {args.repeats})")
     print(f"   FlopCounterMode on meta: {t_fc:.1f} s  (one pass)")
     print(f"   all {args.n} values equal; ratio {t_fc / t_sw:,.0f}x  (target >= 200x)")
-    print(
-        f"   (derive itself, once: see 1.; peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)"
-    )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"   (peak RSS of this process {rss:.0f} MiB)")
 
 
 if __name__ == "__main__":
