@@ -26,6 +26,7 @@ from typing import Any
 import sympy
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
 from symacct.accounting import Accounting, aggregate
 from symacct.errors import SymacctError
@@ -135,17 +136,12 @@ def _field_values(src: _Source, probe: Probe) -> dict[str, int]:
 def _record(src: _Source, probe: Probe, step: str, loss: Any, optimizer: Any) -> StepTrace:
     vals = _field_values(src, probe)
     B, S = probe.values["B"], probe.values["S"]
-    if src.configless:
-        from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
-        def build() -> nn.Module:
-            mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-            assert isinstance(mode, FakeTensorMode)
-            with FakeCopyMode(mode):
+    def build(fake: FakeTensorMode) -> nn.Module:
+        if src.configless:
+            with FakeCopyMode(fake):  # parameters copied as fake tensors, nothing real allocated
                 return src.build(vals)
-    else:
-
-        def build() -> nn.Module:
+        with fake:
             return src.build(vals)
 
     return record_step(build, lambda m: src.inputs(m, B, S), loss=loss, step=step, optimizer=optimizer)

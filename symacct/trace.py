@@ -257,7 +257,7 @@ def call_inputs(inputs: Callable[..., Any], model: nn.Module, B: int, S: int) ->
 
 
 def record_step(
-    build: Callable[[], nn.Module],
+    build: Callable[[FakeTensorMode], nn.Module],
     make_inputs: Callable[[nn.Module], tuple[Any, ...]],
     *,
     loss: Callable[[Any], torch.Tensor] | None = None,
@@ -266,26 +266,27 @@ def record_step(
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
-    ``build`` constructs the model (inside the fake mode, so its parameters are
-    fake); ``make_inputs`` returns the positional inputs; ``loss`` turns the
-    model's output into the scalar to differentiate (default: the output
-    itself). ``step`` is 'train' (forward + backward [+ optimizer]) or
+    ``build(fake_mode)`` constructs the model with fake parameters (by
+    building it inside the mode, or by copying a real one with
+    FakeCopyMode); ``make_inputs`` returns the positional inputs; ``loss``
+    turns the model's output into the scalar to differentiate (default: the
+    output itself). ``step`` is 'train' (forward + backward [+ optimizer]) or
     'forward' (forward under ``torch.no_grad()``).
     """
     trace = StepTrace()
     ids = _Ids()
     fake = FakeTensorMode(allow_non_fake_inputs=False)
+    try:
+        model = build(fake)
+    except SymacctError:
+        raise
+    except Exception as e:
+        raise SymacctError(
+            f"could not build the model at probe sizes: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+            hint="the model must be rebuildable as type(model)(config) with other sizes; "
+            "keep fields it cannot vary fixed with derive(..., fixed=[...])",
+        ) from e
     with fake:
-        try:
-            model = build()
-        except SymacctError:
-            raise
-        except Exception as e:
-            raise SymacctError(
-                f"could not build the model at probe sizes: {type(e).__name__}: {e}",
-                hint="the model must be rebuildable as type(model)(config) with other sizes; "
-                "keep fields it cannot vary fixed with derive(..., fixed=[...])",
-            ) from e
         try:
             args = make_inputs(model)
         except Exception as e:

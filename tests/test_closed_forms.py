@@ -76,3 +76,13 @@ def test_causal_discount_halves_only_attention_scores():
     half = symacct.derive(model, causal_discount=True).flops.total
     # Megatron's convention: the 12 B S^2 D L attention term is halved, nothing else changes
     assert sympy.expand(full - half - 6 * B * S**2 * D * L) == 0
+
+
+def test_module_without_config_has_only_batch_symbols():
+    # Linear(8, 4), ReLU, Linear(4, 3): forward 2*B*8*4 + 2*B*4*3; backward: both weight grads,
+    # and the input grad of the second layer only (the model's input needs none)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    acct = symacct.derive(m, inputs=lambda B, S: (torch.randn(B, 8),), loss=lambda out: out.sum())
+    assert sympy.expand(acct.flops.forward - (2 * B * 8 * 4 + 2 * B * 4 * 3)) == 0
+    assert sympy.expand(acct.flops.backward - (2 * B * 8 * 4 + 2 * 2 * B * 4 * 3)) == 0
+    assert acct.params == 8 * 4 + 4 + 4 * 3 + 3

@@ -20,7 +20,7 @@ def costs_of(fn, *shapes, dtype=torch.float32, requires_grad=False):
             return fn(*xs)
 
     tr = record_step(
-        lambda: M(),
+        lambda fake: M(),
         lambda m: tuple(torch.ones(s, dtype=dtype, requires_grad=requires_grad) for s in shapes),
         step="forward",
     )
