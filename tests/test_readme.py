@@ -47,3 +47,22 @@ def test_readme_comments_match_the_engine() -> None:
     assert symacct.derive(model).at(B=1, S=8192).params == sum(p.numel() for p in model.parameters())
     assert "405,853,388,800" in README
     assert sum(p.numel() for p in model.parameters()) == 405_853_388_800
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    test_cmd = next(line for line in README.splitlines() if "pytest" in line and line.startswith("pip install"))
+    assert test_cmd in ci.splitlines()
+
+
+def test_cli_output_is_byte_identical_across_hash_seeds() -> None:
+    import os
+
+    outs = []
+    for seed in ("1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        cmd = [sys.executable, "-m", "symacct.cli", "derive", "llama", "--config", "n_layers=2", "--json"]
+        proc = subprocess.run(cmd, capture_output=True, env=env)
+        assert proc.returncode == 0
+        outs.append(proc.stdout)
+    assert outs[0] == outs[1]
