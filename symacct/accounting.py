@@ -10,7 +10,6 @@ numpy arrays.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -201,9 +200,6 @@ def _lambdified(expr: sympy.Expr, names: tuple[str, ...]) -> Any:
 
 # ---- aggregation (called by derive) -----------------------------------------------
 
-_LAYER = re.compile(r"(^|\.)(\d+)(?=\.|$)")
-
-
 def generic_path(module: str, stacks: list[str]) -> str:
     """'blocks.3.attn' -> 'blocks.*.attn' for modules inside a factored stack."""
     for p in stacks:
@@ -329,11 +325,8 @@ def aggregate(
         producer = trace.storage_producer.get(st)
         if producer is None:
             continue
-        rec = trace.ops[producer]
-        nbytes = trace.storage_nbytes[st]
         c = graph.nodes[producer]["count"]
-        saved += probe.to_expr(nbytes) * c if c != 0 else 0
-        _ = rec
+        saved += probe.to_expr(trace.storage_nbytes[st]) * c if c != 0 else 0
     fl = Flops(
         forward=sympy.expand(flops["forward"]),
         backward=sympy.expand(flops["backward"]),

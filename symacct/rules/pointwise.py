@@ -18,7 +18,6 @@ aten = torch.ops.aten
 
 # FLOPs per written element; ops not listed cost 1.
 PER_ELEMENT: dict[str, int] = {
-    "clone": 0,  # a copy
     "addcmul": 2,  # self + value * t1 * t2 (value == 1 folded)
     "addcdiv": 2,
     "lerp": 2,  # self + w * (end - self)
