@@ -20,6 +20,7 @@ import numpy as np
 import sympy
 
 from symacct.errors import SymacctError
+from symacct.memory import Liveness, Memory
 from symacct.probe import Probe
 from symacct.symbols import sort_key, sym
 from symacct.trace import StepTrace
@@ -81,6 +82,8 @@ class Accounting:
     options: dict[str, Any] = field(default_factory=dict)
     values: dict[str, int] | None = None  # set on an evaluated copy
     minimum: dict[str, int] = field(default_factory=dict)  # least value for which the formulas hold
+    memory: Memory = field(default_factory=Memory)  # bytes: static, activations, phase points, peak
+    liveness: Liveness | None = field(default=None, repr=False)  # for exact peaks in at()
 
     # ---- evaluation -------------------------------------------------------------
     def free_symbols(self) -> list[str]:
@@ -135,8 +138,16 @@ class Accounting:
             for key in ("shapes", "in_shapes"):
                 g.nodes[n][key] = [tuple(ev(s) for s in shape) for shape in attrs[key]]
         g.add_edges_from(self.graph.edges)
-        kw = {f.name: ev(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "graph"}
+        kw = {
+            f.name: ev(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in ("graph", "liveness")
+        }
         kw["values"] = {s.name: v for s, v in subs.items()}
+        kw["liveness"] = self.liveness
+        if self.liveness is not None:
+            # the exact peak at these sizes (every op of the step), not the sampled envelope
+            peak, t = self.liveness.evaluate(kw["values"])
+            _, op, module, phase = self.liveness.labels[t]
+            kw["memory"] = dataclasses.replace(kw["memory"], peak=peak, peak_at=[f"#{t} {op} in '{module}' ({phase})"])
         ones = sorted(
             (n for n, v in kw["values"].items() if v == 1 and n != "L" and n in self.free_symbols()), key=sort_key
         )
@@ -151,10 +162,12 @@ class Accounting:
     def _flat(self) -> dict[str, Any]:
         out: dict[str, Any] = {"params": self.params, "params_embedding": self.params_embedding}
         out["saved_bytes"] = self.saved_bytes
-        for name in ("flops", "bytes"):
+        for name in ("flops", "bytes", "memory"):
             obj = getattr(self, name)
             for f in dataclasses.fields(obj):
-                out[f"{name}.{f.name}"] = getattr(obj, f.name)
+                v = getattr(obj, f.name)
+                if isinstance(v, (int, sympy.Basic)):
+                    out[f"{name}.{f.name}"] = v
         return out
 
     def formula(self, name: str) -> sympy.Expr:
@@ -199,6 +212,7 @@ def _lambdified(expr: sympy.Expr, names: tuple[str, ...]) -> Any:
 
 
 # ---- aggregation (called by derive) -----------------------------------------------
+
 
 def generic_path(module: str, stacks: list[str]) -> str:
     """'blocks.3.attn' -> 'blocks.*.attn' for modules inside a factored stack."""

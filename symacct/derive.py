@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -28,9 +29,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
-from symacct.accounting import Accounting, aggregate
+from symacct.accounting import Accounting, aggregate, generic_path
 from symacct.errors import SymacctError
 from symacct.graph import CostedOp, build_graph, cost_ops
+from symacct.memory import fill_phases, liveness, static_and_activations
 from symacct.probe import FIRST_PRIMES, LAYERS, SECOND_PRIMES, Probe, make_probe
 from symacct.symbols import letter_for_field, sym
 from symacct.trace import StepTrace, call_inputs, record_step
@@ -305,19 +307,70 @@ def _locate(costed1: list[CostedOp], costed2: list[CostedOp], subs: dict[sympy.S
                     )
 
 
+_OPTIMIZERS = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+    "adamax": torch.optim.Adamax,
+    "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam,
+    "adadelta": torch.optim.Adadelta,
+}
+
+
+def _optimizer_factory(
+    optimizer: str | type | None, options: Mapping[str, Any] | None
+) -> Callable[[nn.Module], torch.optim.Optimizer] | None:
+    if optimizer is None:
+        if options:
+            raise SymacctError("optimizer_options given without an optimizer", hint="pass optimizer='adamw' or a class")
+        return None
+    if isinstance(optimizer, str):
+        cls = _OPTIMIZERS.get(optimizer.lower())
+        if cls is None:
+            raise SymacctError(
+                f"unknown optimizer {optimizer!r}", hint="one of: " + ", ".join(_OPTIMIZERS) + ", or a class"
+            )
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        cls = optimizer
+    else:
+        raise SymacctError(f"not an optimizer: {optimizer!r}", hint="pass a torch.optim.Optimizer subclass or a name")
+    opts = {"lr": 1e-3, **(options or {})}
+
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        try:
+            return cls(model.parameters(), **opts)
+        except (TypeError, ValueError) as e:
+            raise SymacctError(f"could not build {cls.__name__}: {e}", hint="check optimizer_options") from e
+
+    return make
+
+
+class _Identity:
+    """A probe that leaves integers as they are (for the verification trace)."""
+
+    @staticmethod
+    def to_expr(v: int) -> int:
+        return v
+
+
 def derive(
     model: Any,
     *,
     inputs: Callable[..., Any] | None = None,
     loss: Callable[[Any], torch.Tensor] | None = None,
     step: str = "train",
+    optimizer: str | type | None = None,
+    optimizer_options: Mapping[str, Any] | None = None,
     dims: Mapping[str, int] | None = None,
     fixed: Iterable[str] = (),
     strict: bool = True,
     causal_discount: bool = False,
     embedding_flops: str = "lookup",
 ) -> Accounting:
-    """Derive the FLOP and byte formulas of one step of ``model``.
+    """Derive the FLOP, byte and memory formulas of one step of ``model``.
 
     Args:
         model: an ``nn.Module`` whose ``config`` (a dataclass) rebuilds it as
@@ -328,7 +381,14 @@ def derive(
             ``model.example_inputs``.
         loss: turns the model's output into the scalar loss (default: the
             output must be the loss).
-        step: ``"train"`` (forward + backward) or ``"forward"`` (no_grad).
+        step: ``"train"`` (forward + backward [+ optimizer]) or ``"forward"``
+            (inference under ``torch.no_grad()``).
+        optimizer: a name (``"adamw"``, ``"sgd"``, ...) or a
+            ``torch.optim.Optimizer`` subclass; its real ``step()`` runs on
+            fake tensors inside the traced step (phase ``optimizer``), then
+            ``zero_grad(set_to_none=True)``.
+        optimizer_options: keyword arguments of the optimizer (``lr`` defaults
+            to 1e-3), e.g. ``{"momentum": 0.9, "foreach": True}``.
         dims: config-free sizes for a factory, e.g. ``{"D": 512, "L": 4}``.
         fixed: config fields kept at their values (constants, not symbols).
         strict: raise on an op without a rule (default); False lists it in
@@ -340,10 +400,25 @@ def derive(
 
     Conventions: docs/conventions.md.
     """
+    kwargs = dict(
+        inputs=inputs,
+        loss=loss,
+        step=step,
+        optimizer=optimizer,
+        optimizer_options=optimizer_options,
+        dims=dims,
+        fixed=fixed,
+        strict=strict,
+        causal_discount=causal_discount,
+        embedding_flops=embedding_flops,
+    )
     if step not in ("train", "forward"):
         raise SymacctError(f"unknown step {step!r}", hint="use step='train' or step='forward'")
     if embedding_flops not in ("lookup", "matmul"):
         raise SymacctError(f"unknown embedding_flops {embedding_flops!r}", hint="use 'lookup' or 'matmul'")
+    make_opt = _optimizer_factory(optimizer, optimizer_options)
+    if make_opt is not None and step != "train":
+        raise SymacctError("an optimizer needs step='train'", hint="drop optimizer= for step='forward'")
     options = {"embedding_flops": embedding_flops}
     src = _source(model, inputs, dims, fixed)
     # a fixed field's value is a constant; its prime factors may appear in sizes
@@ -353,7 +428,7 @@ def derive(
             avoid |= set(sympy.factorint(src.values[f]))
     probe1 = _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid)
     probe2 = _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid)
-    trace1 = _record(src, probe1, step, loss, None)
+    trace1 = _record(src, probe1, step, loss, make_opt)
     stacks = _stacks(trace1, LAYERS[0]) if probe1.layers is not None else []
     costed1 = cost_ops(trace1, probe1.to_expr, strict=strict, options=options)
     notes: list[str] = []
@@ -361,17 +436,7 @@ def derive(
         got = _counts(trace1, costed1, stacks, LAYERS[0])
         if got is None:
             lfields = [f for f, letter in src.fields.items() if letter == "L"]
-            acct = derive(
-                model,
-                inputs=inputs,
-                loss=loss,
-                step=step,
-                dims=dims,
-                fixed=[*fixed, *lfields],
-                strict=strict,
-                causal_discount=causal_discount,
-                embedding_flops=embedding_flops,
-            )
+            acct = derive(model, **{**kwargs, "fixed": [*fixed, *lfields]})
             acct.notes.insert(0, "the blocks of the layer stack differ: left unfactored, L fixed at its value")
             return acct
         counts, param_counts, notes, min_layers = got
@@ -379,7 +444,7 @@ def derive(
         min_layers = 1
         counts = [sympy.Integer(1)] * len(costed1)
         param_counts = {ph.name: sympy.Integer(1) for ph in trace1.placeholders}
-    trace2 = _record(src, probe2, step, loss, None)
+    trace2 = _record(src, probe2, step, loss, make_opt)
     if probe1.layers is not None and not stacks:
         if len(trace2.ops) != len(trace1.ops):
             raise SymacctError(
@@ -389,12 +454,25 @@ def derive(
     costed2 = cost_ops(trace2, lambda v: v, strict=strict, options=options)
     _check(costed1, counts, costed2, probe2, probe2.layers if stacks else None)
     graph = build_graph(trace1, costed1, counts, probe1.to_expr)
+    generic = functools.partial(generic_path, stacks=stacks)
+    memory = static_and_activations(trace1, probe1, counts, param_counts, stacks, generic)
+    _check_memory(memory, trace2, probe2, stacks, generic)
+    if stacks:
+        probe_more = dataclasses.replace(probe1, layers=LAYERS[1], _cache={})
+        trace_more = _record(src, probe_more, step, loss, make_opt)
+        live = liveness(trace1, trace_more, probe1, stacks, LAYERS[0])
+    else:
+        live = liveness(trace1, None, probe1, stacks, 1)
+    if live is None:
+        notes.append("live bytes could not be factored by L (the op order changes with L): no peak formula")
+    else:
+        fill_phases(memory, live, sorted(set(probe1.values) | ({"L"} if stacks else set())))
     defaults = {}
     field_names = {}
     for f, letter in src.fields.items():
         defaults.setdefault(letter, src.values[f])
         field_names.setdefault(letter, f)
-    return aggregate(
+    acct = aggregate(
         graph,
         trace1,
         probe1,
@@ -404,6 +482,39 @@ def derive(
         fields=field_names,
         notes=notes,
         causal_discount=causal_discount,
-        options={"step": step, "causal_discount": causal_discount, "embedding_flops": embedding_flops},
+        options={
+            "step": step,
+            "causal_discount": causal_discount,
+            "embedding_flops": embedding_flops,
+            "optimizer": getattr(optimizer, "__name__", optimizer),
+            "optimizer_options": dict(optimizer_options or {}),
+        },
         minimum={"L": min_layers} if stacks else {},
     )
+    acct.memory = memory
+    acct.liveness = live
+    return acct
+
+
+def _check_memory(memory: Any, trace2: StepTrace, probe2: Probe, stacks: list[str], generic: Any) -> None:
+    """Static and saved bytes must predict the second trace too."""
+    L2 = LAYERS[1]
+    concrete = static_and_activations(
+        trace2,
+        _Identity(),
+        [sympy.Integer(1)] * len(trace2.ops),
+        {ph.name: sympy.Integer(1) for ph in trace2.placeholders},
+        [],
+        lambda m: m,
+    )
+    subs = {sym(k): v for k, v in probe2.values.items()}
+    if stacks:
+        subs[sym("L")] = L2
+    for name in ("params", "grads", "optimizer", "activations"):
+        predicted = sympy.sympify(getattr(memory, name)).subs(subs)
+        if predicted != getattr(concrete, name):
+            raise SymacctError(
+                f"the derived {name} bytes do not predict a second trace at other sizes "
+                f"({predicted} predicted, {getattr(concrete, name)} counted)",
+                hint="a tensor's size is not a product of the model's symbols; keep the fields involved fixed",
+            )

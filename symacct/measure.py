@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 
@@ -59,3 +60,95 @@ def measure_step(
         value.backward()
     keep.clear()
     return Measured(fwd.get_total_flops(), bwd.get_total_flops(), sum(saved.values()))
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live bytes of a real step on any device, by storage: what eager really holds.
+
+    Every storage an op returns is registered with a weak reference; a storage
+    is live until PyTorch frees it. ``current()`` sums the live storages;
+    ``peak`` is the largest sum seen right after an op (its inputs and its
+    outputs both alive).
+    """
+
+    def __init__(self, initial: list[torch.Tensor]) -> None:
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self.live: dict[int, tuple[Any, int]] = {}
+        for t in initial:
+            self._add(t)
+        self.peak = self.current()
+
+    def _add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self.live:
+            self.live[key] = (self._ref(st), st.nbytes())
+
+    def current(self) -> int:
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            del self.live[k]
+        return sum(n for _, n in self.live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.current())
+        return out
+
+
+@dataclass
+class MeasuredMemory:
+    params: int
+    grads: int
+    optimizer: int
+    after_forward: int
+    after_backward: int
+    after_optimizer: int  # after step() and zero_grad(set_to_none=True)
+    peak: int
+
+
+def _distinct_nbytes(ts: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in ts:
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def measure_memory(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+) -> MeasuredMemory:
+    """Run one real step (forward, backward, optimizer step, zero_grad) and measure its memory."""
+    model.train()
+    opt = optimizer(model) if optimizer is not None else None
+    initial = [*model.parameters(), *model.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
+    if opt is not None:
+        initial += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tracker = StorageTracker(initial)
+    with tracker:
+        out = model(*args)
+        value = loss(out) if loss is not None else out
+        after_forward = tracker.current()
+        value.backward()
+        after_backward = tracker.current()
+        grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
+        states = 0
+        if opt is not None:
+            opt.step()
+            states = _distinct_nbytes(
+                [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            )
+            opt.zero_grad(set_to_none=True)
+        after_optimizer = tracker.current()
+    params = _distinct_nbytes(list(model.parameters()))
+    del out, value
+    return MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, tracker.peak)

@@ -107,6 +107,12 @@ class StepTrace:
     param_names: dict[int, list[str]] = field(default_factory=dict)  # storage -> names
     module_names: list[str] = field(default_factory=list)  # named_modules order
     module_types: dict[str, str] = field(default_factory=dict)  # path -> class name
+    # memory bookkeeping
+    marks: dict[str, int] = field(default_factory=dict)  # 'after_forward' ... -> number of ops before the mark
+    grad_storages: dict[int, str] = field(default_factory=dict)  # storage -> parameter name
+    state_storages: dict[int, tuple[str, str]] = field(default_factory=dict)  # storage -> (parameter, state key)
+    held_storages: set[int] = field(default_factory=set)  # kept alive to the end of the step (the loss)
+    owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
 
 
 class _Ids:
@@ -166,8 +172,8 @@ class _Recorder(TorchDispatchMode):
                 names = self.trace.param_names.get(self.ids.storage(var), [])
                 return names[0].rpartition(".")[0] if names else ""
             return ""
-        if self.phase != "forward":
-            return ""
+        if self.phase == "optimizer":
+            return ""  # set after the op is recorded, from the parameter its tensors belong to
         names = [p for p in self.tracker.parents if p != "Global"]
         if not names:
             return ""
@@ -176,7 +182,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func in _QUERIES:
+        if func in _QUERIES or func.namespace == "profiler":
             return func(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
@@ -303,6 +309,7 @@ def record_step(
             trace.param_names.setdefault(m.storage, []).append(name)
         for name, p in model.named_parameters():
             m = ids.meta(p)
+            trace.owner[m.storage] = name
             trace.placeholders.append(Placeholder("param", name, m))
             trace.external_storages.add(m.storage)
             trace.storage_nbytes[m.storage] = p.untyped_storage().nbytes()
@@ -343,13 +350,79 @@ def record_step(
                         shapes=[tuple(value.shape)] if isinstance(value, torch.Tensor) else None,
                         hint="make forward return the loss when targets are given, or pass loss=",
                     )
+                for t in [value, *tree_flatten(out)[0]]:
+                    if isinstance(t, torch.Tensor):  # the caller still holds the output and the loss
+                        trace.held_storages.add(ids.storage(t))
+                trace.marks["after_forward"] = len(trace.ops)
                 recorder.phase = "backward"
                 value.backward()
+                trace.marks["after_backward"] = len(trace.ops)
+                for name, p in model.named_parameters():
+                    if p.grad is not None:
+                        st = ids.storage(p.grad)
+                        trace.grad_storages[st] = name
+                        trace.owner[st] = name
                 if opt is not None:
+                    _state_storages(opt, model, ids, trace)  # states made before the step (Adagrad)
                     recorder.phase = "optimizer"
-                    opt.step()
+                    try:
+                        opt.step()
+                    except SymacctError:
+                        raise
+                    except Exception as e:
+                        raise SymacctError(
+                            f"the optimizer step failed on fake tensors: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200]}",
+                            op=type(opt).__name__,
+                            hint="use an optimizer whose step() runs without a closure and without reading "
+                            "tensor values (SGD, Adam, AdamW, Adagrad, ...)",
+                        ) from e
+                    _state_storages(opt, model, ids, trace)
+                    _attribute_optimizer_ops(trace)
                     opt.zero_grad(set_to_none=True)
+                trace.marks["after_optimizer"] = len(trace.ops)
             else:
                 with torch.no_grad():
-                    model(*args)
+                    out = model(*args)
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        trace.held_storages.add(ids.storage(t))
+                trace.marks["after_forward"] = len(trace.ops)
     return trace
+
+
+def _attribute_optimizer_ops(trace: StepTrace) -> None:
+    """Give each optimizer op the module of the one parameter whose tensors it touches.
+
+    Single-tensor optimizers touch one parameter (its grad, its states) per op;
+    foreach and fused ops touch all of them and stay at the root ('').
+    """
+    owner = dict(trace.owner)  # grows with the temporaries each parameter's ops make
+    for rec in trace.ops:
+        if rec.phase != "optimizer":
+            continue
+        owners = {owner[m.storage] for m in (*rec.inputs, *rec.outputs, *rec.mutated) if m.storage in owner}
+        if len(owners) == 1:
+            name = owners.pop()
+            rec.module = name.rpartition(".")[0]
+            for m in rec.outputs:
+                owner.setdefault(m.storage, name)
+
+
+def _state_storages(opt: torch.optim.Optimizer, model: nn.Module, ids: _Ids, trace: StepTrace) -> None:
+    """Record the optimizer's per-parameter state tensors; refuse state that is not per-parameter."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        if not isinstance(p, torch.Tensor) or id(p) not in names:
+            raise SymacctError(
+                f"{type(opt).__name__} keeps state that is not keyed by a parameter",
+                op=type(opt).__name__,
+                hint="symacct accounts optimizer state per parameter; this optimizer's state cannot be attributed",
+            )
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor):
+                st = ids.storage(v)
+                trace.state_storages[st] = (names[id(p)], key)
+                trace.owner[st] = names[id(p)]
+                if st not in trace.storage_nbytes:
+                    trace.storage_nbytes[st] = v.untyped_storage().nbytes()

@@ -145,3 +145,9 @@ def embedding_backward(call: Call) -> Cost:
     """Scatter-adds every gradient row into a zeroed (V, D) table: 1 FLOP per grad element."""
     grad = call.inputs[0]
     return Cost(flops_other=numel(grad.shape))
+
+
+@rule(aten._local_scalar_dense, aten.item)
+def read_scalar(call: Call) -> Cost:
+    """``tensor.item()`` on a one-element tensor: reads its bytes, writes none."""
+    return Cost(bytes_written=0)

@@ -1,0 +1,306 @@
+"""Memory pass: static bytes, saved activations, live bytes over the step, the peak.
+
+Conventions (docs/conventions.md, "Memory"):
+
+- a storage lives from the op that makes it to the last op that touches it;
+  parameters, buffers, inputs, optimizer states and what the caller holds
+  (the model output and the loss) live through the whole step; gradients
+  live until ``zero_grad(set_to_none=True)`` after the optimizer step;
+- "during op t" counts every storage alive at t (inputs and outputs of t);
+  the phase points (after forward, after backward, after the optimizer step
+  and zero_grad) count what survives between two ops;
+- the layer stack: the step is traced with 4 and with 5 blocks (same probe
+  sizes); removing one middle block from the second trace aligns it op for
+  op with the first, and live bytes at a point of the real model with L
+  blocks are ``live4(t) + (L - 4) * (live5(t') - live4(t))``.
+
+The symbolic peak is ``Max`` over the points that are largest somewhere in a
+wide sample of the symbol space, with dominated points pruned (a point is
+dominated when its difference to another expands to nonnegative
+coefficients only). ``Accounting.at`` does not rely on that envelope: it
+evaluates the live bytes of every point exactly at the given sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import sympy
+
+from symacct.probe import Probe
+from symacct.symbols import sort_key, sym
+from symacct.trace import StepTrace
+
+Expr = Any
+
+
+@dataclass
+class Intervals:
+    """Lifetimes of the storages of one trace, on op indices (-1: before the step)."""
+
+    n: int  # number of ops
+    start: dict[int, float]
+    end: dict[int, float]
+    nbytes: dict[int, sympy.Expr]
+
+    def alive_at(self, pos: float) -> list[int]:
+        return [s for s in self.start if self.start[s] <= pos <= self.end[s]]
+
+    def symbolic(self, storages: list[int]) -> sympy.Expr:
+        return sympy.Add(*(self.nbytes[s] for s in storages))
+
+
+def intervals(trace: StepTrace, probe: Probe) -> Intervals:
+    n = len(trace.ops)
+    forever = n + 2.0
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    for st in trace.external_storages | set(trace.state_storages) | trace.held_storages:
+        start[st] = -1.0 if st in trace.external_storages else start.get(st, -1.0)
+        end[st] = forever
+    for rec in trace.ops:
+        for m in (*rec.inputs, *rec.outputs, *rec.mutated):
+            st = m.storage
+            if st not in start:
+                start[st] = float(rec.index)
+            if end.get(st, -2.0) != forever:
+                end[st] = max(end.get(st, -2.0), float(rec.index))
+    for st in trace.held_storages | set(trace.state_storages):
+        if st in trace.storage_producer:
+            start[st] = float(trace.storage_producer[st])
+    optimizer_ran = trace.marks.get("after_optimizer", n) > trace.marks.get("after_backward", n)
+    for st in trace.grad_storages:
+        end[st] = n + 0.25 if optimizer_ran else forever  # zero_grad(set_to_none=True) after the step
+    nbytes = {}
+    for st in start:
+        nb = trace.storage_nbytes.get(st)
+        if nb is None:
+            nb = _nbytes_from_ops(trace, st)
+        nbytes[st] = probe.to_expr(nb)
+    return Intervals(n, start, end, nbytes)
+
+
+def _nbytes_from_ops(trace: StepTrace, st: int) -> int:
+    for rec in trace.ops:
+        for m in (*rec.inputs, *rec.outputs):
+            if m.storage == st:
+                return math.prod(m.shape) * m.itemsize
+    return 0
+
+
+@dataclass
+class Liveness:
+    """Live bytes at every op, with the layer stack factored; evaluated exactly by ``evaluate``."""
+
+    base: Intervals  # trace with ``layers`` blocks (or the only trace)
+    other: Intervals | None  # trace with ``layers + 1`` blocks, same probe sizes
+    align: list[int]  # op index in ``base`` -> op index in ``other``
+    layers: int
+    labels: list[tuple[int, str, str, str]]  # per op: (index, op, module, phase)
+    marks: dict[str, float]  # phase point -> position in ``base``
+    other_marks: dict[str, float]
+
+    def _live_arrays(self, iv: Intervals, values: Mapping[str, int]) -> np.ndarray:
+        subs = {sym(k): sympy.Integer(v) for k, v in values.items()}
+        cache: dict[sympy.Expr, int] = {}
+        delta = [0] * (iv.n + 3)
+        for st, s0 in iv.start.items():
+            e = iv.nbytes[st]
+            if e not in cache:
+                cache[e] = int(e.xreplace(subs))
+            b = cache[e]
+            lo = int(s0) + 1
+            hi = int(min(iv.end[st], iv.n - 1)) + 2
+            delta[lo] += b
+            delta[hi] -= b
+        out = []
+        acc = 0
+        for d in delta:
+            acc += d
+            out.append(acc)
+        return out  # out[t + 1] = live bytes during op t
+
+    def evaluate(self, values: Mapping[str, int]) -> tuple[int, int]:
+        """(peak bytes, op index) at the given sizes, exactly."""
+        live = self._live_arrays(self.base, values)
+        if self.other is None:
+            best = max(range(self.base.n), key=lambda t: live[t + 1])
+            return live[best + 1], best
+        live2 = self._live_arrays(self.other, values)
+        k = values.get("L", self.layers) - self.layers
+        vals = [live[t + 1] + k * (live2[self.align[t] + 1] - live[t + 1]) for t in range(self.base.n)]
+        best = max(range(self.base.n), key=lambda t: vals[t])
+        return vals[best], best
+
+    def at_point(self, t: int) -> sympy.Expr:
+        e = self.base.symbolic(self.base.alive_at(t))
+        if self.other is None:
+            return sympy.expand(e)
+        e2 = self.other.symbolic(self.other.alive_at(self.align[t]))
+        return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
+
+    def at_mark(self, name: str) -> sympy.Expr:
+        pos = self.marks[name]
+        e = self.base.symbolic([s for s in self.base.start if self.base.start[s] < pos < self.base.end[s]])
+        if self.other is None:
+            return sympy.expand(e)
+        pos2 = self.other_marks[name]
+        e2 = self.other.symbolic([s for s in self.other.start if self.other.start[s] < pos2 < self.other.end[s]])
+        return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
+
+    def symbolic_peak(self, names: list[str], samples: int = 48, seed: int = 0) -> tuple[Expr, list[int]]:
+        """Max over the points largest somewhere in a log-uniform sample of the sizes; dominated ones pruned."""
+        rng = random.Random(seed)
+        candidates: set[int] = set()
+        for _ in range(samples):
+            values = {n: int(2 ** rng.uniform(0, 14)) + 1 for n in names}
+            if "L" in values:
+                values["L"] = self.layers + int(2 ** rng.uniform(0, 8))
+            if "S_max" in values and "S" in values:
+                values["S_max"] = max(values["S_max"], values["S"])
+            candidates.add(self.evaluate(values)[1])
+        exprs = {t: self.at_point(t) for t in sorted(candidates)}
+        keep = []
+        for t, e in exprs.items():
+            dominated = any(
+                u != t and (exprs[u] != e or u < t) and _nonnegative(sympy.expand(exprs[u] - e)) for u in exprs
+            )
+            if not dominated:
+                keep.append(t)
+        if len(keep) == 1:
+            return exprs[keep[0]], keep
+        return sympy.Max(*(exprs[t] for t in keep)), keep
+
+
+def _nonnegative(e: sympy.Expr) -> bool:
+    """True when every coefficient of the expanded polynomial is >= 0 (so e >= 0 for positive symbols)."""
+    if e == 0:
+        return True
+    terms = e.as_ordered_terms() if isinstance(e, sympy.Add) else [e]
+    return all(t.as_coeff_Mul()[0] >= 0 for t in terms)
+
+
+def align_layers(base: StepTrace, other: StepTrace, stacks: list[str], layers: int) -> list[int] | None:
+    """Map each op of ``base`` (``layers`` blocks) to ``other`` (one more) by removing a middle block."""
+    drop = 2  # a middle block of ``other``
+
+    def block(module: str) -> tuple[str, int] | None:
+        for p in stacks:
+            prefix = p + "." if p else ""
+            if module.startswith(prefix):
+                head = module[len(prefix) :].split(".", 1)[0]
+                if head.isdigit():
+                    return p, int(head)
+        return None
+
+    kept = []
+    for rec in other.ops:
+        b = block(rec.module)
+        if b is None or b[1] != drop:
+            kept.append(rec)
+    if len(kept) != len(base.ops) or any(str(a.op) != str(b.op) for a, b in zip(base.ops, kept)):
+        return None
+    return [rec.index for rec in kept]
+
+
+@dataclass
+class Memory:
+    """Bytes of one step, as formulas (see the module docstring for what lives when)."""
+
+    params: Expr = 0
+    grads: Expr = 0
+    optimizer: Expr = 0  # optimizer states (m, v, step, momentum ...)
+    activations: Expr = 0  # saved for backward: distinct storages, params and inputs excluded
+    after_forward: Expr = 0
+    after_backward: Expr = 0
+    after_optimizer: Expr = 0  # after the step and zero_grad(set_to_none=True)
+    peak: Expr = 0
+    peak_at: list[str] = field(default_factory=list)  # where the candidate peaks occur
+    activations_by_module: dict[str, Expr] = field(default_factory=dict)
+    activations_per_layer: dict[str, Expr] = field(default_factory=dict)
+    optimizer_by_state: dict[str, Expr] = field(default_factory=dict)
+
+
+def static_and_activations(
+    trace: StepTrace,
+    probe: Probe,
+    counts: list[Any],
+    param_counts: dict[str, Any],
+    stacks: list[str],
+    generic: Any,
+) -> Memory:
+    """Parameters, gradients, optimizer states and saved activations, with multiplicities."""
+    L = sym("L")
+    nb = probe.to_expr
+    names_count = param_counts
+    mem = Memory()
+    params = sympy.Integer(0)
+    for ph in trace.placeholders:
+        if ph.kind == "param":
+            params += nb(trace.storage_nbytes[ph.meta.storage]) * names_count[ph.name]
+    grads = sum(
+        (nb(trace.storage_nbytes[st]) * names_count[n] for st, n in trace.grad_storages.items()), sympy.Integer(0)
+    )
+    by_state: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
+    for st, (n, key) in trace.state_storages.items():
+        by_state[key] += nb(trace.storage_nbytes[st]) * names_count[n]
+    acts = sympy.Integer(0)
+    by_module: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
+    per_layer: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
+    for st, nbytes in trace.saved_storages.items():
+        producer = trace.storage_producer.get(st)
+        if producer is None:
+            continue
+        c = counts[producer]
+        if c == 0:
+            continue
+        b = nb(nbytes)
+        module = trace.ops[producer].module
+        acts += b * c
+        by_module[generic(module)] += b * c
+        if c.has(L):
+            stack = next(p for p in stacks if module.startswith(p + ".") or not p)
+            per_layer[stack] += b
+    mem.params = sympy.expand(params)
+    mem.grads = sympy.expand(grads)
+    mem.optimizer = sympy.expand(sum(by_state.values(), sympy.Integer(0)))
+    mem.optimizer_by_state = {k: sympy.expand(v) for k, v in sorted(by_state.items())}
+    mem.activations = sympy.expand(acts)
+    mem.activations_by_module = {k: sympy.expand(v) for k, v in sorted(by_module.items())}
+    mem.activations_per_layer = {k: sympy.expand(v) for k, v in sorted(per_layer.items())}
+    return mem
+
+
+def liveness(base: StepTrace, other: StepTrace | None, probe: Probe, stacks: list[str], layers: int) -> Liveness | None:
+    iv = intervals(base, probe)
+    labels = [(r.index, str(r.op), r.module, r.phase) for r in base.ops]
+    marks = _mark_positions(base)
+    if other is None:
+        return Liveness(iv, None, [], layers, labels, marks, {})
+    align = align_layers(base, other, stacks, layers)
+    if align is None:
+        return None
+    return Liveness(iv, intervals(other, probe), align, layers, labels, marks, _mark_positions(other))
+
+
+def _mark_positions(trace: StepTrace) -> dict[str, float]:
+    n = len(trace.ops)
+    out = {k: v - 0.5 for k, v in trace.marks.items()}
+    if "after_optimizer" in out:
+        out["after_optimizer"] = n + 0.5
+    return out
+
+
+def fill_phases(mem: Memory, live: Liveness, names: list[str]) -> None:
+    """Phase points and the symbolic peak."""
+    for mark in ("after_forward", "after_backward", "after_optimizer"):
+        if mark in live.marks:
+            setattr(mem, mark, live.at_mark(mark))
+    mem.peak, points = live.symbolic_peak(sorted(names, key=sort_key))
+    mem.peak_at = [f"#{t} {live.labels[t][1]} in '{live.labels[t][2]}' ({live.labels[t][3]})" for t in points]
