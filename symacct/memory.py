@@ -2,10 +2,12 @@
 
 Conventions (docs/conventions.md, "Memory"):
 
-- a storage lives from the op that makes it to the last op that touches it;
-  parameters, buffers, inputs, optimizer states and what the caller holds
-  (the model output and the loss) live through the whole step; gradients
-  live until ``zero_grad(set_to_none=True)`` after the optimizer step;
+- a storage lives from the op that makes it until eager PyTorch frees it:
+  the trace watches every storage through a weak reference, so Python
+  locals, autograd's saved tensors (released as backward consumes them),
+  gradients (freed by ``zero_grad(set_to_none=True)`` after the step),
+  optimizer states, parameters and what the caller holds (the output and the
+  loss) live exactly as long as they do in eager mode;
 - "during op t" counts every storage alive at t (inputs and outputs of t);
   the phase points (after forward, after backward, after the optimizer step
   and zero_grad) count what survives between two ops;
@@ -57,26 +59,14 @@ class Intervals:
 
 
 def intervals(trace: StepTrace, probe: Probe) -> Intervals:
+    """Each storage lives from the op that makes it (or the step's start) to the moment eager frees it."""
     n = len(trace.ops)
     forever = n + 2.0
-    start: dict[int, float] = {}
-    end: dict[int, float] = {}
-    for st in trace.external_storages | set(trace.state_storages) | trace.held_storages:
-        start[st] = -1.0 if st in trace.external_storages else start.get(st, -1.0)
-        end[st] = forever
+    start: dict[int, float] = {st: -1.0 for st in trace.external_storages}
     for rec in trace.ops:
         for m in (*rec.inputs, *rec.outputs, *rec.mutated):
-            st = m.storage
-            if st not in start:
-                start[st] = float(rec.index)
-            if end.get(st, -2.0) != forever:
-                end[st] = max(end.get(st, -2.0), float(rec.index))
-    for st in trace.held_storages | set(trace.state_storages):
-        if st in trace.storage_producer:
-            start[st] = float(trace.storage_producer[st])
-    optimizer_ran = trace.marks.get("after_optimizer", n) > trace.marks.get("after_backward", n)
-    for st in trace.grad_storages:
-        end[st] = n + 0.25 if optimizer_ran else forever  # zero_grad(set_to_none=True) after the step
+            start.setdefault(m.storage, float(trace.storage_producer.get(m.storage, rec.index)))
+    end = {st: trace.storage_end.get(st, forever) for st in start}
     nbytes = {}
     for st in start:
         nb = trace.storage_nbytes.get(st)
@@ -105,6 +95,16 @@ class Liveness:
     labels: list[tuple[int, str, str, str]]  # per op: (index, op, module, phase)
     marks: dict[str, float]  # phase point -> position in ``base``
     other_marks: dict[str, float]
+    point_block: list[int | None] = field(default_factory=list)  # probe block of each op (None: outside)
+
+    def _valid(self, t: int, L: int) -> bool:
+        """Whether op t of the probe stands for a point of a model with L blocks."""
+        b = self.point_block[t] if self.point_block else None
+        if b is None or b == 0:
+            return True
+        if b == self.layers - 1:
+            return L >= 2  # the last block
+        return L >= 3  # a middle block
 
     def _live_arrays(self, iv: Intervals, values: Mapping[str, int]) -> np.ndarray:
         subs = {sym(k): sympy.Integer(v) for k, v in values.items()}
@@ -133,9 +133,11 @@ class Liveness:
             best = max(range(self.base.n), key=lambda t: live[t + 1])
             return live[best + 1], best
         live2 = self._live_arrays(self.other, values)
-        k = values.get("L", self.layers) - self.layers
-        vals = [live[t + 1] + k * (live2[self.align[t] + 1] - live[t + 1]) for t in range(self.base.n)]
-        best = max(range(self.base.n), key=lambda t: vals[t])
+        L = values.get("L", self.layers)
+        k = L - self.layers
+        points = [t for t in range(self.base.n) if self._valid(t, L)]
+        vals = {t: live[t + 1] + k * (live2[self.align[t] + 1] - live[t + 1]) for t in points}
+        best = max(points, key=lambda t: vals[t])
         return vals[best], best
 
     def at_point(self, t: int) -> sympy.Expr:
@@ -189,21 +191,7 @@ def _nonnegative(e: sympy.Expr) -> bool:
 def align_layers(base: StepTrace, other: StepTrace, stacks: list[str], layers: int) -> list[int] | None:
     """Map each op of ``base`` (``layers`` blocks) to ``other`` (one more) by removing a middle block."""
     drop = 2  # a middle block of ``other``
-
-    def block(module: str) -> tuple[str, int] | None:
-        for p in stacks:
-            prefix = p + "." if p else ""
-            if module.startswith(prefix):
-                head = module[len(prefix) :].split(".", 1)[0]
-                if head.isdigit():
-                    return p, int(head)
-        return None
-
-    kept = []
-    for rec in other.ops:
-        b = block(rec.module)
-        if b is None or b[1] != drop:
-            kept.append(rec)
+    kept = [rec for rec in other.ops if _block_index(rec.module, stacks) != drop]
     if len(kept) != len(base.ops) or any(str(a.op) != str(b.op) for a, b in zip(base.ops, kept)):
         return None
     return [rec.index for rec in kept]
@@ -286,7 +274,18 @@ def liveness(base: StepTrace, other: StepTrace | None, probe: Probe, stacks: lis
     align = align_layers(base, other, stacks, layers)
     if align is None:
         return None
-    return Liveness(iv, intervals(other, probe), align, layers, labels, marks, _mark_positions(other))
+    blocks = [_block_index(r.module, stacks) for r in base.ops]
+    return Liveness(iv, intervals(other, probe), align, layers, labels, marks, _mark_positions(other), blocks)
+
+
+def _block_index(module: str, stacks: list[str]) -> int | None:
+    for p in stacks:
+        prefix = p + "." if p else ""
+        if module.startswith(prefix):
+            head = module[len(prefix) :].split(".", 1)[0]
+            if head.isdigit():
+                return int(head)
+    return None
 
 
 def _mark_positions(trace: StepTrace) -> dict[str, float]:

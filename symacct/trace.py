@@ -26,8 +26,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from symacct.errors import SymacctError
 
@@ -113,28 +115,70 @@ class StepTrace:
     state_storages: dict[int, tuple[str, str]] = field(default_factory=dict)  # storage -> (parameter, state key)
     held_storages: set[int] = field(default_factory=set)  # kept alive to the end of the step (the loss)
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
+    storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
 
 
 class _Ids:
-    """Stable small ids for tensors and storages seen during the step."""
+    """Small ids for the tensors and storages of the step, and when each storage dies.
+
+    Nothing here holds a tensor: storages are watched through weak references,
+    so they die exactly when eager PyTorch (the same Python code, the same
+    references, autograd's saved tensors) lets them go.
+    """
 
     def __init__(self) -> None:
-        self._values: dict[int, int] = {}
-        self._storages: dict[int, int] = {}
-        self._keep: list[torch.Tensor] = []  # strong refs keep id() unique
+        self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._n_values = 0
+        self._storages: dict[int, int] = {}  # live storage address -> storage id
+        self._refs: dict[int, tuple[int, StorageWeakRef]] = {}  # storage id -> (address, weak ref)
 
     def meta(self, t: torch.Tensor) -> TMeta:
-        key = id(t)
-        if key not in self._values:
-            self._values[key] = len(self._values)
-            self._keep.append(t)
-        return TMeta(tuple(int(s) for s in t.shape), t.dtype, self._values[key], self.storage(t))
+        vid = self._values.get(t)
+        if vid is None:
+            vid = self._values[t] = self._n_values
+            self._n_values += 1
+        return TMeta(tuple(int(s) for s in t.shape), t.dtype, vid, self.storage(t))
 
     def storage(self, t: torch.Tensor) -> int:
-        key = t.untyped_storage()._cdata
-        if key not in self._storages:
-            self._storages[key] = len(self._storages)
-        return self._storages[key]
+        st = t.untyped_storage()
+        key = st._cdata
+        sid = self._storages.get(key)
+        if sid is None or self._refs[sid][1].expired():
+            sid = len(self._refs)
+            self._storages[key] = sid
+            self._refs[sid] = (key, StorageWeakRef(st))
+        return sid
+
+    def reap(self) -> list[int]:
+        """Storage ids that died since the last call."""
+        dead = [sid for key, sid in self._storages.items() if self._refs[sid][1].expired()]
+        for sid in dead:
+            del self._storages[self._refs[sid][0]]
+        return dead
+
+
+def _split_lists(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[tuple[Any, Any, Any]]:
+    """A foreach or fused-optimizer op over N tensors, as N one-tensor calls.
+
+    Each parameter's share then has its own node (its module, its
+    multiplicity in the layer stack); every list argument of length N is
+    indexed, other arguments are shared.
+    """
+    name = func.overloadpacket.__name__
+    if not (name.startswith("_foreach_") or name.startswith("_fused_")) or not args:
+        return [(args, kwargs, out)]
+    if not isinstance(args[0], (list, tuple)) or len(args[0]) <= 1:
+        return [(args, kwargs, out)]
+    n = len(args[0])
+
+    def pick(x: Any, i: int) -> Any:
+        return [x[i]] if isinstance(x, (list, tuple)) and len(x) == n else x
+
+    calls = []
+    for i in range(n):
+        o = [out[i]] if isinstance(out, (list, tuple)) and len(out) == n else out
+        calls.append((tuple(pick(a, i) for a in args), {k: pick(v, i) for k, v in kwargs.items()}, o))
+    return calls
 
 
 def _mutated_args(op: torch._ops.OpOverload) -> list[int]:
@@ -151,6 +195,15 @@ class _Recorder(TorchDispatchMode):
         self.root = root
         self.phase = "forward"
         self.seq_module: dict[int, str] = {}  # autograd sequence number -> module path
+
+    def reap(self, position: float) -> None:
+        for sid in self.ids.reap():
+            self.trace.storage_end.setdefault(sid, position)
+
+    def mark(self, name: str) -> None:
+        """A phase point between two ops; storages freed before it are dead at it."""
+        self.reap(len(self.trace.ops) - 0.75)
+        self.trace.marks[name] = len(self.trace.ops)
 
     def module(self) -> str:
         """Innermost module path of the op being dispatched.
@@ -184,6 +237,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _QUERIES or func.namespace == "profiler":
             return func(*args, **kwargs)
+        self.reap(len(self.trace.ops) - 0.25)  # died before this op
         try:
             out = func(*args, **kwargs)
         except SymacctError:
@@ -205,7 +259,8 @@ class _Recorder(TorchDispatchMode):
                 hint="symacct traces with fake tensors and cannot read values: replace the "
                 "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops",
             ) from e
-        self._record(func, args, kwargs, out)
+        for a, k, o in _split_lists(func, args, kwargs, out):
+            self._record(func, a, k, o)
         if self.phase == "forward":
             self.seq_module.setdefault(torch.autograd._get_sequence_nr() - 1, self.trace.ops[-1].module)
         return out
@@ -353,10 +408,10 @@ def record_step(
                 for t in [value, *tree_flatten(out)[0]]:
                     if isinstance(t, torch.Tensor):  # the caller still holds the output and the loss
                         trace.held_storages.add(ids.storage(t))
-                trace.marks["after_forward"] = len(trace.ops)
+                recorder.mark("after_forward")
                 recorder.phase = "backward"
                 value.backward()
-                trace.marks["after_backward"] = len(trace.ops)
+                recorder.mark("after_backward")
                 for name, p in model.named_parameters():
                     if p.grad is not None:
                         st = ids.storage(p.grad)
@@ -380,6 +435,7 @@ def record_step(
                     _state_storages(opt, model, ids, trace)
                     _attribute_optimizer_ops(trace)
                     opt.zero_grad(set_to_none=True)
+                recorder.reap(len(trace.ops) + 0.25)  # what zero_grad freed
                 trace.marks["after_optimizer"] = len(trace.ops)
             else:
                 with torch.no_grad():
@@ -387,7 +443,7 @@ def record_step(
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         trace.held_storages.add(ids.storage(t))
-                trace.marks["after_forward"] = len(trace.ops)
+                recorder.mark("after_forward")
     return trace
 
 
@@ -422,6 +478,8 @@ def _state_storages(opt: torch.optim.Optimizer, model: nn.Module, ids: _Ids, tra
         for key, v in state.items():
             if isinstance(v, torch.Tensor):
                 st = ids.storage(v)
+                if st not in trace.storage_producer:  # made before the step (Adagrad's __init__)
+                    trace.external_storages.add(st)
                 trace.state_storages[st] = (names[id(p)], key)
                 trace.owner[st] = names[id(p)]
                 if st not in trace.storage_nbytes:

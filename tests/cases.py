@@ -113,3 +113,27 @@ def sizes(cfg: Any) -> dict[str, int]:
             S_max=cfg.max_seq_len,
         )
     return dict(L=cfg.n_layers, D=cfg.dim)
+
+
+OPTIMIZERS = [
+    ("sgd", ()),
+    ("sgd", (("momentum", 0.9),)),
+    ("adagrad", ()),
+    ("adam", ()),
+    ("adamw", ()),
+    ("adamw", (("foreach", True),)),
+    ("adam", (("foreach", True),)),
+    ("sgd", (("momentum", 0.9), ("foreach", True))),
+]
+
+
+@cache
+def _derived_opt(
+    kind: type, sw: tuple[tuple[str, Any], ...], opt: str, opts: tuple[tuple[str, Any], ...]
+) -> symacct.Accounting:
+    model = build(dataclasses.replace(_SMALL[kind], **dict(sw)))
+    return symacct.derive(model, optimizer=opt, optimizer_options=dict(opts))
+
+
+def derived_with_optimizer(cfg: Any, opt: str, opts: tuple[tuple[str, Any], ...]) -> symacct.Accounting:
+    return _derived_opt(type(cfg), switches(cfg), opt, opts)

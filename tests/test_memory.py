@@ -1,0 +1,84 @@
+"""Memory formulas against what PyTorch really holds on a real CPU step.
+
+- params, grads and optimizer-state bytes: the sizes of the real tensors after
+  a real step, exactly;
+- after forward / after backward / after the optimizer step (and
+  zero_grad(set_to_none=True)): symacct's storage tracker (``symacct.measure``),
+  exactly;
+- peak: exactly as well. symacct's trace watches every fake storage through
+  a weak reference, so its lifetimes are eager's own (Python locals included:
+  an optimizer's ``denom`` lives until the next parameter overwrites it);
+  a "last use" model would miss that by up to one parameter's size.
+
+Sizes are drawn >= 2 (see test_saved_bytes.py for why size 1 differs).
+"""
+
+from __future__ import annotations
+
+import torch
+from cases import OPTIMIZERS, build, cruncher_cases, derived_with_optimizer, gpt2_cases, llama_cases, sizes
+from hypothesis import given
+from hypothesis import strategies as st
+
+import symacct
+from symacct.measure import measure_memory
+from symacct.models import GPT2, GPT2Config
+
+_OPT_CLASSES = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad,
+}
+
+
+def check(case, opt_choice) -> None:
+    cfg, B, S = case
+    opt, opts = opt_choice
+    acct = derived_with_optimizer(cfg, opt, opts)
+    model = build(cfg)
+    torch.manual_seed(0)
+    args = model.example_inputs(B, S)
+    real = measure_memory(model, args, lambda m: _OPT_CLASSES[opt](m.parameters(), lr=1e-3, **dict(opts)))
+    got = acct.at(B=B, S=S, **sizes(cfg)).memory
+    assert (got.params, got.grads, got.optimizer) == (real.params, real.grads, real.optimizer)
+    assert (got.after_forward, got.after_backward, got.after_optimizer) == (
+        real.after_forward,
+        real.after_backward,
+        real.after_optimizer,
+    )
+    assert got.peak == real.peak
+
+
+@given(gpt2_cases(lo=2), st.sampled_from(OPTIMIZERS))
+def test_gpt2_memory(case, opt):
+    check(case, opt)
+
+
+@given(llama_cases(lo=2), st.sampled_from(OPTIMIZERS))
+def test_llama_memory(case, opt):
+    check(case, opt)
+
+
+@given(cruncher_cases(lo=2), st.sampled_from(OPTIMIZERS))
+def test_cruncher_memory(case, opt):
+    check(case, opt)
+
+
+def test_adamw_fp32_is_16_bytes_per_parameter():
+    """4 (weights) + 4 (grads) + 4 (m) + 4 (v), read off the derived formulas' leading terms."""
+    import sympy
+
+    acct = symacct.derive(
+        GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)), optimizer="adamw"
+    )
+    mem = acct.memory
+    N = acct.params
+    # leading terms: every term of N has a counterpart 4x (weights), 4x (grads), 8x (m, v)
+    assert sympy.expand(mem.params - 4 * N) == 0
+    assert sympy.expand(mem.grads - 4 * N) == 0
+    # AdamW also keeps one fp32 `step` tensor per parameter tensor: 4 bytes each, not per element
+    n_tensors = sum(1 for n, a in acct.graph.nodes(data=True) if isinstance(n, str) and n.startswith("param:"))
+    steps = mem.optimizer_by_state["step"]
+    assert sympy.expand(mem.optimizer - 8 * N - steps) == 0
+    assert steps.subs(sympy.Symbol("L", integer=True, positive=True), 4) == 4 * n_tensors
