@@ -148,9 +148,7 @@ class Accounting:
             peak, t = self.liveness.evaluate(kw["values"])
             _, op, module, phase = self.liveness.labels[t]
             kw["memory"] = dataclasses.replace(kw["memory"], peak=peak, peak_at=[f"#{t} {op} in '{module}' ({phase})"])
-        ones = sorted(
-            (n for n, v in kw["values"].items() if v == 1 and n != "L" and n in self.free_symbols()), key=sort_key
-        )
+        ones = self._unit_sizes(subs)
         if ones:
             kw["notes"] = [
                 *kw["notes"],
@@ -158,6 +156,15 @@ class Accounting:
                 "take a view instead of a copy (or the reverse), so bytes can differ (FLOPs do not)",
             ]
         return Accounting(graph=g, **kw)
+
+    def _unit_sizes(self, subs: Mapping[sympy.Symbol, int]) -> list[str]:
+        """Tensor dimensions (symbols or products such as H/H_kv) that are 1 at these values."""
+        dims: set[sympy.Expr] = set()
+        for _, attrs in self.graph.nodes(data=True):
+            for shape in attrs["shapes"]:
+                dims.update(d for d in shape if isinstance(d, sympy.Basic) and d.free_symbols)
+        ones = {d for d in dims if d.xreplace(subs) == 1}
+        return sorted((str(d) for d in ones), key=lambda t: (len(t), t))
 
     def _flat(self) -> dict[str, Any]:
         out: dict[str, Any] = {"params": self.params, "params_embedding": self.params_embedding}

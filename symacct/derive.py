@@ -135,7 +135,9 @@ def _field_values(src: _Source, probe: Probe) -> dict[str, int]:
     return out
 
 
-def _record(src: _Source, probe: Probe, step: str, loss: Any, optimizer: Any) -> StepTrace:
+def _record(
+    src: _Source, probe: Probe, step: str, loss: Any, optimizer: Any, precision: dict[str, Any] | None = None
+) -> StepTrace:
     vals = _field_values(src, probe)
     B, S = probe.values["B"], probe.values["S"]
 
@@ -146,7 +148,9 @@ def _record(src: _Source, probe: Probe, step: str, loss: Any, optimizer: Any) ->
         with fake:
             return src.build(vals)
 
-    return record_step(build, lambda m: src.inputs(m, B, S), loss=loss, step=step, optimizer=optimizer)
+    return record_step(
+        build, lambda m: src.inputs(m, B, S), loss=loss, step=step, optimizer=optimizer, **(precision or {})
+    )
 
 
 def _stacks(trace: StepTrace, n: int) -> list[str]:
@@ -369,6 +373,8 @@ def derive(
     strict: bool = True,
     causal_discount: bool = False,
     embedding_flops: str = "lookup",
+    autocast: torch.dtype | None = None,
+    params_dtype: torch.dtype | None = None,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model``.
 
@@ -397,10 +403,16 @@ def derive(
             convention); default False (flop_counter's, PaLM's).
         embedding_flops: ``"lookup"`` (0 FLOPs, flop_counter's; default) or
             ``"matmul"`` (2*tokens*V*D forward, twice that backward).
+        autocast: ``torch.bfloat16`` or ``torch.float16``: the forward runs
+            under ``torch.autocast`` (backward outside it, as usual).
+        params_dtype: build the parameters in this dtype (pure low-precision
+            training or inference); float inputs follow.
 
     Conventions: docs/conventions.md.
     """
     kwargs = dict(
+        autocast=autocast,
+        params_dtype=params_dtype,
         inputs=inputs,
         loss=loss,
         step=step,
@@ -420,6 +432,10 @@ def derive(
     if make_opt is not None and step != "train":
         raise SymacctError("an optimizer needs step='train'", hint="drop optimizer= for step='forward'")
     options = {"embedding_flops": embedding_flops}
+    for name, dt in (("autocast", autocast), ("params_dtype", params_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise SymacctError(f"{name}={dt!r} is not a floating dtype", hint="use torch.bfloat16 or torch.float16")
+    precision = {"autocast": autocast, "params_dtype": params_dtype}
     src = _source(model, inputs, dims, fixed)
     # a fixed field's value is a constant; its prime factors may appear in sizes
     avoid = set()
@@ -428,7 +444,7 @@ def derive(
             avoid |= set(sympy.factorint(src.values[f]))
     probe1 = _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid)
     probe2 = _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid)
-    trace1 = _record(src, probe1, step, loss, make_opt)
+    trace1 = _record(src, probe1, step, loss, make_opt, precision)
     stacks = _stacks(trace1, LAYERS[0]) if probe1.layers is not None else []
     costed1 = cost_ops(trace1, probe1.to_expr, strict=strict, options=options)
     notes: list[str] = []
@@ -444,7 +460,7 @@ def derive(
         min_layers = 1
         counts = [sympy.Integer(1)] * len(costed1)
         param_counts = {ph.name: sympy.Integer(1) for ph in trace1.placeholders}
-    trace2 = _record(src, probe2, step, loss, make_opt)
+    trace2 = _record(src, probe2, step, loss, make_opt, precision)
     if probe1.layers is not None and not stacks:
         if len(trace2.ops) != len(trace1.ops):
             raise SymacctError(
@@ -459,7 +475,7 @@ def derive(
     _check_memory(memory, trace2, probe2, stacks, generic)
     if stacks:
         probe_more = dataclasses.replace(probe1, layers=LAYERS[1], _cache={})
-        trace_more = _record(src, probe_more, step, loss, make_opt)
+        trace_more = _record(src, probe_more, step, loss, make_opt, precision)
         live = liveness(trace1, trace_more, probe1, stacks, LAYERS[0])
     else:
         live = liveness(trace1, None, probe1, stacks, 1)
@@ -488,6 +504,8 @@ def derive(
             "embedding_flops": embedding_flops,
             "optimizer": getattr(optimizer, "__name__", optimizer),
             "optimizer_options": dict(optimizer_options or {}),
+            "autocast": str(autocast) if autocast else None,
+            "params_dtype": str(params_dtype) if params_dtype else None,
         },
         minimum={"L": min_layers} if stacks else {},
     )

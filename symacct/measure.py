@@ -8,6 +8,7 @@ seen through ``saved_tensors_hooks``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,20 @@ class Measured:
         return self.flops_forward + self.flops_backward
 
 
+def _autocast(dtype: torch.dtype | None, args: tuple[Any, ...]) -> Any:
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    return torch.autocast(device_type=device, dtype=dtype)
+
+
 def measure_step(
-    model: nn.Module, args: tuple[Any, ...], loss: Callable[[Any], torch.Tensor] | None = None
+    model: nn.Module,
+    args: tuple[Any, ...],
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Measured:
-    """Run one real training step (forward + backward) and count."""
+    """Run one real training step (forward under ``autocast`` if given, then backward) and count."""
     model.train()
     external = {p.untyped_storage().data_ptr() for p in model.parameters()}
     external |= {b.untyped_storage().data_ptr() for b in model.buffers()}
@@ -52,7 +63,7 @@ def measure_step(
         return pack(t)
 
     fwd = FlopCounterMode(display=False)
-    with fwd, torch.autograd.graph.saved_tensors_hooks(pack_keep, lambda t: t):
+    with fwd, torch.autograd.graph.saved_tensors_hooks(pack_keep, lambda t: t), _autocast(autocast, args):
         out = model(*args)
         value = loss(out) if loss is not None else out
     bwd = FlopCounterMode(display=False)
@@ -126,17 +137,33 @@ def measure_memory(
     args: tuple[Any, ...],
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     loss: Callable[[Any], torch.Tensor] | None = None,
+    autocast: torch.dtype | None = None,
+    step: str = "train",
 ) -> MeasuredMemory:
-    """Run one real step (forward, backward, optimizer step, zero_grad) and measure its memory."""
-    model.train()
+    """Run one real step and measure its memory.
+
+    ``step="train"``: forward (under ``autocast`` if given), backward, the
+    optimizer step and ``zero_grad(set_to_none=True)``; ``step="forward"``:
+    the forward under ``torch.no_grad()`` (the other phase points are then
+    the after-forward value, and grads and optimizer 0).
+    """
+    model.train() if step == "train" else model.eval()
     opt = optimizer(model) if optimizer is not None else None
     initial = [*model.parameters(), *model.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
     if opt is not None:
         initial += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     tracker = StorageTracker(initial)
+    if step == "forward":
+        with tracker, torch.no_grad(), _autocast(autocast, args):
+            out = model(*args)
+        after = tracker.current()
+        params = _distinct_nbytes(list(model.parameters()))
+        del out
+        return MeasuredMemory(params, 0, 0, after, after, after, tracker.peak)
     with tracker:
-        out = model(*args)
-        value = loss(out) if loss is not None else out
+        with _autocast(autocast, args):
+            out = model(*args)
+            value = loss(out) if loss is not None else out
         after_forward = tracker.current()
         value.backward()
         after_backward = tracker.current()

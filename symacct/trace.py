@@ -17,6 +17,7 @@ them into sympy expressions afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -324,6 +325,8 @@ def record_step(
     loss: Callable[[Any], torch.Tensor] | None = None,
     step: str = "train",
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    autocast: torch.dtype | None = None,
+    params_dtype: torch.dtype | None = None,
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
@@ -349,7 +352,13 @@ def record_step(
         ) from e
     with fake:
         try:
+            if params_dtype is not None:
+                _cast_floats(model, params_dtype)
             args = make_inputs(model)
+            if params_dtype is not None:  # float inputs follow the parameters
+                args = tuple(
+                    a.to(params_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+                )
         except Exception as e:
             raise SymacctError(
                 f"could not build the inputs: {type(e).__name__}: {e}",
@@ -395,7 +404,7 @@ def record_step(
 
         with tracker, recorder:
             if step == "train":
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast):
                     out = model(*args)
                 value = loss(out) if loss is not None else out
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
@@ -438,13 +447,39 @@ def record_step(
                 recorder.reap(len(trace.ops) + 0.25)  # what zero_grad freed
                 trace.marks["after_optimizer"] = len(trace.ops)
             else:
-                with torch.no_grad():
+                with torch.no_grad(), _autocast(autocast):
                     out = model(*args)
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         trace.held_storages.add(ids.storage(t))
                 recorder.mark("after_forward")
     return trace
+
+
+def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for fake parameters (``.to`` would swap tensors, which fake ones refuse).
+
+    Floating parameters and buffers are replaced by cast copies; a parameter
+    shared by several modules (tied weights) stays shared.
+    """
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point():
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            module._parameters[name] = done[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.to(dtype)
+
+
+def _autocast(dtype: torch.dtype | None) -> Any:
+    """``torch.autocast`` on the CPU (the device the trace's fake tensors are on), or nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cpu", dtype=dtype)
 
 
 def _attribute_optimizer_ops(trace: StepTrace) -> None:

@@ -46,7 +46,7 @@ def llama_cases(draw: st.DrawFn, lo: int = 1) -> Case:
         draw(st.integers(lo, 3)),
         draw(st.integers(max(lo, 1), 12)),
         draw(st.integers(lo, 3)),
-        draw(st.integers(1, 3)),
+        draw(st.integers(lo, 3)),
     )
     H, dh = Hkv * rep, 2 * draw(st.integers(1, 4))
     cfg = LlamaConfig(
@@ -55,7 +55,7 @@ def llama_cases(draw: st.DrawFn, lo: int = 1) -> Case:
         n_heads=H,
         n_kv_heads=Hkv,
         vocab_size=draw(st.integers(2, 40)),
-        hidden_dim=draw(st.integers(1, 30)),
+        hidden_dim=draw(st.integers(lo, 30)),
         max_seq_len=S + draw(st.integers(0, 3)),
         sdpa=draw(st.booleans()),
     )

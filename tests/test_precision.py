@@ -1,0 +1,113 @@
+"""Low precision: autocast, bf16 parameters, inference. Every figure against a real CPU step, exactly.
+
+- autocast bf16 training (AdamW): matmul FLOPs (FlopCounterMode), saved bytes
+  (saved_tensors_hooks: autocast's bf16 weight copies are saved, and counted),
+  params / grads / optimizer bytes, the three phase points and the peak;
+- bf16 inference (``step="forward"``, ``params_dtype=torch.bfloat16``):
+  2 bytes per parameter, and the transient peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+import sympy
+import torch
+from cases import _SMALL, build, gpt2_cases, llama_cases, sizes, switches
+from hypothesis import given
+
+import symacct
+from symacct.measure import measure_memory, measure_step
+from symacct.models import GPT2, GPT2Config
+
+
+@cache
+def _derive(kind, sw, **kw) -> symacct.Accounting:
+    return symacct.derive(build(dataclasses.replace(_SMALL[kind], **dict(sw))), **kw)
+
+
+def autocast_acct(cfg) -> symacct.Accounting:
+    return _derive(type(cfg), switches(cfg), autocast=torch.bfloat16, optimizer="adamw")
+
+
+def inference_acct(cfg) -> symacct.Accounting:
+    return _derive(type(cfg), switches(cfg), step="forward", params_dtype=torch.bfloat16)
+
+
+def check_autocast(case) -> None:
+    cfg, B, S = case
+    acct = autocast_acct(cfg).at(B=B, S=S, **sizes(cfg))
+    torch.manual_seed(0)
+    model = build(cfg)
+    args = model.example_inputs(B, S)
+    counted = measure_step(model, args, autocast=torch.bfloat16)
+    extra = 0
+    if getattr(cfg, "sdpa", False) and getattr(cfg, "dropout", 0.0) == 0.0:
+        # FlopCounterMode counts the CPU flash kernel as 0 (see test_flops_exact.py)
+        s = sizes(cfg)
+        extra = 7 * s["L"] * 2 * B * s["H"] * S * S * (s["D"] // s["H"])
+    assert acct.flops.total == counted.flops_total + extra
+    assert acct.memory.activations == counted.saved_bytes
+    real = measure_memory(
+        build(cfg), args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), autocast=torch.bfloat16
+    )
+    got = acct.memory
+    assert (got.params, got.grads, got.optimizer) == (real.params, real.grads, real.optimizer)
+    assert (got.after_forward, got.after_backward, got.after_optimizer, got.peak) == (
+        real.after_forward,
+        real.after_backward,
+        real.after_optimizer,
+        real.peak,
+    )
+
+
+def check_inference(case) -> None:
+    cfg, B, S = case
+    acct = inference_acct(cfg).at(B=B, S=S, **sizes(cfg))
+    model = build(cfg).to(torch.bfloat16)
+    real = measure_memory(model, model.example_inputs(B, S), step="forward")
+    assert acct.memory.params == real.params
+    assert (acct.memory.after_forward, acct.memory.peak) == (real.after_forward, real.peak)
+
+
+@given(gpt2_cases(lo=2))
+def test_gpt2_autocast_bf16(case):
+    check_autocast(case)
+
+
+@given(llama_cases(lo=2))
+def test_llama_autocast_bf16(case):
+    check_autocast(case)
+
+
+@given(gpt2_cases(lo=2))
+def test_gpt2_bf16_inference(case):
+    check_inference(case)
+
+
+@given(llama_cases(lo=2))
+def test_llama_bf16_inference(case):
+    check_inference(case)
+
+
+def test_bf16_inference_is_two_bytes_per_parameter():
+    acct = symacct.derive(
+        GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)),
+        step="forward",
+        params_dtype=torch.bfloat16,
+    )
+    assert sympy.expand(acct.memory.params - 2 * acct.params) == 0
+    assert acct.memory.grads == 0 and acct.memory.optimizer == 0
+
+
+def test_autocast_weight_copies_are_saved_per_layer():
+    """Under autocast the bf16 copies of the 12 D^2 block weights are saved for backward: 24 D^2 bytes per layer."""
+    acct = symacct.derive(
+        GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)), autocast=torch.bfloat16
+    )
+    D = sympy.Symbol("D", integer=True, positive=True)
+    per_layer = acct.memory.activations_per_layer["blocks"]
+    assert sympy.Poly(per_layer, D).coeff_monomial(D**2) == 24
+    fp32 = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)))
+    assert sympy.Poly(fp32.memory.activations_per_layer["blocks"], D).coeff_monomial(D**2) == 0
