@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -25,6 +26,7 @@ class GPT2Config:
     bias: bool = True  # biases in Linear and LayerNorm
     tie_weights: bool = True  # LM head shares the token-embedding matrix
     sdpa: bool = False  # attention through F.scaled_dot_product_attention
+    checkpoint: bool = False  # recompute each block in backward (torch.utils.checkpoint, non-reentrant)
 
 
 class CausalSelfAttention(nn.Module):
@@ -106,7 +108,10 @@ class GPT2(nn.Module):
         pos = torch.arange(S, device=idx.device)  # (S,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, S, D)
         for block in self.blocks:
-            x = block(x)  # (B, S, D)
+            if self.config.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)  # (B, S, D)
+            else:
+                x = block(x)  # (B, S, D)
         logits = self.lm_head(self.ln_f(x))  # (B, S, V)
         if targets is None:
             return logits

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -28,6 +29,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     sdpa: bool = False  # attention through F.scaled_dot_product_attention
+    checkpoint: bool = False  # recompute each block in backward (torch.utils.checkpoint, non-reentrant)
 
 
 class RMSNorm(nn.Module):
@@ -127,7 +129,10 @@ class Llama(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, S, D)
         cos, sin = self.cos[:S], self.sin[:S]  # 2 x (S, Dh)
         for layer in self.layers:
-            x = layer(x, cos, sin)  # (B, S, D)
+            if self.config.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)  # (B, S, D)
+            else:
+                x = layer(x, cos, sin)  # (B, S, D)
         logits = self.output(self.norm(x))  # (B, S, V)
         if targets is None:
             return logits

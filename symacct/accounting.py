@@ -43,11 +43,14 @@ class Flops:
     forward: Expr = 0
     backward: Expr = 0
     optimizer: Expr = 0
-    total: Expr = 0  # forward + backward + optimizer, matmul family
+    total: Expr = 0  # forward + backward + optimizer, matmul family ("model FLOPs")
+    recompute: Expr = 0  # forward ops run again in backward (activation checkpointing), matmul family
+    hardware: Expr = 0  # total + recompute: what the device executes
     other: Expr = 0  # every non-matmul FLOP of the step (elementwise, reductions, norms, softmax)
     other_forward: Expr = 0
     other_backward: Expr = 0
     other_optimizer: Expr = 0
+    other_recompute: Expr = 0
 
 
 @dataclass
@@ -353,7 +356,12 @@ def aggregate(
         backward=sympy.expand(flops["backward"]),
         optimizer=sympy.expand(flops["optimizer"]),
         total=sympy.expand(flops["forward"] + flops["backward"] + flops["optimizer"]),
-        other=sympy.expand(flops["other_forward"] + flops["other_backward"] + flops["other_optimizer"]),
+        recompute=sympy.expand(flops["recompute"]),
+        hardware=sympy.expand(flops["forward"] + flops["backward"] + flops["optimizer"] + flops["recompute"]),
+        other=sympy.expand(
+            flops["other_forward"] + flops["other_backward"] + flops["other_optimizer"] + flops["other_recompute"]
+        ),
+        other_recompute=sympy.expand(flops["other_recompute"]),
         other_forward=sympy.expand(flops["other_forward"]),
         other_backward=sympy.expand(flops["other_backward"]),
         other_optimizer=sympy.expand(flops["other_optimizer"]),

@@ -196,6 +196,16 @@ class _Recorder(TorchDispatchMode):
         self.root = root
         self.phase = "forward"
         self.seq_module: dict[int, str] = {}  # autograd sequence number -> module path
+        self.names: dict[int, str] = {}  # id(module) -> path
+        self.recomputing: list[str] = []  # modules whose forward runs again inside backward
+
+    def pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self.phase == "backward" and id(module) in self.names:
+            self.recomputing.append(self.names[id(module)])
+
+    def post_hook(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self.phase == "backward" and self.recomputing and id(module) in self.names:
+            self.recomputing.pop()
 
     def reap(self, position: float) -> None:
         for sid in self.ids.reap():
@@ -214,6 +224,8 @@ class _Recorder(TorchDispatchMode):
         the node's sequence number), or the parameter's module for
         ``AccumulateGrad``.
         """
+        if self.phase == "backward" and self.recomputing:
+            return self.recomputing[-1]  # activation checkpointing: a forward run again in backward
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
             if node is None:
@@ -290,7 +302,7 @@ class _Recorder(TorchDispatchMode):
             index=len(self.trace.ops),
             op=func,
             module=self.module(),
-            phase=self.phase,
+            phase="recompute" if self.phase == "backward" and self.recomputing else self.phase,
             args=margs,
             kwargs=mkwargs,
             out=mout,
@@ -395,6 +407,11 @@ def record_step(
         tracker = ModTracker()
         root = type(model).__name__
         recorder = _Recorder(trace, ids, tracker, root)
+        recorder.names = {id(m): n for n, m in model.named_modules()}
+        hooks = [
+            torch.nn.modules.module.register_module_forward_pre_hook(recorder.pre_hook),
+            torch.nn.modules.module.register_module_forward_hook(recorder.post_hook, always_call=True),
+        ]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = ids.storage(t)
@@ -402,7 +419,7 @@ def record_step(
                 trace.saved_storages[st] = t.untyped_storage().nbytes()
             return t
 
-        with tracker, recorder:
+        with tracker, recorder, _removing(hooks):
             if step == "train":
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast):
                     out = model(*args)
@@ -454,6 +471,15 @@ def record_step(
                         trace.held_storages.add(ids.storage(t))
                 recorder.mark("after_forward")
     return trace
+
+
+@contextlib.contextmanager
+def _removing(handles: list[Any]) -> Any:
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:

@@ -35,6 +35,7 @@ def gpt2_cases(draw: st.DrawFn, lo: int = 1) -> Case:
         sdpa=draw(st.booleans()),
         bias=draw(st.booleans()),
         dropout=draw(st.sampled_from([0.0, 0.1])),
+        checkpoint=draw(st.booleans()),
     )
     return cfg, B, S
 
@@ -58,6 +59,7 @@ def llama_cases(draw: st.DrawFn, lo: int = 1) -> Case:
         hidden_dim=draw(st.integers(lo, 30)),
         max_seq_len=S + draw(st.integers(0, 3)),
         sdpa=draw(st.booleans()),
+        checkpoint=draw(st.booleans()),
     )
     return cfg, B, S
 

@@ -23,12 +23,16 @@ from symacct.models import GPT2Config, LlamaConfig
 
 
 def sdpa_cpu_kernel_flops(cfg, B: int, S: int) -> tuple[int, int]:
-    """The CPU flash kernel's matmul FLOPs when the model uses it (SDPA without dropout), else 0."""
+    """The CPU flash kernel's matmul FLOPs when the model uses it (SDPA without dropout), else 0.
+
+    With activation checkpointing the forward kernel runs again in backward.
+    """
     if not getattr(cfg, "sdpa", False) or getattr(cfg, "dropout", 0.0) != 0.0:
         return 0, 0
     s = sizes(cfg)
     one = 2 * B * s["H"] * S * S * (s["D"] // s["H"])  # one (S x Dh) @ (Dh x S) product per batch and head
-    return s["L"] * 2 * one, s["L"] * 5 * one
+    again = 2 if cfg.checkpoint else 0
+    return s["L"] * 2 * one, s["L"] * (5 + again) * one
 
 
 def check(case) -> None:
@@ -40,8 +44,13 @@ def check(case) -> None:
     fwd, bwd = m.flops_forward + extra[0], m.flops_backward + extra[1]
     got = derived(cfg).at(B=B, S=S, **sizes(cfg))
     assert got.flops.forward == fwd
-    assert got.flops.backward == bwd
-    assert got.flops.total == fwd + bwd
+    # FlopCounterMode's backward includes the forward that checkpointing runs again
+    assert got.flops.backward + got.flops.recompute == bwd
+    assert got.flops.hardware == fwd + bwd
+    if getattr(cfg, "checkpoint", False):
+        assert got.flops.recompute > 0 and got.flops.total == got.flops.hardware - got.flops.recompute
+    else:
+        assert got.flops.recompute == 0
 
 
 @given(gpt2_cases())
