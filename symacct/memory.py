@@ -213,6 +213,7 @@ class Memory:
     activations_by_module: dict[str, Expr] = field(default_factory=dict)
     activations_per_layer: dict[str, Expr] = field(default_factory=dict)
     optimizer_by_state: dict[str, Expr] = field(default_factory=dict)
+    checkpoint: Expr = 0  # tensor bytes of torch.save({model, optimizer state dicts}): params, saved buffers, states
 
 
 def static_and_activations(
@@ -255,6 +256,11 @@ def static_and_activations(
         if c.has(L):
             stack = next(p for p in stacks if module.startswith(p + ".") or not p)
             per_layer[stack] += b
+    buffers = sympy.Integer(0)
+    for ph in trace.placeholders:
+        if ph.kind == "buffer" and ph.meta.storage in trace.persistent_buffers:
+            buffers += nb(trace.storage_nbytes[ph.meta.storage]) * names_count.get(ph.name, 1)
+    mem.checkpoint = sympy.expand(params + buffers + sum(by_state.values(), sympy.Integer(0)))
     mem.params = sympy.expand(params)
     mem.grads = sympy.expand(grads)
     mem.optimizer = sympy.expand(sum(by_state.values(), sympy.Integer(0)))

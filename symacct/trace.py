@@ -117,6 +117,7 @@ class StepTrace:
     held_storages: set[int] = field(default_factory=set)  # kept alive to the end of the step (the loss)
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
     storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
+    persistent_buffers: set[int] = field(default_factory=set)  # buffer storages that state_dict() saves
 
 
 class _Ids:
@@ -389,8 +390,11 @@ def record_step(
             trace.placeholders.append(Placeholder("param", name, m))
             trace.external_storages.add(m.storage)
             trace.storage_nbytes[m.storage] = p.untyped_storage().nbytes()
+        state_keys = set(model.state_dict(keep_vars=True))
         for name, b in model.named_buffers():
             m = ids.meta(b)
+            if name in state_keys:
+                trace.persistent_buffers.add(m.storage)
             trace.placeholders.append(Placeholder("buffer", name, m))
             trace.external_storages.add(m.storage)
             trace.storage_nbytes[m.storage] = b.untyped_storage().nbytes()

@@ -82,3 +82,33 @@ def test_adamw_fp32_is_16_bytes_per_parameter():
     steps = mem.optimizer_by_state["step"]
     assert sympy.expand(mem.optimizer - 8 * N - steps) == 0
     assert steps.subs(sympy.Symbol("L", integer=True, positive=True), 4) == 4 * n_tensors
+
+
+def test_memtracker_agrees_with_the_formulas():
+    """PyTorch's own MemTracker (torch.distributed._tools.mem_tracker) as a second witness, on CPU."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    acct = derived_with_optimizer(GPT2Config(), "adamw", ())
+    cfg = GPT2Config(n_layer=3, n_embd=48, n_head=4, vocab_size=96, block_size=24)
+    model = GPT2(cfg)
+    args = model.example_inputs(3, 20)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracker = MemTracker()
+    tracker.track_external(model, opt, *args)
+    cpu = torch.device("cpu")
+    with tracker:
+        loss = model(*args)
+        after_forward = tracker.get_tracker_snapshot("current")[cpu]["Total"]
+        loss.backward()
+        after_backward = tracker.get_tracker_snapshot("current")[cpu]["Total"]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after_optimizer = tracker.get_tracker_snapshot("current")[cpu]["Total"]
+    peak = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
+    got = acct.at(B=3, S=20, **sizes(cfg)).memory
+    assert (got.after_forward, got.after_backward, got.after_optimizer, got.peak) == (
+        after_forward,
+        after_backward,
+        after_optimizer,
+        peak,
+    )
