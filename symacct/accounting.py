@@ -160,6 +160,23 @@ class Accounting:
             ]
         return Accounting(graph=g, **kw)
 
+    def bytes_per_param(self) -> sympy.Expr | None:
+        """Static bytes (params + grads + optimizer states) per parameter, read off the leading terms.
+
+        The ratio of the coefficients of the highest-degree monomials of N (the
+        weight matrices); per-tensor extras such as AdamW's ``step`` counters
+        are lower order. None when the leading terms are not proportional.
+        """
+        static = sympy.expand(self.memory.params + self.memory.grads + self.memory.optimizer)
+        n = sympy.expand(self.params)
+        if not isinstance(n, sympy.Expr) or n.is_number:
+            return sympy.nsimplify(static / n) if n else None
+        gens = sorted(n.free_symbols | static.free_symbols, key=lambda x: sort_key(x.name))
+        pn, ps = sympy.Poly(n, *gens), sympy.Poly(static, *gens)
+        top = max(sum(m) for m in pn.monoms())
+        ratios = {ps.coeff_monomial(m) / c for m, c in zip(pn.monoms(), pn.coeffs()) if sum(m) == top}
+        return ratios.pop() if len(ratios) == 1 else None
+
     def _unit_sizes(self, subs: Mapping[sympy.Symbol, int]) -> list[str]:
         """Tensor dimensions (symbols or products such as H/H_kv) that are 1 at these values."""
         dims: set[sympy.Expr] = set()

@@ -34,6 +34,7 @@ from symacct.errors import SymacctError
 from symacct.graph import CostedOp, build_graph, cost_ops
 from symacct.memory import fill_phases, liveness, static_and_activations
 from symacct.probe import FIRST_PRIMES, LAYERS, SECOND_PRIMES, Probe, make_probe
+from symacct.recipes import MixedPrecisionAdamW
 from symacct.symbols import letter_for_field, sym
 from symacct.trace import StepTrace, call_inputs, record_step
 
@@ -321,6 +322,7 @@ _OPTIMIZERS = {
     "nadam": torch.optim.NAdam,
     "radam": torch.optim.RAdam,
     "adadelta": torch.optim.Adadelta,
+    "mixed_adamw": MixedPrecisionAdamW,
 }
 
 

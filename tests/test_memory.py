@@ -15,8 +15,22 @@ Sizes are drawn >= 2 (see test_saved_bytes.py for why size 1 differs).
 
 from __future__ import annotations
 
+import dataclasses
+from functools import cache
+
+import pytest
 import torch
-from cases import OPTIMIZERS, build, cruncher_cases, derived_with_optimizer, gpt2_cases, llama_cases, sizes
+from cases import (
+    _SMALL,
+    OPTIMIZERS,
+    build,
+    cruncher_cases,
+    derived_with_optimizer,
+    gpt2_cases,
+    llama_cases,
+    sizes,
+    switches,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -112,3 +126,56 @@ def test_memtracker_agrees_with_the_formulas():
         after_optimizer,
         peak,
     )
+
+
+def test_bytes_per_parameter_come_out_of_derive():
+    """fp32 AdamW: 4 + 4 + 4 + 4 = 16; the seeds' bf16 mixed recipe: 2 + 2 + 12 = 16; fp32 grads: 18; SGD: 8."""
+    small = GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)
+    cases = [
+        ({"optimizer": "adamw"}, 16),
+        ({"optimizer": "sgd"}, 8),
+        ({"optimizer": "sgd", "optimizer_options": {"momentum": 0.9}}, 12),
+        ({"optimizer": "mixed_adamw", "params_dtype": torch.bfloat16}, 16),
+        ({"optimizer": "mixed_adamw", "params_dtype": torch.bfloat16, "optimizer_options": {"fp32_grads": True}}, 18),
+    ]
+    for kwargs, expected in cases:
+        assert symacct.derive(GPT2(small), **kwargs).bytes_per_param() == expected, kwargs
+
+
+@given(gpt2_cases(lo=2), st.booleans())
+def test_mixed_precision_recipe_memory(case, fp32_grads):
+    from symacct.recipes import MixedPrecisionAdamW
+
+    cfg, B, S = case
+    acct = _mixed(switches(cfg), fp32_grads)
+    model = build(cfg).to(torch.bfloat16)
+    torch.manual_seed(0)
+    args = model.example_inputs(B, S)
+    real = measure_memory(model, args, lambda m: MixedPrecisionAdamW(m.parameters(), fp32_grads=fp32_grads))
+    got = acct.at(B=B, S=S, **sizes(cfg)).memory
+    fields = ("params", "grads", "optimizer", "after_forward", "after_backward", "after_optimizer", "peak")
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(real, f) for f in fields}
+
+
+@cache
+def _mixed(sw, fp32_grads: bool) -> symacct.Accounting:
+    model = build(dataclasses.replace(_SMALL[GPT2Config], **dict(sw)))
+    return symacct.derive(
+        model, params_dtype=torch.bfloat16, optimizer="mixed_adamw", optimizer_options={"fp32_grads": fp32_grads}
+    )
+
+
+def test_optimizers_symacct_cannot_account_are_refused():
+    small = GPT2(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, block_size=8))
+    with pytest.raises(symacct.SymacctError, match="optimizer step failed on fake tensors"):
+        symacct.derive(small, optimizer=torch.optim.LBFGS)  # needs a closure
+
+    class GlobalState(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step()
+            self.state["norm"] = {"total": torch.zeros(())}  # not keyed by a parameter
+
+    with pytest.raises(symacct.SymacctError, match="not keyed by a parameter"):
+        symacct.derive(small, optimizer=GlobalState)
+    with pytest.raises(symacct.SymacctError, match="unknown optimizer"):
+        symacct.derive(small, optimizer="adamx")
