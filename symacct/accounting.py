@@ -169,12 +169,15 @@ class Accounting:
         """
         static = sympy.expand(self.memory.params + self.memory.grads + self.memory.optimizer)
         n = sympy.expand(self.params)
-        if not isinstance(n, sympy.Expr) or n.is_number:
-            return sympy.nsimplify(static / n) if n else None
-        gens = sorted(n.free_symbols | static.free_symbols, key=lambda x: sort_key(x.name))
-        pn, ps = sympy.Poly(n, *gens), sympy.Poly(static, *gens)
-        top = max(sum(m) for m in pn.monoms())
-        ratios = {ps.coeff_monomial(m) / c for m, c in zip(pn.monoms(), pn.coeffs()) if sum(m) == top}
+        terms_n = sympy.Add.make_args(n)
+        terms_s = dict(_split_term(t) for t in sympy.Add.make_args(static))
+
+        def degree(mono: sympy.Expr) -> int:
+            return sum(int(e) for e in mono.as_powers_dict().values()) if mono != 1 else 0
+
+        split_n = [_split_term(t) for t in terms_n]
+        top = max(degree(m) for m, _ in split_n)
+        ratios = {terms_s.get(m, 0) / c for m, c in split_n if degree(m) == top}
         return ratios.pop() if len(ratios) == 1 else None
 
     def _unit_sizes(self, subs: Mapping[sympy.Symbol, int]) -> list[str]:
@@ -224,6 +227,12 @@ class Accounting:
         if np.all(np.abs(approx) < 2.0**53):
             return np.asarray(fn(*(a.astype(np.int64) for a in args))).astype(np.int64)
         return approx
+
+
+def _split_term(term: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+    """(monomial, coefficient) of one term of an expanded polynomial."""
+    coeff, mono = term.as_coeff_Mul()
+    return mono, coeff
 
 
 _NODE_NUMBERS = ("flops", "flops_other", "bytes_read", "bytes_written", "count")

@@ -91,7 +91,17 @@ def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
     from symacct.report import summary
 
     model = load_model(args.model, _overrides(args.config))
-    acct = symacct.derive(model, step=args.step, causal_discount=args.causal_discount)
+    import torch
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}
+    acct = symacct.derive(
+        model,
+        step=args.step,
+        causal_discount=args.causal_discount,
+        optimizer=args.optimizer if args.step == "train" else None,
+        autocast=dtypes[args.autocast],
+        params_dtype=dtypes[args.params_dtype],
+    )
     B = args.batch
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     return summary(acct, B=B, S=S, name=args.model)
@@ -107,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--seq", type=int, default=None, help="S at which to evaluate (default: S_max)")
     d.add_argument("--step", choices=("train", "forward"), default="train")
     d.add_argument("--causal-discount", action="store_true", help="halve attention-score FLOPs (Megatron)")
+    d.add_argument("--optimizer", default="adamw", help="optimizer traced in the step (default adamw)")
+    d.add_argument("--autocast", choices=("bf16", "fp16"), default=None, help="forward under torch.autocast")
+    d.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None, help="parameters in this dtype")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub.add_parser("list", help="list the built-in models")
     args = parser.parse_args(argv)

@@ -377,6 +377,7 @@ def derive(
     embedding_flops: str = "lookup",
     autocast: torch.dtype | None = None,
     params_dtype: torch.dtype | None = None,
+    device: str = "cpu",
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model``.
 
@@ -409,10 +410,14 @@ def derive(
             under ``torch.autocast`` (backward outside it, as usual).
         params_dtype: build the parameters in this dtype (pure low-precision
             training or inference); float inputs follow.
+        device: the device the fake tensors claim to be on (``"cpu"``
+            default; ``"cuda"`` traces the CUDA kernels, e.g. flash attention,
+            and needs a CUDA build of torch).
 
     Conventions: docs/conventions.md.
     """
     kwargs = dict(
+        device=device,
         autocast=autocast,
         params_dtype=params_dtype,
         inputs=inputs,
@@ -437,7 +442,12 @@ def derive(
     for name, dt in (("autocast", autocast), ("params_dtype", params_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise SymacctError(f"{name}={dt!r} is not a floating dtype", hint="use torch.bfloat16 or torch.float16")
-    precision = {"autocast": autocast, "params_dtype": params_dtype}
+    if device != "cpu" and (not device.startswith("cuda") or not torch.cuda.is_available()):
+        raise SymacctError(
+            f"cannot trace for device {device!r} here",
+            hint="device='cuda' needs a CUDA build of torch and a GPU; otherwise use device='cpu'",
+        )
+    precision = {"autocast": autocast, "params_dtype": params_dtype, "device": device}
     src = _source(model, inputs, dims, fixed)
     # a fixed field's value is a constant; its prime factors may appear in sizes
     avoid = set()
@@ -508,6 +518,7 @@ def derive(
             "optimizer_options": dict(optimizer_options or {}),
             "autocast": str(autocast) if autocast else None,
             "params_dtype": str(params_dtype) if params_dtype else None,
+            "device": device,
         },
         minimum={"L": min_layers} if stacks else {},
     )

@@ -177,7 +177,7 @@ class Liveness:
                 keep.append(t)
         if len(keep) == 1:
             return exprs[keep[0]], keep
-        return sympy.Max(*(exprs[t] for t in keep)), keep
+        return sympy.Max(*(exprs[t] for t in keep), evaluate=False), keep  # already pruned
 
 
 def _nonnegative(e: sympy.Expr) -> bool:

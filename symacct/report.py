@@ -23,12 +23,23 @@ _ROWS = (
     ("saved_bytes", "activation bytes saved for backward"),
     ("bytes.read", "bytes read by all ops"),
     ("bytes.written", "bytes written by all ops"),
+    ("memory.params", "memory: parameters, bytes"),
+    ("memory.grads", "memory: gradients, bytes"),
+    ("memory.optimizer", "memory: optimizer states, bytes"),
+    ("memory.after_forward", "memory: live after forward, bytes"),
+    ("memory.after_backward", "memory: live after backward, bytes"),
+    ("memory.after_optimizer", "memory: live after optimizer step + zero_grad, bytes"),
+    ("memory.peak", "memory: peak of the step, bytes"),
+    ("memory.checkpoint", "checkpoint file tensors, bytes"),
 )
 
 
 def pretty(expr: Any) -> str:
     """One formula as text: expanded, collected by L, sympy's stable term order."""
-    e = sympy.expand(sympy.sympify(expr))
+    e = sympy.sympify(expr)
+    if isinstance(e, sympy.Max):
+        return "Max(" + ", ".join(pretty(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
+    e = sympy.expand(e)
     L = sym("L")
     if e.has(L):
         e = sympy.collect(e, L)
@@ -57,6 +68,8 @@ def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
         )
     return {
         "model": name,
+        "peak_at": list(at.memory.peak_at),
+        "bytes_per_param": str(acct.bytes_per_param()),
         "step": acct.options.get("step", "train"),
         "symbols": [
             {"symbol": k, "meaning": MEANING.get(k, f"config field {acct.fields.get(k, k)}"), "value": v}
@@ -90,6 +103,11 @@ def render_text(report: dict[str, Any]) -> str:
     for c in report["components"]:
         lines.append(f"  {c['component']:<10} FLOPs {c['flops']}  = {_si(c['flops_value'])}")
         lines.append(f"  {'':<10} params {c['params']}  = {_si(c['params_value'])}")
+    lines += [
+        "",
+        f"peak at: {', '.join(report['peak_at'])}",
+        f"static bytes per parameter: {report['bytes_per_param']}",
+    ]
     if report["notes"]:
         lines += ["", "notes:"] + [f"  {n}" for n in report["notes"]]
     if report["unaccounted"]:

@@ -340,6 +340,7 @@ def record_step(
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     autocast: torch.dtype | None = None,
     params_dtype: torch.dtype | None = None,
+    device: str = "cpu",
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
@@ -354,7 +355,8 @@ def record_step(
     ids = _Ids()
     fake = FakeTensorMode(allow_non_fake_inputs=False)
     try:
-        model = build(fake)
+        with torch.device(device):
+            model = build(fake)
     except SymacctError:
         raise
     except Exception as e:
@@ -367,7 +369,8 @@ def record_step(
         try:
             if params_dtype is not None:
                 _cast_floats(model, params_dtype)
-            args = make_inputs(model)
+            with torch.device(device):
+                args = make_inputs(model)
             if params_dtype is not None:  # float inputs follow the parameters
                 args = tuple(
                     a.to(params_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
@@ -425,7 +428,7 @@ def record_step(
 
         with tracker, recorder, _removing(hooks):
             if step == "train":
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast, device):
                     out = model(*args)
                 value = loss(out) if loss is not None else out
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
@@ -468,7 +471,7 @@ def record_step(
                 recorder.reap(len(trace.ops) + 0.25)  # what zero_grad freed
                 trace.marks["after_optimizer"] = len(trace.ops)
             else:
-                with torch.no_grad(), _autocast(autocast):
+                with torch.no_grad(), _autocast(autocast, device):
                     out = model(*args)
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
@@ -505,11 +508,11 @@ def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
                 module._buffers[name] = b.to(dtype)
 
 
-def _autocast(dtype: torch.dtype | None) -> Any:
-    """``torch.autocast`` on the CPU (the device the trace's fake tensors are on), or nothing."""
+def _autocast(dtype: torch.dtype | None, device: str) -> Any:
+    """``torch.autocast`` on the device the trace's fake tensors are on, or nothing."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type="cpu", dtype=dtype)
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def _attribute_optimizer_ops(trace: StepTrace) -> None:

@@ -61,6 +61,9 @@ def test_activation_checkpointing_saving_and_cost():
     last = plain.modules["blocks.*.mlp.c_proj"]["flops_forward"]
     assert sympy.expand(ckpt.flops.recompute - (blocks_forward - last)) == 0
     assert sympy.expand(ckpt.flops.total - plain.flops.total) == 0  # model FLOPs do not change
+    # with dropout the residual dropout's mask must be regenerated: then it is one full forward
+    with_dropout = symacct.derive(small_gpt2(dropout=0.1, checkpoint=True))
+    assert sympy.expand(with_dropout.flops.recompute - blocks_forward) == 0
 
 
 def test_llama_checkpointing_recomputes_one_forward():

@@ -1,0 +1,75 @@
+"""CUDA checks: derive(device="cuda") against torch.cuda's allocator, within 3%.
+
+Marked ``cuda`` and skipped without a GPU. The caching allocator rounds every
+block up to a multiple of 512 bytes and keeps cuBLAS workspaces, so
+``memory_allocated`` exceeds the sum of tensor bytes by a little: 3% on
+these sizes is the stated tolerance. Run with ``python -m pytest -m cuda``;
+``scripts/gpu_check.sh`` runs them and writes a report.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symacct
+from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CASES = [
+    (
+        GPT2,
+        GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=4096, block_size=256),
+        dict(L=4, D=256, H=4, V=4096, S_max=256),
+    ),
+    (
+        Llama,
+        LlamaConfig(
+            dim=256, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=4096, hidden_dim=688, max_seq_len=256, sdpa=True
+        ),
+        dict(L=4, D=256, H=8, H_kv=2, V=4096, F=688, S_max=256),
+    ),
+]
+
+
+@pytest.mark.parametrize("cls,cfg,sizes", CASES, ids=["gpt2", "llama"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_cuda_phase_points_and_peak(cls, cfg, sizes, autocast):
+    B, S = 8, 256
+    small = type(cfg)(**{**cfg.__dict__, **_small(cfg)})
+    acct = symacct.derive(cls(small), optimizer="adamw", autocast=autocast, device="cuda")
+    got = acct.at(B=B, S=S, **sizes).memory
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model = cls(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    args = tuple(a.cuda() for a in model.example_inputs(B, S))
+    torch.cuda.reset_peak_memory_stats()
+    ctx = torch.autocast("cuda", dtype=autocast) if autocast else torch.autocast("cuda", enabled=False)
+    with ctx:
+        loss = model(*args)
+    after_forward = torch.cuda.memory_allocated() - base
+    loss.backward()
+    after_backward = torch.cuda.memory_allocated() - base
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    after_optimizer = torch.cuda.memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base
+    for name, measured in [
+        ("after_forward", after_forward),
+        ("after_backward", after_backward),
+        ("after_optimizer", after_optimizer),
+        ("peak", peak),
+    ]:
+        predicted = getattr(got, name)
+        assert abs(predicted - measured) <= 0.03 * measured, (name, predicted, measured)
+
+
+def _small(cfg):
+    if isinstance(cfg, GPT2Config):
+        return dict(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)
+    return dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, hidden_dim=24, max_seq_len=16)
