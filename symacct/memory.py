@@ -213,6 +213,7 @@ class Memory:
     activations_by_module: dict[str, Expr] = field(default_factory=dict)
     activations_per_layer: dict[str, Expr] = field(default_factory=dict)
     optimizer_by_state: dict[str, Expr] = field(default_factory=dict)
+    autocast_copies: dict[str, Expr] = field(default_factory=dict)  # module -> bytes of autocast's weight casts
     checkpoint: Expr = 0  # tensor bytes of torch.save({model, optimizer state dicts}): params, saved buffers, states
 
 
@@ -261,6 +262,15 @@ def static_and_activations(
         if ph.kind == "buffer" and ph.meta.storage in trace.persistent_buffers:
             buffers += nb(trace.storage_nbytes[ph.meta.storage]) * names_count.get(ph.name, 1)
     mem.checkpoint = sympy.expand(params + buffers + sum(by_state.values(), sympy.Integer(0)))
+    # autocast's low-precision copies of the weights: casts whose input is a parameter
+    copies: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
+    param_storages = {ph.meta.storage for ph in trace.placeholders if ph.kind == "param"}
+    for rec in trace.ops:
+        if rec.phase == "forward" and rec.op.overloadpacket.__name__ == "_to_copy" and counts[rec.index] != 0:
+            if any(m.storage in param_storages for m in rec.inputs):
+                for m in rec.outputs:
+                    copies[generic(rec.module)] += nb(trace.storage_nbytes[m.storage]) * counts[rec.index]
+    mem.autocast_copies = {k: sympy.expand(v) for k, v in sorted(copies.items())}
     mem.params = sympy.expand(params)
     mem.grads = sympy.expand(grads)
     mem.optimizer = sympy.expand(sum(by_state.values(), sympy.Integer(0)))

@@ -126,6 +126,7 @@ OPTIMIZERS = [
     ("adamw", (("foreach", True),)),
     ("adam", (("foreach", True),)),
     ("sgd", (("momentum", 0.9), ("foreach", True))),
+    ("adamw", (("fused", True),)),
 ]
 
 

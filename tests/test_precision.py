@@ -109,5 +109,11 @@ def test_autocast_weight_copies_are_saved_per_layer():
     D = sympy.Symbol("D", integer=True, positive=True)
     per_layer = acct.memory.activations_per_layer["blocks"]
     assert sympy.Poly(per_layer, D).coeff_monomial(D**2) == 24
+    # and they appear as what they are, per module: one bf16 copy (2 bytes an element) of weight and bias
+    copies = acct.memory.autocast_copies
+    L = sympy.Symbol("L", integer=True, positive=True)
+    assert sympy.expand(copies["blocks.*.attn.c_attn"] - L * 2 * (3 * D * D + 3 * D)) == 0
+    assert sympy.expand(copies["blocks.*.mlp.c_fc"] - L * 2 * (4 * D * D + 4 * D)) == 0
     fp32 = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)))
+    assert fp32.memory.autocast_copies == {}
     assert sympy.Poly(fp32.memory.activations_per_layer["blocks"], D).coeff_monomial(D**2) == 0
