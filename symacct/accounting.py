@@ -74,7 +74,6 @@ class Accounting:
     bytes: Bytes
     params: Expr  # parameter count N (tied weights once)
     params_embedding: Expr  # parameters of nn.Embedding tables
-    saved_bytes: Expr  # bytes of activation storages saved for backward (params and inputs excluded)
     modules: dict[str, dict[str, Expr]]  # module path ('blocks.*.attn') -> metric -> formula
     components: dict[str, dict[str, Expr]]  # embedding / attention / mlp / norm / head / loss / other
     per_layer: dict[str, dict[str, Expr]]  # stack path -> metric -> formula of one repeated block
@@ -87,6 +86,11 @@ class Accounting:
     minimum: dict[str, int] = field(default_factory=dict)  # least value for which the formulas hold
     memory: Memory = field(default_factory=Memory)  # bytes: static, activations, phase points, peak
     liveness: Liveness | None = field(default=None, repr=False)  # for exact peaks in at()
+
+    @property
+    def saved_bytes(self) -> Expr:
+        """Bytes of the activations saved for backward (``memory.activations``)."""
+        return self.memory.activations
 
     # ---- evaluation -------------------------------------------------------------
     def free_symbols(self) -> list[str]:
@@ -369,14 +373,6 @@ def aggregate(
         b = next((p for p in stacks if mod.startswith(p + ".")), None)
         if b is not None and param_counts[ph.name].has(L):
             per_layer.setdefault(b, defaultdict(lambda: sympy.Integer(0)))["params"] += numel
-    # saved activations: each saved storage once, sized by the op that made it
-    saved = sympy.Integer(0)
-    for st in trace.saved_storages:
-        producer = trace.storage_producer.get(st)
-        if producer is None:
-            continue
-        c = graph.nodes[producer]["count"]
-        saved += probe.to_expr(trace.storage_nbytes[st]) * c if c != 0 else 0
     fl = Flops(
         forward=sympy.expand(flops["forward"]),
         backward=sympy.expand(flops["backward"]),
@@ -410,7 +406,6 @@ def aggregate(
         bytes=by,
         params=sympy.expand(params),
         params_embedding=sympy.expand(params_emb),
-        saved_bytes=sympy.expand(saved),
         modules=finish(modules),
         components=finish(comps),
         per_layer=finish(per_layer),
