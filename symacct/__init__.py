@@ -8,6 +8,7 @@ sympy formulas in the model's own dimensions.
 from symacct.accounting import Accounting
 from symacct.derive import derive
 from symacct.errors import SymacctError
+from symacct.timing import estimate, fit, max_params, mfu, roofline
 
-__all__ = ["Accounting", "SymacctError", "derive"]
+__all__ = ["Accounting", "SymacctError", "derive", "estimate", "fit", "max_params", "mfu", "roofline"]
 __version__ = "0.1.0"

@@ -164,6 +164,19 @@ class Accounting:
             ]
         return Accounting(graph=g, **kw)
 
+    def peak(self, **values: int) -> int:
+        """The exact peak bytes at these sizes (the liveness pass only: fast, for searches)."""
+        if self.liveness is None:
+            raise SymacctError("no liveness for this accounting", hint="see acct.notes")
+        full = {s.name: v for s, v in self._subs(values).items()}
+        return self.liveness.evaluate(full)[0]
+
+    def time(self, *, hardware: Any, tokens: float, gpus: int = 1, mfu: float = 0.5, **sizes: int) -> Any:
+        """Training time for ``tokens`` with this step's derived FLOPs (``symacct.timing.train_time``)."""
+        from symacct.timing import train_time  # timing builds on accounting
+
+        return train_time(self, hardware=hardware, tokens=tokens, gpus=gpus, mfu=mfu, **sizes)
+
     def bytes_per_param(self) -> sympy.Expr | None:
         """Static bytes (params + grads + optimizer states) per parameter, read off the leading terms.
 

@@ -1,6 +1,9 @@
 """Command line: argument parsing and printing only.
 
-``symacct derive MODEL [--config KEY=VALUE ...] [--batch B] [--seq S] [--json]``
+``symacct derive MODEL [--config KEY=VALUE ...] [--batch B] [--seq S] [--optimizer NAME] [--json]``
+``symacct estimate [MODEL] --tokens T --hardware NAME [--params N] [--gpus G] [--mfu M] [--json]``
+``symacct fit [MODEL] --hardware NAME [--gpus G] [--optimizer NAME] [--reserve R] [--solve batch|seq|layers]``
+``symacct list`` / ``symacct hardware``
 
 MODEL is a built-in name (``symacct list``) or ``package.module:factory``
 (a callable returning an ``nn.Module`` with a ``config`` and
@@ -23,6 +26,14 @@ from symacct.errors import SymacctError
 
 class _UsageError(Exception):
     pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line (exit code 2) like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"symacct: error: {self.prog.removeprefix('symacct ')}: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _parse_value(text: str) -> Any:
@@ -107,8 +118,122 @@ def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
     return summary(acct, B=B, S=S, name=args.model)
 
 
+def _number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if v != v or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number: {text!r}")
+    return v
+
+
+def _print(report: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        width = max(len(k) for k in report)
+        for k, v in report.items():
+            print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _dtype(name: str | None) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[name]
+
+
+def _estimate(args: argparse.Namespace) -> dict[str, Any]:
+    from symacct.timing import estimate, train_time
+
+    gpus = int(args.gpus)
+    if args.model is None:
+        if args.params is None:
+            raise _UsageError("estimate needs --params (6ND form) or a MODEL")
+        est = estimate(
+            params=args.params, tokens=args.tokens, hardware=args.hardware, gpus=gpus, mfu=args.mfu, dtype=args.dtype
+        )
+        flops_per_token = 6 * args.params
+    else:
+        import symacct
+
+        acct = symacct.derive(load_model(args.model, _overrides(args.config)))
+        S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
+        est = train_time(
+            acct,
+            hardware=args.hardware,
+            tokens=args.tokens,
+            gpus=gpus,
+            mfu=args.mfu,
+            dtype=args.dtype,
+            B=args.batch,
+            S=S,
+        )
+        flops_per_token = est.flops / args.tokens
+    return {
+        "formula": est.formula,
+        "flops": est.flops,
+        "flops_per_token": flops_per_token,
+        "seconds": est.seconds,
+        "days": est.days,
+        "hardware": est.inputs["hardware"],
+        "gpus": gpus,
+        "mfu": args.mfu,
+    }
+
+
+def _fit(args: argparse.Namespace) -> dict[str, Any]:
+    import symacct
+    from symacct.hardware import get
+    from symacct.timing import fit, max_params
+
+    hw = get(args.hardware)
+    gpus = int(args.gpus)
+    if args.model is None:
+        # bytes per parameter read off a derived step (a small reference model), not a table
+        from symacct.models import Cruncher, CruncherConfig
+
+        probe = symacct.derive(
+            Cruncher(CruncherConfig()), optimizer=args.optimizer, params_dtype=_dtype(args.params_dtype)
+        )
+        bpp = probe.bytes_per_param()
+        n = max_params(hardware=hw, gpus=gpus, bytes_per_param=float(bpp), reserve=args.reserve)
+        return {
+            "formula": "params = capacity * gpus * (1 - reserve) / bytes_per_param (static memory only)",
+            "bytes_per_param": float(bpp),
+            "params": n,
+            "capacity_bytes": hw.memory_bytes * gpus,
+            "reserve": args.reserve,
+            "hardware": hw.name,
+            "gpus": gpus,
+        }
+    model = load_model(args.model, _overrides(args.config))
+    acct = symacct.derive(
+        model, optimizer=args.optimizer, autocast=_dtype(args.autocast), params_dtype=_dtype(args.params_dtype)
+    )
+    symbol = {"batch": "B", "seq": "S", "layers": "L"}[args.solve]
+    sizes: dict[str, int] = {}
+    if symbol != "B":
+        sizes["B"] = args.batch
+    if symbol != "S":
+        sizes["S"] = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
+    res = fit(acct, symbol, hardware=hw, gpus=gpus, reserve=args.reserve, **sizes)
+    return {
+        "formula": res.formula,
+        "solve": symbol,
+        "value": res.value,
+        "peak_bytes": res.peak_bytes,
+        "next_peak_bytes": res.next_peak_bytes,
+        "budget_bytes": res.budget_bytes,
+        "reserve": args.reserve,
+        "hardware": hw.name,
+        **{k: v for k, v in sizes.items()},
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="symacct", description="Symbolic resource accounting for PyTorch")
+    parser = _Parser(prog="symacct", description="Symbolic resource accounting for PyTorch")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("derive", help="derive and print the FLOP, byte and parameter formulas of a model")
     d.add_argument("model", help="built-in name (symacct list) or package.module:factory")
@@ -122,6 +247,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None, help="parameters in this dtype")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub.add_parser("list", help="list the built-in models")
+    e = sub.add_parser("estimate", help="training time by the 6ND rule, or from a model's derived FLOPs")
+    e.add_argument("model", nargs="?", help="optional: derive the step FLOPs of this model instead of 6ND")
+    e.add_argument("--params", type=_number, help="parameter count N (6ND form), e.g. 70e9")
+    e.add_argument("--tokens", type=_number, required=True, help="training tokens, e.g. 15e12")
+    e.add_argument("--hardware", required=True, help="accelerator name (see symacct hardware)")
+    e.add_argument("--gpus", type=_number, default=1)
+    e.add_argument("--mfu", type=_number, default=0.5, help="model FLOPs utilisation in (0, 1]")
+    e.add_argument("--dtype", default="bf16", help="peak to use: bf16, fp16, fp8, tf32, fp32")
+    e.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
+    e.add_argument("--batch", type=int, default=8)
+    e.add_argument("--seq", type=int, default=None)
+    e.add_argument("--json", action="store_true")
+    f = sub.add_parser("fit", help="what fits: largest model (bytes/param rule) or largest batch / sequence")
+    f.add_argument("model", nargs="?", help="optional: solve on this model's derived peak")
+    f.add_argument("--hardware", required=True)
+    f.add_argument("--gpus", type=_number, default=1)
+    f.add_argument("--optimizer", default="adamw")
+    f.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None)
+    f.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
+    f.add_argument("--reserve", type=_number, default=0.15, help="fraction kept for what formulas cannot see")
+    f.add_argument("--solve", choices=("batch", "seq", "layers"), default="batch")
+    f.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
+    f.add_argument("--batch", type=int, default=8)
+    f.add_argument("--seq", type=int, default=None)
+    f.add_argument("--json", action="store_true")
+    sub.add_parser("hardware", help="list the accelerator catalog")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "list":
@@ -129,6 +280,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print("\n".join(PRESETS))
             return 0
+        if args.cmd == "hardware":
+            from symacct.hardware import CATALOG
+
+            for a in CATALOG.values():
+                peaks = ", ".join(f"{k} {v:g}" for k, v in a.peak.items())
+                print(
+                    f"{a.name:<14} {a.memory_gb:g} GB, {a.bandwidth_tbs:g} TB/s, dense TFLOP/s: {peaks}  [{a.source}]"
+                )
+            return 0
+        if args.cmd == "estimate":
+            return _print(_estimate(args), args.json)
+        if args.cmd == "fit":
+            return _print(_fit(args), args.json)
         if args.batch is not None and args.batch <= 0 or args.seq is not None and args.seq <= 0:
             raise _UsageError("--batch and --seq must be positive integers")
         report = _derive_report(args)
