@@ -232,6 +232,41 @@ def _fit(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _verify(args: argparse.Namespace) -> int:
+    import torch
+
+    import symacct
+    from symacct.derive import _optimizer_factory
+    from symacct.verify import render, verify
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise _UsageError("--device cuda but CUDA is not available here; use --device cpu")
+    meta = load_model(args.model, _overrides(args.config))
+    acct = symacct.derive(meta, optimizer=args.optimizer, autocast=_dtype(args.autocast), device=args.device)
+    S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
+    torch.manual_seed(0)
+    model = type(meta)(meta.config)
+    rows = verify(
+        model,
+        acct,
+        B=args.batch,
+        S=S,
+        device=args.device,
+        optimizer=_optimizer_factory(args.optimizer, None),
+        autocast=_dtype(args.autocast),
+        steps=args.steps,
+    )
+    notes = acct.at(B=args.batch, S=S).notes
+    if args.json:
+        report = {"model": args.model, "B": args.batch, "S": S, "rows": [r.as_dict() for r in rows], "notes": notes}
+        print(json.dumps(report, indent=2))
+    else:
+        print(render(rows))
+        for n in notes:
+            print(f"note: {n}")
+    return 0 if all(r.ok for r in rows) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="symacct", description="Symbolic resource accounting for PyTorch")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -273,6 +308,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     f.add_argument("--seq", type=int, default=None)
     f.add_argument("--json", action="store_true")
     sub.add_parser("hardware", help="list the accelerator catalog")
+    v = sub.add_parser("verify", help="run the real model and compare every prediction with a measurement")
+    v.add_argument("model")
+    v.add_argument("--device", default="cpu", help="cpu or cuda")
+    v.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
+    v.add_argument("--batch", type=int, default=2)
+    v.add_argument("--seq", type=int, default=None)
+    v.add_argument("--optimizer", default="adamw")
+    v.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
+    v.add_argument("--steps", type=int, default=1)
+    v.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "list":
@@ -293,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _print(_estimate(args), args.json)
         if args.cmd == "fit":
             return _print(_fit(args), args.json)
+        if args.cmd == "verify":
+            return _verify(args)
         if args.batch is not None and args.batch <= 0 or args.seq is not None and args.seq <= 0:
             raise _UsageError("--batch and --seq must be positive integers")
         report = _derive_report(args)

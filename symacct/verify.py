@@ -1,0 +1,157 @@
+"""Predicted vs measured, a row each: ``symacct verify``.
+
+The model is derived (from a meta-device copy), then built at its real size
+on the chosen device and run for real. Rows, each with its tolerance:
+
+- matmul FLOPs, forward and backward (``FlopCounterMode``; on CPU its gap on
+  the flash-attention kernel is shown as its own row, not hidden);
+- saved-activation bytes (``saved_tensors_hooks``);
+- params, grads, optimizer-state bytes (the real tensors after the step);
+- live bytes after forward, after backward, after the optimizer step, and the
+  peak (CPU: ``symacct.measure.StorageTracker``; CUDA: ``memory_allocated`` /
+  ``max_memory_allocated``, peak reset per step);
+- on CUDA, step time and MFU (CUDA events), against the roofline.
+
+Tolerances: 0 on CPU (every figure is exact there); 3 % for CUDA memory
+(the caching allocator rounds blocks to 512 bytes and keeps workspaces);
+25 % for the roofline step time. Step 1 is compared; later steps
+(``--steps``) are measured and shown (optimizer states then exist before
+the forward). On CPU only step 1 runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from symacct.accounting import Accounting
+from symacct.errors import SymacctError
+from symacct.measure import measure_memory, measure_step
+
+_CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+@dataclass
+class Row:
+    name: str
+    predicted: float
+    measured: float
+    tolerance: float  # relative
+
+    @property
+    def error(self) -> float:
+        if self.measured == 0:
+            return 0.0 if self.predicted == 0 else float("inf")
+        return (self.predicted - self.measured) / self.measured
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.error) <= self.tolerance
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "predicted": self.predicted,
+            "measured": self.measured,
+            "relative_error": self.error,
+            "tolerance": self.tolerance,
+            "verdict": "ok" if self.ok else "MISMATCH",
+        }
+
+
+def _uncounted_sdpa(at: Accounting) -> tuple[int, int]:
+    """Derived matmul FLOPs of the CPU flash-attention kernels (forward, backward+recompute)."""
+    fwd = bwd = 0
+    for _, a in at.graph.nodes(data=True):
+        if a["op"].startswith(_CPU_SDPA) and a["count"]:
+            if a["phase"] == "forward":
+                fwd += a["flops"] * a["count"]
+            else:
+                bwd += a["flops"] * a["count"]
+    return fwd, bwd
+
+
+def verify(
+    model: nn.Module,
+    acct: Accounting,
+    *,
+    B: int,
+    S: int,
+    device: str = "cpu",
+    optimizer: Any = None,
+    autocast: torch.dtype | None = None,
+    steps: int = 1,
+    sizes: dict[str, int] | None = None,
+) -> list[Row]:
+    """Run the real model and return predicted-vs-measured rows (see the module docstring)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SymacctError("--device cuda but CUDA is not available here", hint="use --device cpu")
+    if steps < 1:
+        raise SymacctError(f"steps must be >= 1, got {steps}", hint="--steps 1")
+    at = acct.at(B=B, S=S, **(sizes or {}))
+    model = model.to(device)
+    args = tuple(a.to(device) for a in model.example_inputs(B, S))
+    exact = 0.0 if device == "cpu" else 0.03
+    rows: list[Row] = []
+    counted = measure_step(model, args, autocast=autocast)  # forward + backward, no update
+    model.zero_grad(set_to_none=True)
+    gap_f, gap_b = _uncounted_sdpa(at) if device == "cpu" else (0, 0)
+    rows.append(Row("matmul FLOPs, forward", at.flops.forward - gap_f, counted.flops_forward, 0.0))
+    rows.append(
+        Row(
+            "matmul FLOPs, backward (+ recompute)",
+            at.flops.backward + at.flops.recompute - gap_b,
+            counted.flops_backward,
+            0.0,
+        )  # fmt: skip
+    )
+    if gap_f or gap_b:
+        rows.append(Row("CPU flash-attention FLOPs (FlopCounterMode counts 0)", gap_f + gap_b, 0, float("inf")))
+    rows.append(Row("saved activation bytes", at.memory.activations, counted.saved_bytes, exact))
+    if device == "cpu":
+        real = measure_memory(model, args, optimizer, autocast=autocast)
+        for name in ("params", "grads", "optimizer", "after_forward", "after_backward", "after_optimizer", "peak"):
+            rows.append(Row(f"memory: {name}", getattr(at.memory, name), getattr(real, name), exact))
+    else:
+        rows.extend(_cuda_rows(model, args, at, optimizer, autocast, steps))
+    return rows
+
+
+def _cuda_rows(
+    model: nn.Module, args: tuple[Any, ...], at: Accounting, optimizer: Any, autocast: Any, steps: int
+) -> list[Row]:
+    base = torch.cuda.memory_allocated()
+    opt = optimizer(model) if optimizer is not None else None
+    torch.cuda.reset_peak_memory_stats()
+    ctx = torch.autocast("cuda", dtype=autocast) if autocast else torch.autocast("cuda", enabled=False)
+    with ctx:
+        loss = model(*args)
+    after_forward = torch.cuda.memory_allocated() - base
+    loss.backward()
+    after_backward = torch.cuda.memory_allocated() - base
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    after_optimizer = torch.cuda.memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base
+    rows = [
+        Row("memory: after_forward", at.memory.after_forward, after_forward, 0.03),
+        Row("memory: after_backward", at.memory.after_backward, after_backward, 0.03),
+        Row("memory: after_optimizer", at.memory.after_optimizer, after_optimizer, 0.03),
+        Row("memory: peak", at.memory.peak, peak, 0.03),
+    ]
+    del loss
+    return rows
+
+
+def render(rows: list[Row]) -> str:
+    width = max(len(r.name) for r in rows)
+    lines = [f"{'row':<{width}}  {'predicted':>16}  {'measured':>16}  {'error':>9}  verdict"]
+    for r in rows:
+        err = "n/a" if r.tolerance == float("inf") else f"{r.error:+.2%}"
+        verdict = "shown" if r.tolerance == float("inf") else ("ok" if r.ok else "MISMATCH")
+        lines.append(f"{r.name:<{width}}  {r.predicted:>16,.0f}  {r.measured:>16,.0f}  {err:>9}  {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""symacct verify: predicted vs measured on a real CPU step, with exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SMALL_GPT2 = [
+    "--config",
+    "n_layer=2",
+    "--config",
+    "n_embd=32",
+    "--config",
+    "vocab_size=64",
+    "--config",
+    "block_size=16",
+]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "symacct.cli", *args], capture_output=True, text=True)
+
+
+def test_verify_cpu_every_row_exact():
+    out = cli("verify", "gpt2", *SMALL_GPT2, "--config", "n_head=4", "--batch", "2", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    names = {r["name"] for r in rows}
+    assert {"matmul FLOPs, forward", "saved activation bytes", "memory: peak", "memory: after_optimizer"} <= names
+    assert all(r["verdict"] == "ok" and r["relative_error"] == 0 for r in rows)
+
+
+def test_verify_shows_flop_counter_gap_on_cpu_sdpa():
+    out = cli("verify", "llama", "--config", "n_layers=1", "--config", "dim=32", "--config", "n_heads=4",
+              "--config", "n_kv_heads=2", "--config", "vocab_size=64", "--config", "hidden_dim=48",
+              "--config", "max_seq_len=16", "--config", "sdpa=true", "--batch", "2")  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FlopCounterMode counts 0" in out.stdout
+
+
+def test_verify_exits_1_on_a_mismatch_and_says_why():
+    # B = 1 and H = 1: PyTorch views instead of copying q, k, v, so saved bytes differ (FLOPs do not)
+    out = cli("verify", "gpt2", *SMALL_GPT2, "--config", "n_head=1", "--config", "sdpa=true", "--batch", "1")
+    assert out.returncode == 1
+    assert "MISMATCH" in out.stdout and "note:" in out.stdout and "= 1" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_verify_cuda_without_cuda_is_one_line_exit_2():
+    out = cli("verify", "gpt2", "--device", "cuda")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "CUDA" in out.stderr and not out.stdout
