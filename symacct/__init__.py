@@ -9,6 +9,7 @@ from symacct.accounting import Accounting
 from symacct.derive import derive
 from symacct.errors import SymacctError
 from symacct.timing import estimate, fit, max_params, mfu, roofline
+from symacct.track import track
 
-__all__ = ["Accounting", "SymacctError", "derive", "estimate", "fit", "max_params", "mfu", "roofline"]
+__all__ = ["Accounting", "SymacctError", "derive", "estimate", "fit", "max_params", "mfu", "roofline", "track"]
 __version__ = "0.1.0"

@@ -308,6 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     f.add_argument("--seq", type=int, default=None)
     f.add_argument("--json", action="store_true")
     sub.add_parser("hardware", help="list the accelerator catalog")
+    df = sub.add_parser("diff", help="compare two resource logs written by symacct.track, phase by phase")
+    df.add_argument("log_a")
+    df.add_argument("log_b")
+    df.add_argument("--json", action="store_true")
     v = sub.add_parser("verify", help="run the real model and compare every prediction with a measurement")
     v.add_argument("model")
     v.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -340,6 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _print(_fit(args), args.json)
         if args.cmd == "verify":
             return _verify(args)
+        if args.cmd == "diff":
+            from symacct.track import diff
+
+            return _print(diff(args.log_a, args.log_b), args.json)
         if args.batch is not None and args.batch <= 0 or args.seq is not None and args.seq <= 0:
             raise _UsageError("--batch and --seq must be positive integers")
         report = _derive_report(args)
