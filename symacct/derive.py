@@ -454,6 +454,10 @@ def derive(
     for f in fixed:
         if f in src.values:
             avoid |= set(sympy.factorint(src.values[f]))
+    if src.configless:  # every size of the module is a constant: no probe may collide with one
+        for t in [*model.parameters(), *model.buffers()]:
+            for d in t.shape:
+                avoid |= set(sympy.factorint(int(d))) if d > 1 else set()
     probe1 = _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid)
     probe2 = _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid)
     trace1 = _record(src, probe1, step, loss, make_opt, precision)

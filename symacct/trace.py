@@ -159,6 +159,26 @@ class _Ids:
         return dead
 
 
+# Ops whose meta (fake) kernel keeps a non-contiguous input's strides where the CPU kernel
+# returns a contiguous output; a later view/reshape then copies in eager but not in the trace.
+# Found by the fuzzer (symacct/fuzz.py): BatchNorm1d on a transposed input.
+_CPU_CONTIGUOUS_OUT = {
+    aten.native_batch_norm.default,
+    aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats,
+    aten._native_batch_norm_legit_functional.default,
+}
+
+
+def _eager_strides(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """Give a fake output the strides the eager CPU kernel gives it, where the two differ."""
+    if func not in _CPU_CONTIGUOUS_OUT or not isinstance(out, tuple) or out[0].device.type != "cpu":
+        return out
+    if out[0].is_contiguous():
+        return out
+    return (out[0].contiguous(), *out[1:])
+
+
 def _split_lists(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[tuple[Any, Any, Any]]:
     """A foreach or fused-optimizer op over N tensors, as N one-tensor calls.
 
@@ -273,6 +293,7 @@ class _Recorder(TorchDispatchMode):
                 hint="symacct traces with fake tensors and cannot read values: replace the "
                 "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops",
             ) from e
+        out = _eager_strides(func, args, out)
         for a, k, o in _split_lists(func, args, kwargs, out):
             self._record(func, a, k, o)
         if self.phase == "forward":
@@ -443,6 +464,12 @@ def record_step(
                         trace.held_storages.add(ids.storage(t))
                 recorder.mark("after_forward")
                 recorder.phase = "backward"
+                if not value.requires_grad:
+                    raise SymacctError(
+                        "the loss does not require grad: no parameter reaches it",
+                        module="",
+                        hint="a training step needs parameters on the path to the loss; use step='forward'",
+                    )
                 value.backward()
                 recorder.mark("after_backward")
                 for name, p in model.named_parameters():
