@@ -252,7 +252,7 @@ def _split_term(term: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
     return mono, coeff
 
 
-_NODE_NUMBERS = ("flops", "flops_other", "bytes_read", "bytes_written", "count")
+_NODE_NUMBERS = ("flops", "flops_other", "bytes_read", "bytes_written", "allocated", "count")
 
 _LAMBDA_CACHE: dict[tuple[sympy.Expr, tuple[str, ...]], Any] = {}
 

@@ -237,7 +237,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     import symacct
     from symacct.derive import _optimizer_factory
-    from symacct.verify import render, verify
+    from symacct.verify import profile_match, render, verify
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise _UsageError("--device cuda but CUDA is not available here; use --device cpu")
@@ -256,14 +256,30 @@ def _verify(args: argparse.Namespace) -> int:
         autocast=_dtype(args.autocast),
         steps=args.steps,
     )
-    notes = acct.at(B=args.batch, S=S).notes
+    at = acct.at(B=args.batch, S=S)
+    notes = at.notes
+    prof_rows, unmatched = [], {}
+    if args.profile:
+        torch.manual_seed(0)
+        real = type(meta)(meta.config).to(args.device)
+        inputs = tuple(a.to(args.device) for a in real.example_inputs(args.batch, S))
+        prof_rows, unmatched = profile_match(real, inputs, at, autocast=_dtype(args.autocast))
     if args.json:
         report = {"model": args.model, "B": args.batch, "S": S, "rows": [r.as_dict() for r in rows], "notes": notes}
+        if args.profile:
+            report["profile"] = [r.__dict__ for r in prof_rows]
+            report["unpredicted_allocations"] = unmatched
         print(json.dumps(report, indent=2))
     else:
         print(render(rows))
         for n in notes:
             print(f"note: {n}")
+        if args.profile:
+            print("\ntorch.profiler, forward + backward: bytes allocated per op (predicted vs measured)")
+            for r in prof_rows:
+                print(f"  {r.op:<40} {r.predicted:>14,}  {r.measured:>14,}")
+            for name, b in unmatched.items():
+                print(f"  allocated under a name the graph does not have: {name} {b:,} bytes")
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -321,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.add_argument("--optimizer", default="adamw")
     v.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
     v.add_argument("--steps", type=int, default=1)
+    v.add_argument("--profile", action="store_true", help="match torch.profiler's per-op memory to graph nodes")
     v.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:

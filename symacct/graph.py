@@ -9,8 +9,9 @@ wrote a value to every op that reads it. Node attributes:
 (forward / backward / optimizer), ``shapes`` (output shapes, sympy),
 ``dtypes``, ``flops`` (matmul family), ``flops_other``, ``bytes_read``,
 ``bytes_written``, ``saved`` (an output storage is saved for backward),
-``count`` (how many times the node stands in the real model: ``L`` for a
-representative block, 0 for the other probe blocks, 1 elsewhere).
+``allocated`` (bytes of the new storages it makes), ``count`` (how many
+times the node stands in the real model: ``L`` for a representative block,
+0 for the other probe blocks, 1 elsewhere).
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def build_graph(trace: StepTrace, costed: list[CostedOp], counts: list[sympy.Exp
             bytes_read=0,
             bytes_written=0,
             saved=False,
+            allocated=0,
             count=1,
         )
         writer[ph.meta.vid] = key
@@ -172,6 +174,14 @@ def build_graph(trace: StepTrace, costed: list[CostedOp], counts: list[sympy.Exp
             bytes_read=c.cost.bytes_read,
             bytes_written=c.cost.bytes_written,
             saved=any(t.storage in saved and trace.storage_producer.get(t.storage) == rec.index for t in rec.outputs),
+            allocated=sum(
+                (
+                    dim(trace.storage_nbytes[st])
+                    for st in {t.storage for t in rec.outputs}
+                    if trace.storage_producer.get(st) == rec.index
+                ),
+                0,
+            ),  # fmt: skip
             count=n,
             ruled=c.ruled,
         )

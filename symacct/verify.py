@@ -155,3 +155,57 @@ def render(rows: list[Row]) -> str:
         verdict = "shown" if r.tolerance == float("inf") else ("ok" if r.ok else "MISMATCH")
         lines.append(f"{r.name:<{width}}  {r.predicted:>16,.0f}  {r.measured:>16,.0f}  {err:>9}  {verdict}")
     return "\n".join(lines)
+
+
+@dataclass
+class ProfileRow:
+    op: str
+    predicted: int  # bytes the graph's nodes of this op allocate
+    measured: int  # torch.profiler self memory of the op and of the allocations inside it
+
+
+def profile_match(
+    model: nn.Module, args: tuple[Any, ...], at: Accounting, autocast: torch.dtype | None = None, top: int = 12
+) -> tuple[list[ProfileRow], dict[str, int]]:
+    """torch.profiler (profile_memory=True) on a real forward + backward, matched to graph nodes by op.
+
+    Each profiler event's self memory is given to the outermost enclosing op
+    that the graph knows, the one that reached dispatch (an ``aten::empty``
+    inside ``aten::mm`` counts for mm, an ``aten::empty_like`` inside
+    ``aten::clone`` for clone).
+    Returns the ops that allocate most (predicted vs measured) and the
+    allocations under names the graph does not have (workspaces and such).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    predicted: dict[str, int] = {}
+    for _, a in at.graph.nodes(data=True):
+        if a["phase"] in ("forward", "backward", "recompute") and a["count"]:
+            name = "aten::" + a["op"].split(".")[1]
+            predicted[name] = predicted.get(name, 0) + int(a["allocated"]) * int(a["count"])
+    known = set(predicted)
+    measured: dict[str, int] = {}
+    unmatched: dict[str, int] = {}
+    ctx = torch.autocast(args[0].device.type, dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with ctx:
+            loss = model(*args)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    for e in prof.events():
+        mem = e.self_cpu_memory_usage
+        if mem <= 0:
+            continue
+        owner = None  # the outermost enclosing op the graph knows: the op that reached dispatch
+        node = e
+        while node is not None:
+            if node.name in known:
+                owner = node
+            node = node.cpu_parent
+        if owner is None:
+            unmatched[e.name] = unmatched.get(e.name, 0) + mem
+        else:
+            measured[owner.name] = measured.get(owner.name, 0) + mem
+    names = sorted(set(measured) | set(predicted), key=lambda n: -max(measured.get(n, 0), predicted.get(n, 0)))
+    rows = [ProfileRow(n, predicted.get(n, 0), measured.get(n, 0)) for n in names[:top]]
+    return rows, dict(sorted(unmatched.items(), key=lambda kv: -kv[1]))

@@ -54,3 +54,14 @@ def test_verify_cuda_without_cuda_is_one_line_exit_2():
     out = cli("verify", "gpt2", "--device", "cuda")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "CUDA" in out.stderr and not out.stdout
+
+
+def test_verify_profile_matches_allocations_to_nodes():
+    out = cli("verify", "gpt2", *SMALL_GPT2, "--config", "n_head=4", "--batch", "2", "--profile", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    prof = {r["op"]: r for r in report["profile"]}
+    # the matmuls' outputs: what the graph says they allocate is what the profiler saw
+    for op in ("aten::mm", "aten::addmm", "aten::bmm"):
+        assert prof[op]["predicted"] == prof[op]["measured"] > 0
+    assert isinstance(report["unpredicted_allocations"], dict)
