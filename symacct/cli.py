@@ -254,7 +254,6 @@ def _verify(args: argparse.Namespace) -> int:
         device=args.device,
         optimizer=_optimizer_factory(args.optimizer, None),
         autocast=_dtype(args.autocast),
-        steps=args.steps,
     )
     at = acct.at(B=args.batch, S=S)
     notes = at.notes
@@ -336,7 +335,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.add_argument("--seq", type=int, default=None)
     v.add_argument("--optimizer", default="adamw")
     v.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
-    v.add_argument("--steps", type=int, default=1)
     v.add_argument("--profile", action="store_true", help="match torch.profiler's per-op memory to graph nodes")
     v.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -179,3 +179,39 @@ def measure_memory(
     params = _distinct_nbytes(list(model.parameters()))
     del out, value
     return MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, tracker.peak)
+
+
+def measure_cuda_memory(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    autocast: torch.dtype | None = None,
+) -> MeasuredMemory:
+    """One real step on the GPU, measured by the caching allocator.
+
+    ``model`` and ``args`` are given on the CPU and moved to the GPU here, after
+    the baseline is read, so that every figure includes them (as derive's do).
+    The peak is ``max_memory_allocated`` over the step, reset at its start.
+    """
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model = model.cuda().train()
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    opt = optimizer(model) if optimizer is not None else None
+    torch.cuda.reset_peak_memory_stats()
+    with _autocast(autocast, args):
+        loss = model(*args)
+    after_forward = torch.cuda.memory_allocated() - base
+    loss.backward()
+    after_backward = torch.cuda.memory_allocated() - base
+    grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
+    states = 0
+    if opt is not None:
+        opt.step()
+        states = _distinct_nbytes([v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+        opt.zero_grad(set_to_none=True)
+    after_optimizer = torch.cuda.memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base
+    params = _distinct_nbytes(list(model.parameters()))
+    return MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, peak)

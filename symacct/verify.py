@@ -9,14 +9,12 @@ on the chosen device and run for real. Rows, each with its tolerance:
 - params, grads, optimizer-state bytes (the real tensors after the step);
 - live bytes after forward, after backward, after the optimizer step, and the
   peak (CPU: ``symacct.measure.StorageTracker``; CUDA: ``memory_allocated`` /
-  ``max_memory_allocated``, peak reset per step);
-- on CUDA, step time and MFU (CUDA events), against the roofline.
+  ``max_memory_allocated``, see ``measure_cuda_memory``).
 
 Tolerances: 0 on CPU (every figure is exact there); 3 % for CUDA memory
-(the caching allocator rounds blocks to 512 bytes and keeps workspaces);
-25 % for the roofline step time. Step 1 is compared; later steps
-(``--steps``) are measured and shown (optimizer states then exist before
-the forward). On CPU only step 1 runs.
+(the caching allocator rounds blocks to 512 bytes and keeps workspaces).
+One step is measured (the first: optimizer states are made during it).
+Not done yet: several steps, and step time / MFU with CUDA events.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from torch import nn
 
 from symacct.accounting import Accounting
 from symacct.errors import SymacctError
-from symacct.measure import measure_memory, measure_step
+from symacct.measure import measure_cuda_memory, measure_memory, measure_step
 
 _CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
 
@@ -83,22 +81,24 @@ def verify(
     device: str = "cpu",
     optimizer: Any = None,
     autocast: torch.dtype | None = None,
-    steps: int = 1,
     sizes: dict[str, int] | None = None,
 ) -> list[Row]:
     """Run the real model and return predicted-vs-measured rows (see the module docstring)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SymacctError("--device cuda but CUDA is not available here", hint="use --device cpu")
-    if steps < 1:
-        raise SymacctError(f"steps must be >= 1, got {steps}", hint="--steps 1")
     at = acct.at(B=B, S=S, **(sizes or {}))
-    model = model.to(device)
-    args = tuple(a.to(device) for a in model.example_inputs(B, S))
-    exact = 0.0 if device == "cpu" else 0.03
-    rows: list[Row] = []
+    cpu_args = tuple(model.example_inputs(B, S))
+    tolerance = 0.0 if device == "cpu" else 0.03
+    if device == "cpu":
+        real = measure_memory(model, cpu_args, optimizer, autocast=autocast)
+    else:
+        real = measure_cuda_memory(model, cpu_args, optimizer, autocast=autocast)  # moves the model
+    model.zero_grad(set_to_none=True)
+    args = tuple(a.to(device) for a in cpu_args)
     counted = measure_step(model, args, autocast=autocast)  # forward + backward, no update
     model.zero_grad(set_to_none=True)
     gap_f, gap_b = _uncounted_sdpa(at) if device == "cpu" else (0, 0)
+    rows: list[Row] = []
     rows.append(Row("matmul FLOPs, forward", at.flops.forward - gap_f, counted.flops_forward, 0.0))
     rows.append(
         Row(
@@ -110,40 +110,9 @@ def verify(
     )
     if gap_f or gap_b:
         rows.append(Row("CPU flash-attention FLOPs (FlopCounterMode counts 0)", gap_f + gap_b, 0, float("inf")))
-    rows.append(Row("saved activation bytes", at.memory.activations, counted.saved_bytes, exact))
-    if device == "cpu":
-        real = measure_memory(model, args, optimizer, autocast=autocast)
-        for name in ("params", "grads", "optimizer", "after_forward", "after_backward", "after_optimizer", "peak"):
-            rows.append(Row(f"memory: {name}", getattr(at.memory, name), getattr(real, name), exact))
-    else:
-        rows.extend(_cuda_rows(model, args, at, optimizer, autocast, steps))
-    return rows
-
-
-def _cuda_rows(
-    model: nn.Module, args: tuple[Any, ...], at: Accounting, optimizer: Any, autocast: Any, steps: int
-) -> list[Row]:
-    base = torch.cuda.memory_allocated()
-    opt = optimizer(model) if optimizer is not None else None
-    torch.cuda.reset_peak_memory_stats()
-    ctx = torch.autocast("cuda", dtype=autocast) if autocast else torch.autocast("cuda", enabled=False)
-    with ctx:
-        loss = model(*args)
-    after_forward = torch.cuda.memory_allocated() - base
-    loss.backward()
-    after_backward = torch.cuda.memory_allocated() - base
-    if opt is not None:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    after_optimizer = torch.cuda.memory_allocated() - base
-    peak = torch.cuda.max_memory_allocated() - base
-    rows = [
-        Row("memory: after_forward", at.memory.after_forward, after_forward, 0.03),
-        Row("memory: after_backward", at.memory.after_backward, after_backward, 0.03),
-        Row("memory: after_optimizer", at.memory.after_optimizer, after_optimizer, 0.03),
-        Row("memory: peak", at.memory.peak, peak, 0.03),
-    ]
-    del loss
+    rows.append(Row("saved activation bytes", at.memory.activations, counted.saved_bytes, tolerance))
+    for name in ("params", "grads", "optimizer", "after_forward", "after_backward", "after_optimizer", "peak"):
+        rows.append(Row(f"memory: {name}", getattr(at.memory, name), getattr(real, name), tolerance))
     return rows
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import symacct
+from symacct.measure import measure_cuda_memory
 from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
 
 pytestmark = [
@@ -43,30 +44,14 @@ def test_cuda_phase_points_and_peak(cls, cfg, sizes, autocast):
     small = type(cfg)(**{**cfg.__dict__, **_small(cfg)})
     acct = symacct.derive(cls(small), optimizer="adamw", autocast=autocast, device="cuda")
     got = acct.at(B=B, S=S, **sizes).memory
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    model = cls(cfg).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    args = tuple(a.cuda() for a in model.example_inputs(B, S))
-    torch.cuda.reset_peak_memory_stats()
-    ctx = torch.autocast("cuda", dtype=autocast) if autocast else torch.autocast("cuda", enabled=False)
-    with ctx:
-        loss = model(*args)
-    after_forward = torch.cuda.memory_allocated() - base
-    loss.backward()
-    after_backward = torch.cuda.memory_allocated() - base
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    after_optimizer = torch.cuda.memory_allocated() - base
-    peak = torch.cuda.max_memory_allocated() - base
-    for name, measured in [
-        ("after_forward", after_forward),
-        ("after_backward", after_backward),
-        ("after_optimizer", after_optimizer),
-        ("peak", peak),
-    ]:
-        predicted = getattr(got, name)
+    model = cls(cfg)
+    real = measure_cuda_memory(
+        model, model.example_inputs(B, S), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), autocast
+    )
+    for name in ("after_forward", "after_backward", "after_optimizer", "peak"):
+        predicted, measured = getattr(got, name), getattr(real, name)
         assert abs(predicted - measured) <= 0.03 * measured, (name, predicted, measured)
+    assert (got.params, got.grads, got.optimizer) == (real.params, real.grads, real.optimizer)
 
 
 def _small(cfg):
