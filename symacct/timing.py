@@ -118,6 +118,7 @@ class Roofline:
     memory_bound_seconds: float
     memory_bound: list[tuple[str, float]]  # (op in module, seconds), largest first
     mfu: float  # model FLOPs / (seconds * peak)
+    graph: Any = None  # the evaluated graph; every op node has 'seconds' (one instance) and 'bound'
     formula: str = "node seconds = max(flops / peak(dtype), bytes / bandwidth)"
 
 
@@ -136,7 +137,7 @@ def roofline(acct: Accounting, hardware: str | Accelerator, *, tf32: bool = Fals
     stacks = [p for p in acct.per_layer]
     vector = hw.peak.get("fp32", min(hw.peak.values())) * 1e12
     for _, a in at.graph.nodes(data=True):
-        if a["phase"] == "input" or not a["count"]:
+        if a["phase"] == "input":
             continue
         key = _dtype_key(a["dtypes"])
         if key == "tf32" and not tf32:
@@ -144,7 +145,9 @@ def roofline(acct: Accounting, hardware: str | Accelerator, *, tf32: bool = Fals
         tensor_peak = hw.peak.get(key, hw.peak.get("bf16", 0)) * 1e12 if a["flops"] else 1.0
         compute = a["flops"] / tensor_peak + a["flops_other"] / vector
         memory = (a["bytes_read"] + a["bytes_written"]) / hw.bandwidth
-        t = max(compute, memory) * a["count"]
+        a["seconds"] = max(compute, memory)
+        a["bound"] = "memory" if memory > compute else "compute"
+        t = a["seconds"] * a["count"]
         phase[a["phase"]] += t
         module[generic_path(a["module"], stacks)] += t
         if memory > compute and t > 0:
@@ -158,6 +161,7 @@ def roofline(acct: Accounting, hardware: str | Accelerator, *, tf32: bool = Fals
         sum(mem_bound.values()),
         sorted(mem_bound.items(), key=lambda kv: -kv[1])[:20],
         at.flops.total / (total * peak) if total else 0.0,
+        at.graph,
     )
 
 

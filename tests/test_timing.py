@@ -118,6 +118,11 @@ def test_roofline_sums_and_bounds():
     assert big.seconds == pytest.approx(sum(big.by_module.values()))
     # large bf16 matmuls are compute-bound: the implied MFU approaches the matmul share of the time
     assert 0.5 < big.mfu <= 1.0
+    nodes = [a for _, a in big.graph.nodes(data=True) if a["phase"] != "input"]
+    assert all(a["bound"] in ("compute", "memory") and a["seconds"] >= 0 for a in nodes)
+    mm = next(a for a in nodes if a["op"].startswith("aten.mm") and a["count"])
+    assert mm["bound"] == "compute"
+    assert mm["seconds"] == pytest.approx(mm["flops"] / 989e12)  # bf16 tensor-core peak
     small = roofline(acct, "H100-SXM", B=2, D=64, L=2)
     assert small.memory_bound_seconds > 0 and small.mfu < big.mfu
 
