@@ -92,6 +92,19 @@ class Accounting:
         """Bytes of the activations saved for backward (``memory.activations``)."""
         return self.memory.activations
 
+    # ---- notebooks ---------------------------------------------------------------
+    def _repr_markdown_(self) -> str:
+        """Jupyter: the main formulas as a Markdown table (values on an evaluated copy)."""
+        from symacct.sheet import overview_md  # the sheet builds on accounting
+
+        return overview_md(self)
+
+    def _repr_latex_(self) -> str:
+        """Jupyter: the main formulas as one LaTeX ``aligned`` block."""
+        from symacct.sheet import overview_latex
+
+        return overview_latex(self)
+
     # ---- evaluation -------------------------------------------------------------
     def free_symbols(self) -> list[str]:
         """Letters that appear in the formulas, in the fixed print order."""
@@ -338,6 +351,9 @@ def aggregate(
     unaccounted: list[str] = []
     L = sym("L")
     for n, a in graph.nodes(data=True):
+        # every node knows its component and its module path with the stack index as '*'
+        a["generic"] = generic_path(a["module"], stacks)
+        a["component"] = component(a["module"], stacks, trace.module_types, a["phase"])
         if a["phase"] == "input":
             continue
         c = a["count"]

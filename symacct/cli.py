@@ -3,6 +3,7 @@
 ``symacct derive MODEL [--config KEY=VALUE ...] [--batch B] [--seq S] [--optimizer NAME] [--json]``
 ``symacct estimate [MODEL] --tokens T --hardware NAME [--params N] [--gpus G] [--mfu M] [--json]``
 ``symacct fit [MODEL] --hardware NAME [--gpus G] [--optimizer NAME] [--reserve R] [--solve batch|seq|layers]``
+``symacct sheet MODEL [--format text|md|tex|json] [--out DIR] ...`` / ``symacct check [--json]``
 ``symacct list`` / ``symacct hardware``
 
 MODEL is a built-in name (``symacct list``) or ``package.module:factory``
@@ -18,7 +19,9 @@ import difflib
 import importlib
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from symacct.errors import SymacctError
@@ -116,6 +119,80 @@ def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
     B = args.batch
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     return summary(acct, B=B, S=S, name=args.model)
+
+
+def _model_name(name: str) -> str:
+    """A file stem for a model name ('pkg.mod:make_net' -> 'make_net')."""
+    stem = name.rpartition(":")[2] or name
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in stem)
+
+
+def _writable(out: str) -> Path:
+    """Create --out (and check it can be written) before any work, so nothing is written half-way."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise _UsageError(f"cannot write to --out {out!r}: {e.strerror or e}") from e
+    return path
+
+
+def _sheet(args: argparse.Namespace) -> int:
+    import symacct
+    from symacct import sheet
+    from symacct.hardware import get
+
+    if args.batch <= 0 or args.seq is not None and args.seq <= 0:
+        raise _UsageError("--batch and --seq must be positive integers")
+    if not 0 < args.mfu <= 1:
+        raise _UsageError(f"--mfu must be in (0, 1], got {args.mfu:g}")
+    get(args.hardware)  # an unknown accelerator fails before the derivation
+    out = _writable(args.out) if args.out else None
+    from symacct.terminal import progress
+
+    with progress(f"deriving {args.model}"):
+        model = load_model(args.model, _overrides(args.config))
+        acct = symacct.derive(
+            model,
+            step=args.step,
+            optimizer=args.optimizer if args.step == "train" else None,
+            autocast=_dtype(args.autocast),
+            params_dtype=_dtype(args.params_dtype),
+        )
+    name = _model_name(args.model)
+    cfg = dataclasses.asdict(model.config) if dataclasses.is_dataclass(getattr(model, "config", None)) else None
+    with progress("evaluating"):
+        sh = sheet.build(acct, name=name, B=args.batch, S=args.seq, hardware=args.hardware, mfu=args.mfu, config=cfg)
+    if out is None:
+        if args.format == "text":
+            from symacct.terminal import print_sheet
+
+            print_sheet(sh)
+        else:
+            sys.stdout.write(sheet.RENDERERS[args.format](sh))
+        return 0
+    formats = list(sheet.RENDERERS) if args.format == "text" else [args.format]
+    written = sheet.write(acct, sh, out, formats=formats, plots=not args.no_plots)
+    for p in written:
+        print(p)
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from symacct.check import catalog, render_md
+    from symacct.terminal import print_claims, progress
+
+    with progress("deriving the reference models"):
+        claims = [c.as_dict() for c in catalog()]
+    if args.json:
+        print(json.dumps(claims, indent=2, sort_keys=True))
+    elif args.format == "md":
+        sys.stdout.write(render_md(claims))
+    else:
+        print_claims(claims)
+    return 0
 
 
 def _number(text: str) -> float:
@@ -296,6 +373,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--autocast", choices=("bf16", "fp16"), default=None, help="forward under torch.autocast")
     d.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None, help="parameters in this dtype")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
+    sh = sub.add_parser("sheet", help="formula sheet: notation, per-component tables, totals, time; plots with --out")
+    sh.add_argument("model", help="built-in name (symacct list) or package.module:factory")
+    sh.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    sh.add_argument("--batch", type=int, default=8, help="B at which to evaluate (default 8)")
+    sh.add_argument("--seq", type=int, default=None, help="S at which to evaluate (default: S_max)")
+    sh.add_argument("--step", choices=("train", "forward"), default="train")
+    sh.add_argument("--optimizer", default="adamw", help="optimizer traced in the step (default adamw)")
+    sh.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
+    sh.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None)
+    sh.add_argument("--hardware", default="H100-SXM", help="accelerator for the time rows (default H100-SXM)")
+    sh.add_argument("--mfu", type=_number, default=0.5, help="MFU for the step time (default 0.5)")
+    sh.add_argument(
+        "--format", choices=("text", "md", "tex", "json"), default="text", help="text: rich tables (default)"
+    )
+    sh.add_argument("--out", default=None, help="write MODEL.md/.tex/.json (or --format) and the plots here")
+    sh.add_argument("--no-plots", action="store_true", help="with --out: write the sheet only")
+    ck = sub.add_parser("check", help="verdicts on the seeds' rules of thumb, each derived on the reference models")
+    ck.add_argument("--json", action="store_true")
+    ck.add_argument("--format", choices=("text", "md"), default="text", help="md: the docs/rules-of-thumb.md page")
     sub.add_parser("list", help="list the built-in models")
     e = sub.add_parser("estimate", help="training time by the 6ND rule, or from a model's derived FLOPs")
     e.add_argument("model", nargs="?", help="optional: derive the step FLOPs of this model instead of 6ND")
@@ -359,6 +455,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _print(_fit(args), args.json)
         if args.cmd == "verify":
             return _verify(args)
+        if args.cmd == "sheet":
+            return _sheet(args)
+        if args.cmd == "check":
+            return _check(args)
         if args.cmd == "diff":
             from symacct.track import diff
 
