@@ -22,10 +22,10 @@ report="$out/gpu-report.md"
     "gpt2 --config n_layer=12 --config n_embd=768 --config n_head=12 --batch 8 --seq 1024 --autocast bf16" \
     "llama --config n_layers=4 --config dim=512 --config n_heads=8 --config n_kv_heads=2 --config hidden_dim=1376 --config vocab_size=32000 --config max_seq_len=512 --config sdpa=true --batch 4 --seq 512 --autocast bf16"; do
     echo
-    echo "## symacct verify $spec --device cuda"
+    echo "## symacct verify $spec --device cuda --steps 3"
     echo '```'
     # shellcheck disable=SC2086
-    timeout 120 python -m symacct.cli verify $spec --device cuda 2>&1 | tail -20
+    timeout 120 python -m symacct.cli verify $spec --device cuda --steps 3 2>&1 | tail -25
     echo '```'
   done
 } > "$report"

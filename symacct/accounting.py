@@ -184,6 +184,20 @@ class Accounting:
         full = {s.name: v for s, v in self._subs(values).items()}
         return self.liveness.evaluate(full)[0]
 
+    def steady(self, **values: int) -> dict[str, int]:
+        """Memory of every step after the first (optimizer states live from the start), exactly.
+
+        Keys: ``after_forward``, ``after_backward``, ``after_optimizer``, ``peak``
+        (bytes). The first step, which creates the states, is ``at(...).memory``.
+        """
+        if self.liveness is None:
+            raise SymacctError("no liveness for this accounting", hint="see acct.notes")
+        full = {s.name: v for s, v in self._subs(values).items()}
+        live = self.liveness.steady()
+        out = {m: live.mark_value(m, full) for m in ("after_forward", "after_backward", "after_optimizer")}
+        out["peak"] = live.evaluate(full)[0]
+        return out
+
     def time(self, *, hardware: Any, tokens: float, gpus: int = 1, mfu: float = 0.5, **sizes: int) -> Any:
         """Training time for ``tokens`` with this step's derived FLOPs (``symacct.timing.train_time``)."""
         from symacct.timing import train_time  # timing builds on accounting

@@ -318,6 +318,8 @@ def _verify(args: argparse.Namespace) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise _UsageError("--device cuda but CUDA is not available here; use --device cpu")
+    if args.steps < 1:
+        raise _UsageError(f"--steps must be at least 1, got {args.steps}")
     meta = load_model(args.model, _overrides(args.config))
     acct = symacct.derive(meta, optimizer=args.optimizer, autocast=_dtype(args.autocast), device=args.device)
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
@@ -331,6 +333,8 @@ def _verify(args: argparse.Namespace) -> int:
         device=args.device,
         optimizer=_optimizer_factory(args.optimizer, None),
         autocast=_dtype(args.autocast),
+        steps=args.steps,
+        hardware=args.hardware,
     )
     at = acct.at(B=args.batch, S=S)
     notes = at.notes
@@ -431,6 +435,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.add_argument("--seq", type=int, default=None)
     v.add_argument("--optimizer", default="adamw")
     v.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
+    v.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="training steps to run; steps 2.. are checked against "
+        "the steady state (optimizer states alive from the start)",
+    )
+    v.add_argument("--hardware", default=None, help="CUDA: catalog entry for the time rows (default: this GPU)")
     v.add_argument("--profile", action="store_true", help="match torch.profiler's per-op memory to graph nodes")
     v.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

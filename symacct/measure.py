@@ -160,25 +160,59 @@ def measure_memory(
         params = _distinct_nbytes(list(model.parameters()))
         del out
         return MeasuredMemory(params, 0, 0, after, after, after, tracker.peak)
-    with tracker:
-        with _autocast(autocast, args):
-            out = model(*args)
-            value = loss(out) if loss is not None else out
-        after_forward = tracker.current()
-        value.backward()
-        after_backward = tracker.current()
-        grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
-        states = 0
-        if opt is not None:
-            opt.step()
-            states = _distinct_nbytes(
-                [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            )
-            opt.zero_grad(set_to_none=True)
-        after_optimizer = tracker.current()
-    params = _distinct_nbytes(list(model.parameters()))
-    del out, value
-    return MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, tracker.peak)
+    return _train_steps(model, args, opt, tracker, loss, autocast, 1)[0]
+
+
+def measure_memory_steps(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None,
+    steps: int,
+    autocast: torch.dtype | None = None,
+) -> list[MeasuredMemory]:
+    """``steps`` real training steps on the CPU, each measured (the peak is reset at each step's start)."""
+    model.train()
+    opt = optimizer(model) if optimizer is not None else None
+    initial = [*model.parameters(), *model.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
+    if opt is not None:  # states made at construction (Adagrad)
+        initial += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return _train_steps(model, args, opt, StorageTracker(initial), None, autocast, steps)
+
+
+def _train_steps(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    opt: torch.optim.Optimizer | None,
+    tracker: StorageTracker,
+    loss: Callable[[Any], torch.Tensor] | None,
+    autocast: torch.dtype | None,
+    steps: int,
+) -> list[MeasuredMemory]:
+    out_steps = []
+    for _ in range(steps):
+        with tracker:
+            tracker.peak = tracker.current()
+            with _autocast(autocast, args):
+                out = model(*args)
+                value = loss(out) if loss is not None else out
+            after_forward = tracker.current()
+            value.backward()
+            after_backward = tracker.current()
+            grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
+            states = 0
+            if opt is not None:
+                opt.step()
+                states = _distinct_nbytes(
+                    [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+                )
+                opt.zero_grad(set_to_none=True)
+            after_optimizer = tracker.current()  # the caller still holds the output and the loss, as in derive
+            del out, value  # dropped before the next step, so steps 2.. start from the same state
+        params = _distinct_nbytes(list(model.parameters()))
+        out_steps.append(
+            MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, tracker.peak)
+        )
+    return out_steps
 
 
 def measure_cuda_memory(
@@ -187,31 +221,66 @@ def measure_cuda_memory(
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     autocast: torch.dtype | None = None,
 ) -> MeasuredMemory:
-    """One real step on the GPU, measured by the caching allocator.
+    """One real step on the GPU, measured by the caching allocator (see ``measure_cuda_steps``)."""
+    return measure_cuda_steps(model, args, optimizer, 1, autocast).memory[0]
+
+
+@dataclass
+class CudaSteps:
+    memory: list[MeasuredMemory]  # per step
+    reserved: list[int]  # memory_reserved at the end of each step, above the baseline
+    seconds: list[float]  # per step, CUDA events around forward + backward + optimizer step + zero_grad
+
+
+def measure_cuda_steps(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None,
+    steps: int,
+    autocast: torch.dtype | None = None,
+) -> CudaSteps:
+    """``steps`` real training steps on the GPU, measured by the caching allocator and CUDA events.
 
     ``model`` and ``args`` are given on the CPU and moved to the GPU here, after
     the baseline is read, so that every figure includes them (as derive's do).
-    The peak is ``max_memory_allocated`` over the step, reset at its start.
+    Each step's peak is ``max_memory_allocated`` with the peak reset at the
+    step's start; its time is the elapsed time between two CUDA events.
     """
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
+    base_reserved = torch.cuda.memory_reserved()
     model = model.cuda().train()
     args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
     opt = optimizer(model) if optimizer is not None else None
-    torch.cuda.reset_peak_memory_stats()
-    with _autocast(autocast, args):
-        loss = model(*args)
-    after_forward = torch.cuda.memory_allocated() - base
-    loss.backward()
-    after_backward = torch.cuda.memory_allocated() - base
-    grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
-    states = 0
-    if opt is not None:
-        opt.step()
-        states = _distinct_nbytes([v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
-        opt.zero_grad(set_to_none=True)
-    after_optimizer = torch.cuda.memory_allocated() - base
-    peak = torch.cuda.max_memory_allocated() - base
-    params = _distinct_nbytes(list(model.parameters()))
-    return MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, peak)
+    result = CudaSteps([], [], [])
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        with _autocast(autocast, args):
+            loss = model(*args)
+        after_forward = torch.cuda.memory_allocated() - base
+        loss.backward()
+        after_backward = torch.cuda.memory_allocated() - base
+        grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
+        states = 0
+        if opt is not None:
+            opt.step()
+            states = _distinct_nbytes(
+                [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            )
+            opt.zero_grad(set_to_none=True)
+        end.record()
+        torch.cuda.synchronize()
+        after_optimizer = torch.cuda.memory_allocated() - base
+        peak = torch.cuda.max_memory_allocated() - base
+        params = _distinct_nbytes(list(model.parameters()))
+        result.memory.append(
+            MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, peak)
+        )
+        result.reserved.append(torch.cuda.memory_reserved() - base_reserved)
+        result.seconds.append(begin.elapsed_time(end) / 1000.0)
+        del loss
+    return result

@@ -25,6 +25,7 @@ evaluates the live bytes of every point exactly at the given sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import defaultdict
@@ -96,6 +97,28 @@ class Liveness:
     marks: dict[str, float]  # phase point -> position in ``base``
     other_marks: dict[str, float]
     point_block: list[int | None] = field(default_factory=list)  # probe block of each op (None: outside)
+    states: frozenset[int] = frozenset()  # optimizer-state storages of ``base`` (made during the first step)
+    other_states: frozenset[int] = frozenset()
+
+    def steady(self) -> Liveness:
+        """The same step once the optimizer's states exist: every step after the first.
+
+        Lazily created states (AdamW's m, v and step, the mixed recipe's
+        master weights) are live from the start of the step instead of from
+        the op that made them; everything else is the first step's.
+        """
+
+        def lift(iv: Intervals, states: frozenset[int]) -> Intervals:
+            start = {st: (-1.0 if st in states else s) for st, s in iv.start.items()}
+            return Intervals(iv.n, start, iv.end, iv.nbytes)
+
+        other = lift(self.other, self.other_states) if self.other is not None else None
+        return dataclasses.replace(self, base=lift(self.base, self.states), other=other)
+
+    def mark_value(self, name: str, values: Mapping[str, int]) -> int:
+        """Live bytes at a phase point, evaluated exactly."""
+        subs = {sym(k): v for k, v in values.items()}
+        return int(self.at_mark(name).xreplace(subs))
 
     def _valid(self, t: int, L: int) -> bool:
         """Whether op t of the probe stands for a point of a model with L blocks."""
@@ -285,13 +308,25 @@ def liveness(base: StepTrace, other: StepTrace | None, probe: Probe, stacks: lis
     iv = intervals(base, probe)
     labels = [(r.index, str(r.op), r.module, r.phase) for r in base.ops]
     marks = _mark_positions(base)
+    states = frozenset(base.state_storages)
     if other is None:
-        return Liveness(iv, None, [], layers, labels, marks, {})
+        return Liveness(iv, None, [], layers, labels, marks, {}, states=states)
     align = align_layers(base, other, stacks, layers)
     if align is None:
         return None
     blocks = [_block_index(r.module, stacks) for r in base.ops]
-    return Liveness(iv, intervals(other, probe), align, layers, labels, marks, _mark_positions(other), blocks)
+    return Liveness(
+        iv,
+        intervals(other, probe),
+        align,
+        layers,
+        labels,
+        marks,
+        _mark_positions(other),
+        blocks,
+        states,
+        frozenset(other.state_storages),
+    )
 
 
 def _block_index(module: str, stacks: list[str]) -> int | None:

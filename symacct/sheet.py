@@ -229,6 +229,7 @@ def build(
         "notation": notation,
         "components": components,
         "optimizer_states": states,
+        "optimizer_flops": _entry(fl.other_optimizer, values, at.flops.other_optimizer),
         "totals": totals,
         "time": time,
         "bytes_per_param": str(acct.bytes_per_param()),
@@ -305,6 +306,8 @@ def render_md(sheet: dict[str, Any]) -> str:
         out += ["", "## Optimizer states", "", "| state | bytes | value |", "|---|---|---:|"]
         for s in sheet["optimizer_states"]:
             out.append(f"| `{s['state']}` | ${s['latex']}$ | {s['value']:,} ({si(s['value'], 'B')}) |")
+        f = sheet["optimizer_flops"]
+        out += ["", f"FLOPs of the optimizer step (elementwise): ${f['latex']}$ = {f['value']:,}."]
     out += ["", "## Totals", "", "| quantity | formula | value |", "|---|---|---:|"]
     for t in sheet["totals"]:
         out.append(f"| {t['label']} | ${t['latex']}$ | {t['value']:,} ({si(t['value'], _unit(t))}) |")
@@ -376,6 +379,8 @@ def render_tex(sheet: dict[str, Any]) -> str:
         out += [r"\subsection*{Optimizer states}", r"\begin{longtable}{ll}"]
         for s in sheet["optimizer_states"]:
             out.append(rf"\texttt{{{esc(s['state'])}}} & ${s['latex']} = {s['value']}$ \\")
+        f = sheet["optimizer_flops"]
+        out.append(rf"FLOPs of the step (elementwise) & ${f['latex']} = {f['value']}$ \\")
         out.append(r"\end{longtable}")
     out += [r"\subsection*{Totals}", r"\begin{longtable}{ll}"]
     for t in sheet["totals"]:

@@ -11,10 +11,18 @@ on the chosen device and run for real. Rows, each with its tolerance:
   peak (CPU: ``symacct.measure.StorageTracker``; CUDA: ``memory_allocated`` /
   ``max_memory_allocated``, see ``measure_cuda_memory``).
 
+- with ``steps`` > 1, the later steps' phase points and peak against
+  ``acct.steady`` (the same step with the optimizer states alive from its
+  start); the row shows the step with the largest error;
+- on CUDA: ``memory_reserved`` (shown, no prediction), and step time and MFU
+  from CUDA events (median of steps 2.., or step 1 when only one runs) next
+  to the per-op roofline's prediction on the catalog accelerator.
+
 Tolerances: 0 on CPU (every figure is exact there); 3 % for CUDA memory
 (the caching allocator rounds blocks to 512 bytes and keeps workspaces).
-One step is measured (the first: optimizer states are made during it).
-Not done yet: several steps, and step time / MFU with CUDA events.
+Rows with no stated tolerance (the uncounted CPU flash-attention FLOPs,
+reserved memory, time and MFU: a roofline ignores launch costs and overlap,
+so it is a bound, not a measurement's twin) are shown, never judged.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from torch import nn
 
 from symacct.accounting import Accounting
 from symacct.errors import SymacctError
-from symacct.measure import measure_cuda_memory, measure_memory, measure_step
+from symacct.measure import measure_cuda_steps, measure_memory_steps, measure_step
 
 _CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
 
@@ -82,17 +90,25 @@ def verify(
     optimizer: Any = None,
     autocast: torch.dtype | None = None,
     sizes: dict[str, int] | None = None,
+    steps: int = 1,
+    hardware: str | None = None,
 ) -> list[Row]:
-    """Run the real model and return predicted-vs-measured rows (see the module docstring)."""
+    """Run the real model for ``steps`` steps and return predicted-vs-measured rows (module docstring)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SymacctError("--device cuda but CUDA is not available here", hint="use --device cpu")
-    at = acct.at(B=B, S=S, **(sizes or {}))
+    if steps < 1:
+        raise SymacctError(f"steps must be at least 1, got {steps}", hint="e.g. --steps 3")
+    sizes = {"B": B, "S": S, **(sizes or {})}
+    at = acct.at(**sizes)
     cpu_args = tuple(model.example_inputs(B, S))
     tolerance = 0.0 if device == "cpu" else 0.03
+    cuda = None
     if device == "cpu":
-        real = measure_memory(model, cpu_args, optimizer, autocast=autocast)
+        measured = measure_memory_steps(model, cpu_args, optimizer, steps, autocast=autocast)
     else:
-        real = measure_cuda_memory(model, cpu_args, optimizer, autocast=autocast)  # moves the model
+        cuda = measure_cuda_steps(model, cpu_args, optimizer, steps, autocast=autocast)  # moves the model
+        measured = cuda.memory
+    real = measured[0]
     model.zero_grad(set_to_none=True)
     args = tuple(a.to(device) for a in cpu_args)
     counted = measure_step(model, args, autocast=autocast)  # forward + backward, no update
@@ -113,7 +129,57 @@ def verify(
     rows.append(Row("saved activation bytes", at.memory.activations, counted.saved_bytes, tolerance))
     for name in ("params", "grads", "optimizer", "after_forward", "after_backward", "after_optimizer", "peak"):
         rows.append(Row(f"memory: {name}", getattr(at.memory, name), getattr(real, name), tolerance))
+    if steps > 1:
+        steady = acct.steady(**sizes)
+        for name in ("after_forward", "after_backward", "after_optimizer", "peak"):
+            later = [getattr(m, name) for m in measured[1:]]
+            worst = max(later, key=lambda v: abs(steady[name] - v))
+            rows.append(Row(f"memory, steps 2-{steps}: {name}", steady[name], worst, tolerance))
+    if cuda is not None:
+        rows += _cuda_rows(acct, at, cuda, sizes, hardware)
     return rows
+
+
+def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int], hardware: str | None) -> list[Row]:
+    """Reserved memory, step time and MFU: shown next to the roofline, not judged."""
+    import statistics
+
+    from symacct.hardware import get
+    from symacct.timing import roofline
+
+    rows = [
+        Row(
+            "memory: reserved by the caching allocator (no prediction)",
+            at.memory.peak,
+            max(cuda.reserved),
+            float("inf"),
+        )
+    ]
+    hw = get(hardware or device_hardware())
+    timed = cuda.seconds[1:] or cuda.seconds
+    seconds = statistics.median(timed)
+    roof = roofline(acct, hw, **sizes)
+    rows.append(
+        Row(f"step time, s (median of {len(timed)}; roofline on {hw.name})", roof.seconds, seconds, float("inf"))
+    )
+    peak = hw.peak_flops("bf16")
+    rows.append(
+        Row("MFU (model FLOPs / (time x bf16 dense peak))", roof.mfu, at.flops.total / (seconds * peak), float("inf"))
+    )
+    return rows
+
+
+def device_hardware() -> str:
+    """The catalog name of this machine's GPU ('NVIDIA H200' -> 'H200')."""
+    from symacct.hardware import get
+
+    name = torch.cuda.get_device_name()
+    for candidate in (name, name.removeprefix("NVIDIA ").strip(), *name.replace("NVIDIA", "").split()):
+        try:
+            return get(candidate).name
+        except SymacctError:
+            continue
+    raise SymacctError(f"no catalog entry for the GPU {name!r}", hint="pass --hardware NAME (see symacct hardware)")
 
 
 def render(rows: list[Row]) -> str:
@@ -122,7 +188,8 @@ def render(rows: list[Row]) -> str:
     for r in rows:
         err = "n/a" if r.tolerance == float("inf") else f"{r.error:+.2%}"
         verdict = "shown" if r.tolerance == float("inf") else ("ok" if r.ok else "MISMATCH")
-        lines.append(f"{r.name:<{width}}  {r.predicted:>16,.0f}  {r.measured:>16,.0f}  {err:>9}  {verdict}")
+        fmt = ",.0f" if max(abs(r.predicted), abs(r.measured)) >= 100 else ".4g"
+        lines.append(f"{r.name:<{width}}  {r.predicted:>16{fmt}}  {r.measured:>16{fmt}}  {err:>9}  {verdict}")
     return "\n".join(lines)
 
 

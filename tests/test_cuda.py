@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import symacct
-from symacct.measure import measure_cuda_memory
+from symacct.measure import measure_cuda_memory, measure_cuda_steps
 from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
 
 pytestmark = [
@@ -58,3 +58,22 @@ def _small(cfg):
     if isinstance(cfg, GPT2Config):
         return dict(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)
     return dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, hidden_dim=24, max_seq_len=16)
+
+
+def test_cuda_later_steps_time_and_mfu():
+    """Steps 2..: the steady state (states alive from the start) within 3 %; time and MFU are measured."""
+    cls, cfg, sizes = CASES[0]
+    B, S = 8, 256
+    acct = symacct.derive(cls(type(cfg)(**{**cfg.__dict__, **_small(cfg)})), optimizer="adamw", device="cuda")
+    model = cls(cfg)
+    run = measure_cuda_steps(model, model.example_inputs(B, S), lambda m: torch.optim.AdamW(m.parameters()), 3)
+    steady = acct.steady(B=B, S=S, **sizes)
+    for m in run.memory[1:]:
+        for name in ("after_forward", "after_backward", "after_optimizer", "peak"):
+            assert abs(steady[name] - getattr(m, name)) <= 0.03 * getattr(m, name), (name, steady[name], m)
+    assert all(s > 0 for s in run.seconds) and all(r >= m.peak for r, m in zip(run.reserved, run.memory))
+    from symacct.timing import mfu
+    from symacct.verify import device_hardware
+
+    achieved = mfu(acct.at(B=B, S=S, **sizes).flops.total, min(run.seconds[1:]), device_hardware())
+    assert 0 < achieved <= 1

@@ -35,7 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import symacct
-from symacct.measure import measure_memory
+from symacct.measure import measure_memory_steps
 from symacct.models import GPT2, GPT2Config
 
 _OPT_CLASSES = {
@@ -53,7 +53,8 @@ def check(case, opt_choice) -> None:
     model = build(cfg)
     torch.manual_seed(0)
     args = model.example_inputs(B, S)
-    real = measure_memory(model, args, lambda m: _OPT_CLASSES[opt](m.parameters(), lr=1e-3, **dict(opts)))
+    steps = measure_memory_steps(model, args, lambda m: _OPT_CLASSES[opt](m.parameters(), lr=1e-3, **dict(opts)), 3)
+    real = steps[0]
     got = acct.at(B=B, S=S, **sizes(cfg)).memory
     assert (got.params, got.grads, got.optimizer) == (real.params, real.grads, real.optimizer)
     assert (got.after_forward, got.after_backward, got.after_optimizer) == (
@@ -62,6 +63,14 @@ def check(case, opt_choice) -> None:
         real.after_optimizer,
     )
     assert got.peak == real.peak
+    _check_steady(acct, steps[1:], B=B, S=S, **sizes(cfg))
+
+
+def _check_steady(acct, later, **values) -> None:
+    """Steps after the first: the same step with the optimizer states alive from its start."""
+    steady = acct.steady(**values)
+    for m in later:
+        assert steady == {k: getattr(m, k) for k in ("after_forward", "after_backward", "after_optimizer", "peak")}
 
 
 @given(gpt2_cases(lo=2), st.sampled_from(OPTIMIZERS))
@@ -151,10 +160,11 @@ def test_mixed_precision_recipe_memory(case, fp32_grads):
     model = build(cfg).to(torch.bfloat16)
     torch.manual_seed(0)
     args = model.example_inputs(B, S)
-    real = measure_memory(model, args, lambda m: MixedPrecisionAdamW(m.parameters(), fp32_grads=fp32_grads))
+    steps = measure_memory_steps(model, args, lambda m: MixedPrecisionAdamW(m.parameters(), fp32_grads=fp32_grads), 3)
     got = acct.at(B=B, S=S, **sizes(cfg)).memory
     fields = ("params", "grads", "optimizer", "after_forward", "after_backward", "after_optimizer", "peak")
-    assert {f: getattr(got, f) for f in fields} == {f: getattr(real, f) for f in fields}
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(steps[0], f) for f in fields}
+    _check_steady(acct, steps[1:], B=B, S=S, **sizes(cfg))
 
 
 @cache

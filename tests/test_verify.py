@@ -65,3 +65,32 @@ def test_verify_profile_matches_allocations_to_nodes():
     for op in ("aten::mm", "aten::addmm", "aten::bmm"):
         assert prof[op]["predicted"] == prof[op]["measured"] > 0
     assert isinstance(report["unpredicted_allocations"], dict)
+
+
+def test_verify_steps_checks_the_steady_state():
+    """Steps 2.. hold the optimizer states from the start: predicted by acct.steady, exact on CPU."""
+    out = cli("verify", "gpt2", *SMALL_GPT2, "--config", "n_head=4", "--batch", "2", "--steps", "3", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout)["rows"]}
+    later = [r for name, r in rows.items() if name.startswith("memory, steps 2-3: ")]
+    assert len(later) == 4 and all(r["relative_error"] == 0 for r in later)
+    # the states are live during the whole later step: its peak exceeds the first step's by at most their bytes
+    first, steady = rows["memory: peak"]["measured"], rows["memory, steps 2-3: peak"]["measured"]
+    assert first < steady <= first + rows["memory: optimizer"]["measured"]
+
+
+def test_verify_steps_must_be_positive():
+    out = cli("verify", "cruncher", "--steps", "0")
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "--steps" in out.stderr
+
+
+def test_gpu_name_maps_to_the_catalog(monkeypatch):
+    from symacct.errors import SymacctError
+    from symacct.verify import device_hardware
+
+    for name, entry in (("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100-SXM")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
+        assert device_hardware() == entry
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some GPU 9")
+    with pytest.raises(SymacctError, match="--hardware"):
+        device_hardware()
