@@ -360,7 +360,7 @@ def activations() -> list[Claim]:
     names = []
     for mod, expr in sorted(acct.memory.activations_by_module.items()):
         if mod.startswith("blocks.*"):
-            names.append(f"{mod}: {_formula(sympy.expand(expr / L))}")
+            names.append(f"`{mod}` {_formula(sympy.expand(expr / L))}")
     poly = sympy.Poly(per_layer, B, S, D, H)
     c_bsd, c_bhs2 = poly.coeff_monomial(B * S * D), poly.coeff_monomial(B * H * S**2)
     seed_expr = B * S * D * (34 + 5 * L)
@@ -393,7 +393,7 @@ def activations() -> list[Claim]:
             "the paper assumes every activation in 16 bits, 1-byte dropout masks, no saved causal mask, "
             "weights counted elsewhere; PyTorch's autocast keeps LayerNorm inputs in fp32 and dropout masks "
             "in 2 bytes, and saves the mask, the bf16 weight copies and LayerNorm's mean and rstd",
-            ["per module, per layer: " + "; ".join(names)],
+            ["per module, per layer: " + ", ".join(names)],
             {"bsd": int(c_bsd), "bhs2": int(c_bhs2), "per_layer": _val(acct, per_layer, B_, S_), "paper": korth},
         ),
     ]
@@ -585,7 +585,7 @@ def render_md(claims: list[dict[str, Any]]) -> str:
     out += ["", "## Details", ""]
     for c in claims:
         if c["details"]:
-            out.append(f"- `{c['id']}`: " + " ".join(_cell(d) for d in c["details"]))
+            out.append(f"- `{c['id']}`: " + "; ".join(_cell(d) for d in c["details"]))
     return "\n".join(out) + "\n"
 
 
