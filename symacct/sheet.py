@@ -202,6 +202,10 @@ def build(
         add(f"memory.{key}", label, "B", getattr(mem, key), getattr(at.memory, key))
     add("memory.peak", "memory: peak of the step", "B", _peak_formula(acct, values, at.memory.peak), at.memory.peak)
     add("memory.checkpoint", "checkpoint file (model + optimizer tensors)", "B", mem.checkpoint, at.memory.checkpoint)
+    if opts.get("step") == "forward":  # no backward, no update: those rows would all read 0
+        train_only = {"flops.backward", "memory.grads", "memory.optimizer", "memory.activations"}
+        train_only |= {"memory.after_backward", "memory.after_optimizer"}
+        totals = [t for t in totals if t["name"] not in train_only]
     peak = hw.peak_flops(dtype)
     roof = roofline(acct, hw, **sizes)
     step_mfu = at.flops.total / (peak * mfu)
@@ -270,10 +274,11 @@ def title(sheet: dict[str, Any]) -> str:
 
 
 def columns(sheet: dict[str, Any]) -> list[tuple[str, str]]:
+    """The component-table columns that hold something (a forward-only sheet has no backward columns)."""
     cols = list(_COLS)
-    if any("matmul_recompute" in r for c in sheet["components"] for r in c["rows"]):
-        cols.insert(2, ("matmul_recompute", "matmul FLOPs recompute"))
-    return cols
+    cols.insert(2, ("matmul_recompute", "matmul FLOPs recompute"))
+    rows = [r for c in sheet["components"] for r in c["rows"]]
+    return [(k, label) for k, label in cols if any(r.get(k, {}).get("formula", "0") != "0" for r in rows)]
 
 
 def render_md(sheet: dict[str, Any]) -> str:

@@ -202,3 +202,15 @@ def test_notebook_reprs(small):
     md_at = at._repr_markdown_()
     assert f"${at.params:,}$".replace(",", "{,}") in md_at
     assert f"${at.flops.total:,}$".replace(",", "{,}") in md_at
+
+
+def test_forward_and_checkpointed_sheets_show_what_the_step_does():
+    fwd = symacct.derive(GPT2(GPT2Config(**SMALL)), step="forward")
+    sh = sheet.build(fwd, name="gpt2", B=2, S=16)
+    assert [k for k, _ in sheet.columns(sh)] == ["matmul_forward", "other_forward", "params"]
+    assert not {"flops.backward", "memory.grads", "memory.activations"} & {t["name"] for t in sh["totals"]}
+    ck = symacct.derive(GPT2(GPT2Config(**SMALL, checkpoint=True)), optimizer="sgd")
+    sh = sheet.build(ck, name="gpt2", B=2, S=16)
+    assert "matmul_recompute" in [k for k, _ in sheet.columns(sh)]
+    recompute = sum(c["subtotal"].get("matmul_recompute", {"value": 0})["value"] for c in sh["components"])
+    assert recompute == ck.at(B=2, S=16).flops.recompute > 0
