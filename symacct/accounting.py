@@ -381,8 +381,7 @@ def aggregate(
         flops["other_" + ph] += a["flops_other"] * c
         byts["read_" + ph] += a["bytes_read"] * c
         byts["written_" + ph] += a["bytes_written"] * c
-        gp = generic_path(a["module"], stacks)
-        comp = component(a["module"], stacks, trace.module_types, ph)
+        gp, comp = a["generic"], a["component"]
         for target in (modules[gp], comps[comp]):
             target["flops_" + ph] += mm * c
             target["flops_other"] += a["flops_other"] * c

@@ -83,9 +83,6 @@ def _derive(model: str, overrides: tuple[tuple[str, Any], ...] = (), **kw: Any) 
     cfg = make()
     for k, v in overrides:
         setattr(cfg, k, v)
-    dtypes = {"bf16": torch.bfloat16, None: None}
-    for key in ("autocast", "params_dtype"):
-        kw[key] = dtypes[kw.get(key)]
     if "fp32_grads" in kw:
         kw["optimizer_options"] = {"fp32_grads": kw.pop("fp32_grads")}
     with torch.device("meta"):
@@ -142,8 +139,8 @@ def six_nd() -> list[Claim]:
     tokens = B_ * S_
     rule = 6 * at.params * tokens
     ratio = at.flops.total / rule
-    no_attn = sympy.expand(acct.flops.total).coeff(S, 2)  # the S^2 (attention score) terms, per S^2
-    dense = sympy.expand(acct.flops.total - no_attn * S**2)
+    scores = sympy.expand(acct.flops.total).coeff(S, 2) * S**2  # the S^2 terms: attention scores
+    dense = sympy.expand(acct.flops.total - scores)
     dense_at = _val(acct, dense, B_, S_)
     from symacct.plots import crossover
 
@@ -159,8 +156,8 @@ def six_nd() -> list[Claim]:
             f"derived: {_formula(acct.flops.total)}; per token 6 N_matmul + 12 L S D (attention scores), "
             "where N_matmul excludes the position table and counts a tied embedding once (as the head)",
             [
-                f"attention-score terms {_formula(no_attn * S**2)} are {_e(_val(acct, no_attn * S**2, B_, S_))} "
-                f"FLOPs ({_val(acct, no_attn * S**2, B_, S_) / at.flops.total:.1%} of the step)",
+                f"attention-score terms {_formula(scores)} are {_e(_val(acct, scores, B_, S_))} "
+                f"FLOPs ({_val(acct, scores, B_, S_) / at.flops.total:.1%} of the step)",
                 f"the S^2 terms of one layer equal its D^2 terms at S = {cross:,.0f} (= 6D for gpt2); "
                 "below that 6ND undercounts by S/(6D) of the layer FLOPs",
             ],
@@ -236,10 +233,10 @@ def six_nd() -> list[Claim]:
 
 
 def _val(acct: Any, expr: Any, B: int, S: int) -> int:
-    from symacct.symbols import sym
+    """A formula of ``acct`` at B, S and the model's own sizes."""
+    from symacct.symbols import evaluate
 
-    vals = {**acct.symbols, "B": B, "S": S}
-    return int(sympy.sympify(expr).xreplace({sym(k): v for k, v in vals.items()}))
+    return evaluate(expr, {**acct.symbols, "B": B, "S": S})
 
 
 def two_bdk() -> Claim:

@@ -105,26 +105,20 @@ def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
     from symacct.report import summary
 
     model = load_model(args.model, _overrides(args.config))
-    import torch
-
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}
-    acct = symacct.derive(
-        model,
-        step=args.step,
-        causal_discount=args.causal_discount,
-        optimizer=args.optimizer if args.step == "train" else None,
-        autocast=dtypes[args.autocast],
-        params_dtype=dtypes[args.params_dtype],
-    )
+    acct = symacct.derive(model, causal_discount=args.causal_discount, **_step_options(args))
     B = args.batch
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     return summary(acct, B=B, S=S, name=args.model)
 
 
-def _model_name(name: str) -> str:
-    """A file stem for a model name ('pkg.mod:make_net' -> 'make_net')."""
-    stem = name.rpartition(":")[2] or name
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in stem)
+def _step_options(args: argparse.Namespace) -> dict[str, Any]:
+    """derive's keyword arguments for the traced step, from --step, --optimizer, --autocast, --params-dtype."""
+    return {
+        "step": args.step,
+        "optimizer": args.optimizer if args.step == "train" else None,
+        "autocast": args.autocast,
+        "params_dtype": args.params_dtype,
+    }
 
 
 def _writable(out: str) -> Path:
@@ -140,9 +134,9 @@ def _writable(out: str) -> Path:
 
 
 def _sheet(args: argparse.Namespace) -> int:
-    import symacct
     from symacct import sheet
     from symacct.hardware import get
+    from symacct.reference import SheetConfig, make_sheet
 
     if args.batch <= 0 or args.seq is not None and args.seq <= 0:
         raise _UsageError("--batch and --seq must be positive integers")
@@ -152,19 +146,9 @@ def _sheet(args: argparse.Namespace) -> int:
     out = _writable(args.out) if args.out else None
     from symacct.terminal import progress
 
+    cfg = SheetConfig(args.model, args.batch, args.seq, _step_options(args), _overrides(args.config))
     with progress(f"deriving {args.model}"):
-        model = load_model(args.model, _overrides(args.config))
-        acct = symacct.derive(
-            model,
-            step=args.step,
-            optimizer=args.optimizer if args.step == "train" else None,
-            autocast=_dtype(args.autocast),
-            params_dtype=_dtype(args.params_dtype),
-        )
-    name = _model_name(args.model)
-    cfg = dataclasses.asdict(model.config) if dataclasses.is_dataclass(getattr(model, "config", None)) else None
-    with progress("evaluating"):
-        sh = sheet.build(acct, name=name, B=args.batch, S=args.seq, hardware=args.hardware, mfu=args.mfu, config=cfg)
+        acct, sh = make_sheet(cfg, hardware=args.hardware, mfu=args.mfu)
     if out is None:
         if args.format == "text":
             from symacct.terminal import print_sheet
@@ -216,9 +200,9 @@ def _print(report: dict[str, Any], as_json: bool) -> int:
 
 
 def _dtype(name: str | None) -> Any:
-    import torch
+    from symacct.derive import DTYPE_NAMES
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[name]
+    return DTYPE_NAMES[name] if name else None
 
 
 def _estimate(args: argparse.Namespace) -> dict[str, Any]:

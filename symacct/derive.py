@@ -312,6 +312,18 @@ def _locate(costed1: list[CostedOp], costed2: list[CostedOp], subs: dict[sympy.S
                     )
 
 
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _dtype(arg: str, value: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype given by name ('bf16', 'fp16', 'fp32') or as a torch.dtype."""
+    if isinstance(value, str):
+        if value not in DTYPE_NAMES:
+            raise SymacctError(f"{arg}={value!r} is not a dtype name", hint="use " + ", ".join(DTYPE_NAMES))
+        return DTYPE_NAMES[value]
+    return value
+
+
 _OPTIMIZERS = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
@@ -375,8 +387,8 @@ def derive(
     strict: bool = True,
     causal_discount: bool = False,
     embedding_flops: str = "lookup",
-    autocast: torch.dtype | None = None,
-    params_dtype: torch.dtype | None = None,
+    autocast: torch.dtype | str | None = None,
+    params_dtype: torch.dtype | str | None = None,
     device: str = "cpu",
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model``.
@@ -406,8 +418,9 @@ def derive(
             convention); default False (flop_counter's, PaLM's).
         embedding_flops: ``"lookup"`` (0 FLOPs, flop_counter's; default) or
             ``"matmul"`` (2*tokens*V*D forward, twice that backward).
-        autocast: ``torch.bfloat16`` or ``torch.float16``: the forward runs
-            under ``torch.autocast`` (backward outside it, as usual).
+        autocast: ``torch.bfloat16`` or ``torch.float16`` (or ``"bf16"``,
+            ``"fp16"``): the forward runs under ``torch.autocast`` (backward
+            outside it, as usual).
         params_dtype: build the parameters in this dtype (pure low-precision
             training or inference); float inputs follow.
         device: the device the fake tensors claim to be on (``"cpu"``
@@ -416,6 +429,7 @@ def derive(
 
     Conventions: docs/conventions.md.
     """
+    autocast, params_dtype = _dtype("autocast", autocast), _dtype("params_dtype", params_dtype)
     kwargs = dict(
         device=device,
         autocast=autocast,

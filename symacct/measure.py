@@ -147,20 +147,26 @@ def measure_memory(
     the forward under ``torch.no_grad()`` (the other phase points are then
     the after-forward value, and grads and optimizer 0).
     """
-    model.train() if step == "train" else model.eval()
-    opt = optimizer(model) if optimizer is not None else None
-    initial = [*model.parameters(), *model.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
-    if opt is not None:
-        initial += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    tracker = StorageTracker(initial)
-    if step == "forward":
-        with tracker, torch.no_grad(), _autocast(autocast, args):
-            out = model(*args)
-        after = tracker.current()
-        params = _distinct_nbytes(list(model.parameters()))
-        del out
-        return MeasuredMemory(params, 0, 0, after, after, after, tracker.peak)
-    return _train_steps(model, args, opt, tracker, loss, autocast, 1)[0]
+    if step != "forward":
+        return measure_memory_steps(model, args, optimizer, 1, autocast, loss)[0]
+    model.eval()
+    tracker = StorageTracker(_held(model, args, None))
+    with tracker, torch.no_grad(), _autocast(autocast, args):
+        out = model(*args)
+    after = tracker.current()
+    params = _distinct_nbytes(list(model.parameters()))
+    del out
+    return MeasuredMemory(params, 0, 0, after, after, after, tracker.peak)
+
+
+def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def _held(model: nn.Module, args: tuple[Any, ...], opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """What exists before the step: parameters, buffers, inputs, states made at construction (Adagrad)."""
+    held = [*model.parameters(), *model.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
+    return held + (_state_tensors(opt) if opt is not None else [])
 
 
 def measure_memory_steps(
@@ -169,14 +175,12 @@ def measure_memory_steps(
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None,
     steps: int,
     autocast: torch.dtype | None = None,
+    loss: Callable[[Any], torch.Tensor] | None = None,
 ) -> list[MeasuredMemory]:
     """``steps`` real training steps on the CPU, each measured (the peak is reset at each step's start)."""
     model.train()
     opt = optimizer(model) if optimizer is not None else None
-    initial = [*model.parameters(), *model.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
-    if opt is not None:  # states made at construction (Adagrad)
-        initial += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return _train_steps(model, args, opt, StorageTracker(initial), None, autocast, steps)
+    return _train_steps(model, args, opt, StorageTracker(_held(model, args, opt)), loss, autocast, steps)
 
 
 def _train_steps(
@@ -202,9 +206,7 @@ def _train_steps(
             states = 0
             if opt is not None:
                 opt.step()
-                states = _distinct_nbytes(
-                    [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-                )
+                states = _distinct_nbytes(_state_tensors(opt))
                 opt.zero_grad(set_to_none=True)
             after_optimizer = tracker.current()  # the caller still holds the output and the loss, as in derive
             del out, value  # dropped before the next step, so steps 2.. start from the same state
@@ -268,9 +270,7 @@ def measure_cuda_steps(
         states = 0
         if opt is not None:
             opt.step()
-            states = _distinct_nbytes(
-                [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            )
+            states = _distinct_nbytes(_state_tensors(opt))
             opt.zero_grad(set_to_none=True)
         end.record()
         torch.cuda.synchronize()

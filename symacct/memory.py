@@ -37,7 +37,7 @@ import numpy as np
 import sympy
 
 from symacct.probe import Probe
-from symacct.symbols import sort_key, sym
+from symacct.symbols import evaluate, sort_key, sym
 from symacct.trace import StepTrace
 
 Expr = Any
@@ -117,8 +117,7 @@ class Liveness:
 
     def mark_value(self, name: str, values: Mapping[str, int]) -> int:
         """Live bytes at a phase point, evaluated exactly."""
-        subs = {sym(k): v for k, v in values.items()}
-        return int(self.at_mark(name).xreplace(subs))
+        return evaluate(self.at_mark(name), dict(values))
 
     def _valid(self, t: int, L: int) -> bool:
         """Whether op t of the probe stands for a point of a model with L blocks."""

@@ -22,7 +22,7 @@ from typing import Any
 import sympy
 
 from symacct.accounting import Accounting
-from symacct.symbols import sym
+from symacct.symbols import evaluate, sym
 
 _PARTS = (
     ("params", "parameters"),
@@ -31,10 +31,6 @@ _PARTS = (
     ("activations", "activations saved for backward"),
 )
 _COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd", "#8c8c8c", "#dd8452")
-
-
-def _value(expr: Any, values: dict[str, int]) -> int:
-    return int(sympy.sympify(expr).xreplace({sym(k): v for k, v in values.items()}))
 
 
 def crossover(acct: Accounting) -> float | None:
@@ -86,7 +82,7 @@ def _memory(acct: Accounting, axis: str, xs: list[int], fixed: dict[str, int], t
     fig, ax = _figure()
     stacks = []
     for key, _ in _PARTS:
-        stacks.append([_value(getattr(acct.memory, key), {**acct.symbols, **fixed, axis: x}) / 1e9 for x in xs])
+        stacks.append([evaluate(getattr(acct.memory, key), {**acct.symbols, **fixed, axis: x}) / 1e9 for x in xs])
     ax.stackplot(xs, *stacks, labels=[label for _, label in _PARTS], colors=_COLORS[:4], alpha=0.85)
     peaks = [acct.peak(**{**fixed, axis: x}) / 1e9 for x in xs]
     ax.plot(
@@ -107,15 +103,14 @@ def _memory(acct: Accounting, axis: str, xs: list[int], fixed: dict[str, int], t
     return _save(fig, stem)
 
 
-def _flops_share(acct: Accounting, xs: list[int], B: int, name: str, stem: Path) -> list[Path]:
+def _flops_share(acct: Accounting, xs: list[int], B: int, cross: float | None, name: str, stem: Path) -> list[Path]:
     fig, ax = _figure()
     comps = sorted(acct.components)
     totals = {c: sum((v for k, v in acct.components[c].items() if k.startswith("flops_")), 0) for c in comps}
-    grid = [[_value(totals[c], {**acct.symbols, "B": B, "S": x}) for x in xs] for c in comps]
+    grid = [[evaluate(totals[c], {**acct.symbols, "B": B, "S": x}) for x in xs] for c in comps]
     sums = [sum(col) for col in zip(*grid)]
     shares = [[100.0 * v / s if s else 0.0 for v, s in zip(row, sums)] for row in grid]
     ax.stackplot(xs, *shares, labels=comps, colors=_COLORS[: len(comps)], alpha=0.85)
-    cross = crossover(acct)
     if cross is not None:
         ax.axvline(cross, color="black", linestyle="--", linewidth=1)
         right = cross > (xs[0] * xs[-1]) ** 0.5  # label on the side with room
@@ -157,7 +152,8 @@ def write(acct: Accounting, out: Path, *, name: str, B: int, S: int | None) -> l
     title = f"{name}: memory of {what} against B{label}"
     paths += _memory(acct, "B", xb, fixed, title, out / f"{name}-memory-batch")
     if has_s:
-        cross = crossover(acct) or 0
-        hi = max(acct.symbols.get("S_max", S), S, int(2 * cross))
-        paths += _flops_share(acct, _sizes(64, 1 << (hi - 1).bit_length()), B, name, out / f"{name}-flops-share")
+        cross = crossover(acct)
+        hi = max(acct.symbols.get("S_max", S), S, int(2 * (cross or 0)))
+        xs = _sizes(64, 1 << (hi - 1).bit_length())
+        paths += _flops_share(acct, xs, B, cross, name, out / f"{name}-flops-share")
     return paths

@@ -23,10 +23,17 @@ from symacct.sheet import RENDERERS
 
 @dataclass(frozen=True)
 class SheetConfig:
-    model: str
+    model: str  # built-in name or package.module:factory
     B: int
     S: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # derive's step options; dtypes by name
+    overrides: dict[str, Any] = field(default_factory=dict)  # config fields
+
+    @property
+    def name(self) -> str:
+        """A file stem ('pkg.mod:make_net' -> 'make_net')."""
+        stem = self.model.rpartition(":")[2] or self.model
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in stem)
 
 
 SHEETS = (
@@ -37,23 +44,18 @@ SHEETS = (
 
 
 def make_sheet(cfg: SheetConfig, hardware: str = "H100-SXM", mfu: float = 0.5) -> tuple[Any, dict[str, Any]]:
-    """Derive a reference model and build its sheet (the same path as ``symacct sheet``)."""
+    """Derive a model and build its sheet: ``symacct sheet`` and the reference sheets both come here."""
     import dataclasses
-
-    import torch
 
     import symacct
     from symacct import sheet
     from symacct.cli import load_model
 
-    dtypes = {"bf16": torch.bfloat16, None: None}
-    opts = dict(cfg.options)
-    for key in ("autocast", "params_dtype"):
-        opts[key] = dtypes[opts.get(key)]
-    model = load_model(cfg.model, {})
-    acct = symacct.derive(model, **opts)
-    config = dataclasses.asdict(model.config)
-    return acct, sheet.build(acct, name=cfg.model, B=cfg.B, S=cfg.S, hardware=hardware, mfu=mfu, config=config)
+    model = load_model(cfg.model, cfg.overrides)
+    acct = symacct.derive(model, **cfg.options)
+    config = getattr(model, "config", None)
+    config = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None
+    return acct, sheet.build(acct, name=cfg.name, B=cfg.B, S=cfg.S, hardware=hardware, mfu=mfu, config=config)
 
 
 def write_all(docs: Path) -> list[Path]:

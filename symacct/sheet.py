@@ -28,7 +28,7 @@ import sympy
 
 from symacct.accounting import Accounting
 from symacct.formula import latex, negligible_terms, text
-from symacct.symbols import MEANING, sort_key, sym
+from symacct.symbols import MEANING, evaluate, sort_key, sym
 
 COMPONENTS = ("embedding", "attention", "mlp", "norm", "head", "loss", "other")
 _TITLES = {
@@ -46,17 +46,13 @@ _PHASES = ("forward", "backward")
 def _entry(expr: Any, values: dict[str, int], at_value: Any = None) -> dict[str, Any]:
     """Formula as text and LaTeX, its value, and its negligible terms at ``values``."""
     e = sympy.expand(sympy.sympify(expr))
-    v = _ev(e, values) if at_value is None else int(at_value)
+    v = evaluate(e, values) if at_value is None else int(at_value)
     return {
         "formula": text(e, values),
         "latex": latex(e, values),
         "value": v,
         "negligible": negligible_terms(e, values),
     }
-
-
-def _ev(expr: Any, values: dict[str, int]) -> int:
-    return int(sympy.sympify(expr).xreplace({sym(k): v for k, v in values.items()}))
 
 
 def _short(op: str) -> str:
@@ -112,7 +108,7 @@ def _peak_formula(acct: Accounting, values: dict[str, int], peak: int) -> sympy.
     """The argument of the symbolic Max that equals the exact peak at these sizes (else the whole Max)."""
     e = sympy.sympify(acct.memory.peak)
     args = e.args if isinstance(e, sympy.Max) else (e,)
-    hits = [a for a in args if _ev(a, values) == peak]
+    hits = [a for a in args if evaluate(a, values) == peak]
     return min(hits, key=sympy.default_sort_key) if hits else e
 
 

@@ -66,6 +66,11 @@ def sym(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, positive=True)
 
 
+def evaluate(expr: sympy.Expr | int, values: dict[str, int]) -> int:
+    """An integer-valued formula at integer sizes, exactly (``values`` maps symbol names to sizes)."""
+    return int(sympy.sympify(expr).xreplace({sym(k): v for k, v in values.items()}))
+
+
 def letter_for_field(field: str) -> str:
     """The letter of a config field: its alias, or the field name itself."""
     return ALIASES.get(field, field)

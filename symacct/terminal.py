@@ -34,15 +34,9 @@ def progress(message: str) -> Iterator[Any]:
         yield status
 
 
-def _si(v: float) -> str:
-    from symacct.sheet import si
-
-    return si(v)
-
-
 def print_sheet(sheet: dict[str, Any]) -> None:
     """The sheet as rich tables: formulas in the fixed text layout, values exact and abbreviated."""
-    from symacct.sheet import columns, title
+    from symacct.sheet import columns, si, title
 
     out = console()
     out.print(f"symacct sheet {sheet['model']}  ({title(sheet)})")
@@ -60,7 +54,7 @@ def print_sheet(sheet: dict[str, Any]) -> None:
             cells = []
             for k, _ in cols:
                 e = r.get(k)
-                cells.append("" if not e or e["formula"] == "0" else f"{e['formula']}\n= {_si(e['value'])}")
+                cells.append("" if not e or e["formula"] == "0" else f"{e['formula']}\n= {si(e['value'])}")
             t.add_row(r["module"], *cells)
         out.print(t)
     t = Table("quantity", "formula", "value", box=box.SIMPLE, title="totals", title_justify="left")
