@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from symacct.accounting import Accounting, aggregate, generic_path
 from symacct.errors import SymacctError
 from symacct.graph import CostedOp, build_graph, cost_ops
-from symacct.memory import fill_phases, liveness, static_and_activations
+from symacct.memory import block_of, fill_phases, liveness, op_blocks, static_and_activations
 from symacct.probe import FIRST_PRIMES, LAYERS, SECOND_PRIMES, Probe, make_probe
 from symacct.recipes import MixedPrecisionAdamW
 from symacct.symbols import letter_for_field, sym
@@ -164,17 +164,6 @@ def _stacks(trace: StepTrace, n: int) -> list[str]:
     return sorted(p for p, idx in children.items() if idx == set(range(n)))
 
 
-def _block_of(module: str, stacks: list[str]) -> tuple[str, int] | None:
-    for p in stacks:
-        prefix = p + "." if p else ""
-        if module.startswith(prefix):
-            rest = module[len(prefix) :]
-            head = rest.split(".", 1)[0]
-            if head.isdigit():
-                return p, int(head)
-    return None
-
-
 def _relative(module: str, stack: str, i: int) -> str:
     prefix = f"{stack}.{i}" if stack else str(i)
     return module[len(prefix) :]
@@ -210,9 +199,10 @@ def _counts(
     """
     L = sym("L")
     zero, one = sympy.Integer(0), sympy.Integer(1)
+    blocks = op_blocks(trace.ops, stacks)
     per_block: dict[tuple[str, int], list[CostedOp]] = defaultdict(list)
     for c in costed:
-        b = _block_of(c.rec.module, stacks)
+        b = blocks[c.rec.index]
         if b is not None:
             per_block[b].append(c)
     block_count: dict[tuple[str, int], sympy.Expr] = {}
@@ -238,11 +228,11 @@ def _counts(
         notes.append(f"{name}: layer stack factored as {shape}" + (" (L >= 2)" if first and last else ""))
     counts = []
     for c in costed:
-        b = _block_of(c.rec.module, stacks)
+        b = blocks[c.rec.index]
         counts.append(block_count[b] if b is not None else one)
     param_counts = {}
     for ph in trace.placeholders:
-        b = _block_of(ph.name.rpartition(".")[0], stacks)
+        b = block_of(ph.name.rpartition(".")[0], stacks)
         param_counts[ph.name] = block_count[b] if b is not None else one
     return counts, param_counts, notes, min_layers
 
@@ -481,10 +471,7 @@ def derive(
     if stacks:
         got = _counts(trace1, costed1, stacks, LAYERS[0])
         if got is None:
-            lfields = [f for f, letter in src.fields.items() if letter == "L"]
-            acct = derive(model, **{**kwargs, "fixed": [*fixed, *lfields]})
-            acct.notes.insert(0, "the blocks of the layer stack differ: left unfactored, L fixed at its value")
-            return acct
+            return _with_fixed_layers(model, src, kwargs, "the blocks of the layer stack differ")
         counts, param_counts, notes, min_layers = got
     else:
         min_layers = 1
@@ -509,10 +496,9 @@ def derive(
         live = liveness(trace1, trace_more, probe1, stacks, LAYERS[0])
     else:
         live = liveness(trace1, None, probe1, stacks, 1)
-    if live is None:
-        notes.append("live bytes could not be factored by L (the op order changes with L): no peak formula")
-    else:
-        fill_phases(memory, live, sorted(set(probe1.values) | ({"L"} if stacks else set())))
+    if live is None:  # a peak that is wrong at other L would be a silent wrong number
+        return _with_fixed_layers(model, src, kwargs, "the op order outside the blocks changes with L")
+    fill_phases(memory, live, sorted(set(probe1.values) | ({"L"} if stacks else set())))
     defaults = {}
     field_names = {}
     for f, letter in src.fields.items():
@@ -542,6 +528,14 @@ def derive(
     )
     acct.memory = memory
     acct.liveness = live
+    return acct
+
+
+def _with_fixed_layers(model: Any, src: Any, kwargs: dict[str, Any], why: str) -> Accounting:
+    """Derive again with the layer count fixed at its value: exact for this L, not factored by it."""
+    lfields = [f for f, letter in src.fields.items() if letter == "L"]
+    acct = derive(model, **{**kwargs, "fixed": [*kwargs["fixed"], *lfields]})
+    acct.notes.insert(0, f"{why}: the layer stack is left unfactored, L fixed at its value")
     return acct
 
 

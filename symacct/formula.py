@@ -178,3 +178,11 @@ def negligible_terms(expr: Any, values: Mapping[str, int]) -> list[str]:
         return []
     small = [t for t in terms if abs(t.value(values)) < NEGLIGIBLE * abs(total)]
     return [("-" if t.coeff < 0 else "") + _mono(t, tex=False) for t in small]
+
+
+def si(v: float, unit: str = "") -> str:
+    """1234567 -> '1.23 M' (decimal prefixes; GB = 10^9 bytes)."""
+    for prefix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g} {prefix}{unit}".rstrip()
+    return f"{v:g} {unit}".rstrip()

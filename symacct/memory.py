@@ -210,10 +210,46 @@ def _nonnegative(e: sympy.Expr) -> bool:
     return all(t.as_coeff_Mul()[0] >= 0 for t in terms)
 
 
+def op_blocks(ops: list[Any], stacks: list[str]) -> list[tuple[str, int] | None]:
+    """The layer-stack block ``(stack, i)`` each op belongs to, or None outside every block.
+
+    An op belongs to the block whose module path it runs in, and so does an op
+    outside every block that runs between block i-1 and block i of a stack (in
+    the forward, or between i and i-1 in the backward's reverse order), in the
+    same phase: the loop's own per-iteration work, such as the two empty
+    tensors that ``torch.utils.checkpoint`` makes per call in torch 2.11.
+    """
+    own = [block_of(rec.module, stacks) for rec in ops]
+    out = list(own)
+    prev: tuple[tuple[str, int], int] | None = None  # (block, position) of the last op in a block
+    for pos, b in enumerate(own):
+        if b is None:
+            continue
+        if prev is not None and prev[0][0] == b[0] and abs(prev[0][1] - b[1]) == 1:
+            later = max(prev[0], b)
+            for j in range(prev[1] + 1, pos):
+                if ops[j].phase == ops[pos].phase == ops[prev[1]].phase:
+                    out[j] = later
+        prev = (b, pos)
+    return out
+
+
+def block_of(module: str, stacks: list[str]) -> tuple[str, int] | None:
+    """``(stack, i)`` when the module path lies in block i of a stack ('blocks.3.attn' -> ('blocks', 3))."""
+    for p in stacks:
+        prefix = p + "." if p else ""
+        if module.startswith(prefix):
+            head = module[len(prefix) :].split(".", 1)[0]
+            if head.isdigit():
+                return p, int(head)
+    return None
+
+
 def align_layers(base: StepTrace, other: StepTrace, stacks: list[str], layers: int) -> list[int] | None:
-    """Map each op of ``base`` (``layers`` blocks) to ``other`` (one more) by removing a middle block."""
+    """Map each op of ``base`` (``layers`` blocks) to ``other`` (one more) by removing a middle block
+    (its ops as ``op_blocks`` assigns them)."""
     drop = 2  # a middle block of ``other``
-    kept = [rec for rec in other.ops if _block_index(rec.module, stacks) != drop]
+    kept = [rec for rec, b in zip(other.ops, op_blocks(other.ops, stacks)) if b is None or b[1] != drop]
     if len(kept) != len(base.ops) or any(str(a.op) != str(b.op) for a, b in zip(base.ops, kept)):
         return None
     return [rec.index for rec in kept]
@@ -265,6 +301,7 @@ def static_and_activations(
     acts = sympy.Integer(0)
     by_module: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
     per_layer: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
+    blocks = op_blocks(trace.ops, stacks)
     for st, nbytes in trace.saved_storages.items():
         producer = trace.storage_producer.get(st)
         if producer is None:
@@ -277,8 +314,7 @@ def static_and_activations(
         acts += b * c
         by_module[generic(module)] += b * c
         if c.has(L):
-            stack = next(p for p in stacks if module.startswith(p + ".") or not p)
-            per_layer[stack] += b
+            per_layer[blocks[producer][0]] += b
     buffers = sympy.Integer(0)
     for ph in trace.placeholders:
         if ph.kind == "buffer" and ph.meta.storage in trace.persistent_buffers:
@@ -313,7 +349,7 @@ def liveness(base: StepTrace, other: StepTrace | None, probe: Probe, stacks: lis
     align = align_layers(base, other, stacks, layers)
     if align is None:
         return None
-    blocks = [_block_index(r.module, stacks) for r in base.ops]
+    blocks = [b[1] if b is not None else None for b in op_blocks(base.ops, stacks)]
     return Liveness(
         iv,
         intervals(other, probe),
@@ -326,16 +362,6 @@ def liveness(base: StepTrace, other: StepTrace | None, probe: Probe, stacks: lis
         states,
         frozenset(other.state_storages),
     )
-
-
-def _block_index(module: str, stacks: list[str]) -> int | None:
-    for p in stacks:
-        prefix = p + "." if p else ""
-        if module.startswith(prefix):
-            head = module[len(prefix) :].split(".", 1)[0]
-            if head.isdigit():
-                return int(head)
-    return None
 
 
 def _mark_positions(trace: StepTrace) -> dict[str, float]:

@@ -12,6 +12,7 @@ from typing import Any
 import sympy
 
 from symacct.accounting import Accounting
+from symacct.formula import si
 from symacct.symbols import MEANING, sort_key, sym
 
 _ROWS = (
@@ -82,13 +83,6 @@ def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
     }
 
 
-def _si(v: int) -> str:
-    for unit, scale in (("E", 10**18), ("P", 10**15), ("T", 10**12), ("G", 10**9), ("M", 10**6), ("k", 10**3)):
-        if abs(v) >= scale:
-            return f"{v / scale:.3g}{unit}"
-    return str(v)
-
-
 def render_text(report: dict[str, Any]) -> str:
     """The summary as aligned plain text."""
     lines = [f"symacct derive {report['model']}  (step: {report['step']})", "", "symbols:"]
@@ -98,11 +92,11 @@ def render_text(report: dict[str, Any]) -> str:
     for r in report["formulas"]:
         lines.append(f"  {r['label']}")
         lines.append(f"    = {r['formula']}")
-        lines.append(f"    = {r['value']}  ({_si(r['value'])})")
+        lines.append(f"    = {r['value']}  ({si(r['value'])})")
     lines += ["", "matmul FLOPs and parameters by component:"]
     for c in report["components"]:
-        lines.append(f"  {c['component']:<10} FLOPs {c['flops']}  = {_si(c['flops_value'])}")
-        lines.append(f"  {'':<10} params {c['params']}  = {_si(c['params_value'])}")
+        lines.append(f"  {c['component']:<10} FLOPs {c['flops']}  = {si(c['flops_value'])}")
+        lines.append(f"  {'':<10} params {c['params']}  = {si(c['params_value'])}")
     lines += [
         "",
         f"peak at: {', '.join(report['peak_at'])}",

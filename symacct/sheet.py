@@ -27,7 +27,7 @@ from typing import Any
 import sympy
 
 from symacct.accounting import Accounting
-from symacct.formula import latex, negligible_terms, text
+from symacct.formula import latex, negligible_terms, si, text
 from symacct.symbols import MEANING, evaluate, sort_key, sym
 
 COMPONENTS = ("embedding", "attention", "mlp", "norm", "head", "loss", "other")
@@ -248,14 +248,6 @@ _COLS = (
     ("saved_bytes", "bytes saved"),
     ("params", "params"),
 )
-
-
-def si(v: float, unit: str = "") -> str:
-    """1234567 -> '1.23 M' (decimal prefixes; GB = 10^9 bytes)."""
-    for prefix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(v) >= scale:
-            return f"{v / scale:.3g} {prefix}{unit}".rstrip()
-    return f"{v:g} {unit}".rstrip()
 
 
 def title(sheet: dict[str, Any]) -> str:

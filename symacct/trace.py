@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,14 +285,22 @@ class _Recorder(TorchDispatchMode):
                 if dd or func in (aten._local_scalar_dense.default, aten.nonzero.default)
                 else f"the op failed on fake tensors: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             )
+            real = "convert all Tensors to FakeTensors" in str(e)
             raise SymacctError(
-                what,
+                "a real tensor reached the traced step" if real else what,
                 node=f"#{len(self.trace.ops)}",
                 module=self.module(),
                 op=str(func),
                 shapes=shapes,
-                hint="symacct traces with fake tensors and cannot read values: replace the "
-                "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops",
+                hint="keep every tensor the step uses in a parameter or a registered buffer, or make it "
+                "inside forward; a tensor held in a plain attribute or a global is not faked"
+                if real
+                else "symacct traces with fake tensors and cannot read values: replace the "
+                "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops"
+                if dd or func in (aten._local_scalar_dense.default, aten.nonzero.default)
+                else "the step runs at probe sizes of symacct's choosing (distinct primes): a size typed in "
+                "rather than taken from the config or the inputs (an input of fixed width, a view to a literal "
+                "size) breaks there; derive every size from the model's fields",
             ) from e
         out = _eager_strides(func, args, out)
         for a, k, o in _split_lists(func, args, kwargs, out):
@@ -371,6 +380,11 @@ def record_step(
     turns the model's output into the scalar to differentiate (default: the
     output itself). ``step`` is 'train' (forward + backward [+ optimizer]) or
     'forward' (forward under ``torch.no_grad()``).
+
+    Factory calls that name no device make CPU tensors, as in eager PyTorch with
+    no default device set, even when ``derive`` is called inside
+    ``with torch.device("meta")`` (where a model too large to build is made):
+    the optimizer's step counters, say, stay fake CPU tensors.
     """
     trace = StepTrace()
     ids = _Ids()
@@ -386,7 +400,7 @@ def record_step(
             hint="the model must be rebuildable as type(model)(config) with other sizes; "
             "keep fields it cannot vary fixed with derive(..., fixed=[...])",
         ) from e
-    with fake:
+    with fake, torch.device("cpu"):
         try:
             if params_dtype is not None:
                 _cast_floats(model, params_dtype)
@@ -447,7 +461,7 @@ def record_step(
                 trace.saved_storages[st] = t.untyped_storage().nbytes()
             return t
 
-        with tracker, recorder, _removing(hooks):
+        with tracker, recorder, _removing(hooks), _quiet("torch._subclasses.fake_tensor"):
             if step == "train":
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast, device):
                     out = model(*args)
@@ -505,6 +519,19 @@ def record_step(
                         trace.held_storages.add(ids.storage(t))
                 recorder.mark("after_forward")
     return trace
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Any:
+    """Silence a logger: fake tensors log a traceback for a failing meta kernel, which symacct
+    turns into one SymacctError naming the node, module, op and shapes."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 @contextlib.contextmanager

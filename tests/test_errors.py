@@ -127,6 +127,32 @@ def test_at_rejects_missing_and_unknown_symbols():
         acct.at(B=0, S=2)
 
 
+_GLOBAL_BIAS = torch.ones(1)
+
+
+class _UsesGlobal(nn.Module):
+    def __init__(self, n_embd: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) + _GLOBAL_BIAS).sum()  # a real tensor from outside the module
+
+
+def test_a_real_tensor_in_the_step_is_named_with_what_to_do():
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(_UsesGlobal, dims={"n_embd": 8}, inputs=lambda m, B, S: (torch.randn(B, m.lin.in_features),))
+    assert "real tensor" in str(e.value) and "registered buffer" in str(e.value)
+    assert e.value.op == "aten.add.Tensor"
+
+
+def test_a_typed_in_size_is_named_and_torch_logs_nothing(capfd):
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(_UsesGlobal, dims={"n_embd": 8}, inputs=lambda B, S: (torch.randn(B, 8),))
+    assert e.value.module == "lin" and "typed in" in str(e.value)
+    assert capfd.readouterr().err == ""  # fake tensors' own traceback log is silenced
+
+
 def test_differing_blocks_are_left_unfactored():
     @dataclass
     class Cfg:

@@ -35,7 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import symacct
-from symacct.measure import measure_memory_steps
+from symacct.measure import measure_memory_steps, measure_step
 from symacct.models import GPT2, GPT2Config
 
 _OPT_CLASSES = {
@@ -189,3 +189,57 @@ def test_optimizers_symacct_cannot_account_are_refused():
         symacct.derive(small, optimizer=GlobalState)
     with pytest.raises(symacct.SymacctError, match="unknown optimizer"):
         symacct.derive(small, optimizer="adamx")
+
+
+class _Looped(torch.nn.Module):
+    """Each loop iteration makes a root-level copy before its block (as torch 2.11's checkpoint makes
+    two empty tensors per call): ops outside the blocks that repeat with L."""
+
+    def __init__(self, width: int, L: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(L))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.relu(b(x * 2.0))  # x * 2.0 runs in the root module, once per block
+        return x.sum()
+
+
+def _looped_inputs(model, B, S):
+    return (torch.randn(B, model.blocks[0].in_features),)
+
+
+@pytest.mark.parametrize("L", [2, 3, 7])
+def test_ops_between_blocks_are_factored_by_L(L):
+    acct = symacct.derive(_Looped, dims={"width": 6, "L": 3}, inputs=_looped_inputs, optimizer="adamw")
+    assert "L" in acct.free_symbols() and not any("unfactored" in n for n in acct.notes)
+    model = _Looped(6, L)
+    real = measure_memory_steps(model, _looped_inputs(model, 4, 1), lambda m: torch.optim.AdamW(m.parameters()), 1)
+    at = acct.at(B=4, width=6, L=L)
+    got = at.memory
+    assert [getattr(got, k) for k in ("after_forward", "after_backward", "after_optimizer", "peak")] == [
+        getattr(real[0], k) for k in ("after_forward", "after_backward", "after_optimizer", "peak")
+    ]
+    counted = measure_step(_Looped(6, L), _looped_inputs(model, 4, 1))
+    assert (at.flops.forward, at.flops.backward, got.activations) == (
+        counted.flops_forward,
+        counted.flops_backward,
+        counted.saved_bytes,
+    )
+
+
+def test_unaligned_layer_stack_falls_back_to_a_fixed_L(monkeypatch):
+    """When one block's removal does not align the traces, L is fixed rather than a peak guessed."""
+    import symacct.memory
+
+    monkeypatch.setattr(symacct.memory, "align_layers", lambda *a: None)
+    acct = symacct.derive(_Looped, dims={"width": 6, "L": 5}, inputs=_looped_inputs, optimizer="adamw")
+    assert "L fixed at its value" in acct.notes[0] and "L" not in acct.free_symbols()
+    model = _Looped(6, 5)
+    real = measure_memory_steps(model, _looped_inputs(model, 3, 1), lambda m: torch.optim.AdamW(m.parameters()), 1)
+    got = acct.at(B=3, width=6).memory
+    assert (got.after_forward, got.after_backward, got.peak) == (
+        real[0].after_forward,
+        real[0].after_backward,
+        real[0].peak,
+    )
