@@ -7,15 +7,16 @@
 # Without a GPU it still runs: the CUDA tests skip and each verify says CUDA is not available.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+repo="$(pwd)"
 out="${1:-docs}"
 mkdir -p "$out"
-report="$out/gpu-report.md"
-# symacct.models lives in models/ (pyproject maps it), so run from a copy laid out as installed:
-# nothing is fetched or built; -P keeps this checkout's own symacct/ off sys.path
+report="$(cd "$out" && pwd)/gpu-report.md"
+# symacct.models lives in models/ (pyproject maps it), so run from a copy laid out as installed,
+# with the copy as the working directory: nothing is fetched or built, nothing installed
 site="$(mktemp -d)"
 cp -r symacct "$site/symacct" && cp -r models "$site/symacct/models"
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-py="${PYTHON:-python3} -P"
+cd "$site" || exit 1
+py="${PYTHON:-python3}"
 start=$(date +%s)
 {
   echo "# GPU check"
@@ -23,11 +24,11 @@ start=$(date +%s)
   echo "Written by \`scripts/gpu_check.sh\`; each block is the tail of one command's output."
   echo
   echo "- date: $(date -u +%F)"
-  $py -c "import torch, symacct.models; print('- torch', torch.__version__, '| CUDA', torch.version.cuda, '| device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')" 2>&1
+  "$py" -c "import torch, symacct.models; print('- torch', torch.__version__, '| CUDA', torch.version.cuda, '| device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')" 2>&1
   echo
   echo '## CUDA tests'
   echo '```'
-  timeout 200 $py -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 | tail -15
+  timeout 200 "$py" -m pytest -q -p no:cacheprovider --rootdir "$repo" -m cuda "$repo/tests/test_cuda.py" 2>&1 | tail -15
   echo '```'
   for spec in \
     "gpt2 --config n_layer=4 --config n_embd=256 --config n_head=4 --batch 8 --seq 256" \
@@ -37,7 +38,7 @@ start=$(date +%s)
     echo "## symacct verify $spec --device cuda --steps 3"
     echo '```'
     # shellcheck disable=SC2086
-    timeout 90 $py -m symacct.cli verify $spec --device cuda --steps 3 2>&1 | tail -25
+    timeout 90 "$py" -m symacct.cli verify $spec --device cuda --steps 3 2>&1 | tail -25
     echo "exit code: ${PIPESTATUS[0]}"
     echo '```'
   done
