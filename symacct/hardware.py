@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,6 +213,42 @@ def get(name: str | Accelerator) -> Accelerator:
             + f"known: {', '.join(sorted(CATALOG))}",
         )
     return CATALOG[key]
+
+
+_VENDOR_WORDS = {"nvidia", "geforce", "tesla", "amd", "instinct"}
+_DROPPABLE = re.compile(r"^(\d+GB|HBM\d*E?|SXM\d*)$", re.IGNORECASE)  # memory size and type, the default form
+
+
+def for_device(name: str) -> Accelerator:
+    """The catalog entry of a GPU as ``torch.cuda.get_device_name`` names it.
+
+    'NVIDIA H200' -> H200, 'NVIDIA H100 80GB HBM3' -> H100-SXM, 'NVIDIA H100 PCIe'
+    -> H100-PCIe, 'NVIDIA A100-SXM4-40GB' -> A100-40GB. The longest leading run
+    of the name's words that the catalog knows wins, and only words naming the
+    memory (80GB, HBM3) or the SXM form may be left over: 'H200 NVL' is not
+    taken for an H200 SXM, whose peaks differ. A memory size in the name must
+    match the entry's.
+    """
+    words = [w for w in re.split(r"[\s_\-]+", name) if w and w.lower() not in _VENDOR_WORDS]
+    size = next((int(w[:-2]) for w in words if re.fullmatch(r"\d+GB", w, re.IGNORECASE)), None)
+    index = _index()
+    for n in range(len(words), 0, -1):
+        if not all(_DROPPABLE.match(w) for w in words[n:]):
+            break
+        key = index.get("-".join(words[:n]).lower())
+        if key is None:
+            continue
+        entry = CATALOG[key]
+        if size is None or entry.memory_gb == size:
+            return entry
+        same = [a for a in CATALOG.values() if a.name.lower().startswith(words[0].lower()) and a.memory_gb == size]
+        if len(same) == 1:
+            return same[0]
+        break
+    raise SymacctError(
+        f"no catalog entry for the GPU {name!r}",
+        hint="pass --hardware NAME (see symacct hardware), or add one with symacct.hardware.load",
+    )
 
 
 def load(path: str | Path) -> list[Accelerator]:

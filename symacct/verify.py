@@ -170,16 +170,10 @@ def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int
 
 
 def device_hardware() -> str:
-    """The catalog name of this machine's GPU ('NVIDIA H200' -> 'H200')."""
-    from symacct.hardware import get
+    """The catalog name of this machine's GPU ('NVIDIA H200' -> 'H200'), see ``hardware.for_device``."""
+    from symacct.hardware import for_device
 
-    name = torch.cuda.get_device_name()
-    for candidate in (name, name.removeprefix("NVIDIA ").strip(), *name.replace("NVIDIA", "").split()):
-        try:
-            return get(candidate).name
-        except SymacctError:
-            continue
-    raise SymacctError(f"no catalog entry for the GPU {name!r}", hint="pass --hardware NAME (see symacct hardware)")
+    return for_device(torch.cuda.get_device_name()).name
 
 
 def render(rows: list[Row]) -> str:

@@ -88,9 +88,18 @@ def test_gpu_name_maps_to_the_catalog(monkeypatch):
     from symacct.errors import SymacctError
     from symacct.verify import device_hardware
 
-    for name, entry in (("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100-SXM")):
+    for name, entry in (
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H100 80GB HBM3", "H100-SXM"),
+        ("NVIDIA H100 PCIe", "H100-PCIe"),
+        ("NVIDIA A100-SXM4-80GB", "A100-SXM-80GB"),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("NVIDIA GeForce RTX 4090", "RTX-4090"),
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
-        assert device_hardware() == entry
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some GPU 9")
-    with pytest.raises(SymacctError, match="--hardware"):
-        device_hardware()
+        assert device_hardware() == entry, name
+    # a variant the catalog lacks is refused, not taken for its sibling with other peaks
+    for name in ("Some GPU 9", "NVIDIA H200 NVL", "NVIDIA H100 NVL", "NVIDIA A100 80GB PCIe", "NVIDIA H100 96GB"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
+        with pytest.raises(SymacctError, match="--hardware"):
+            device_hardware()
