@@ -103,3 +103,25 @@ def test_gpu_name_maps_to_the_catalog(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
         with pytest.raises(SymacctError, match="--hardware"):
             device_hardware()
+
+
+def test_cuda_rows_from_given_measurements():
+    """The CUDA rows' arithmetic, on made-up measurements (the measuring itself needs a GPU: test_cuda.py):
+    reserved is the largest of the steps, time the median of steps 2.., MFU the model FLOPs over that time
+    at the H200's dense bf16 peak of 989 TFLOP/s (../shared/REFERENCES.md)."""
+    import symacct
+    from symacct.measure import CudaSteps
+    from symacct.models import GPT2, GPT2Config
+    from symacct.verify import _cuda_rows, render
+
+    acct = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)))
+    sizes = {"B": 2, "S": 8}
+    at = acct.at(**sizes)
+    run = CudaSteps(memory=[], reserved=[100, 300, 200], seconds=[0.9, 0.2, 0.4])
+    rows = _cuda_rows(acct, at, run, sizes, "H200")
+    reserved, time, mfu = rows
+    assert reserved.measured == 300
+    assert time.measured == pytest.approx(0.3) and "median of 2" in time.name and "H200" in time.name
+    assert mfu.measured == pytest.approx(at.flops.total / (0.3 * 989e12))
+    assert all(r.ok for r in rows)  # shown, never judged
+    assert render(rows).count("shown") == 3
