@@ -14,10 +14,12 @@ MODEL is a built-in name (``symacct list``) or ``package.module:factory``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import importlib
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -347,29 +349,27 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _step_args(p: argparse.ArgumentParser) -> None:
+    """The model and the step to derive: shared by derive and sheet."""
+    p.add_argument("model", help="built-in name (symacct list) or package.module:factory")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--batch", type=int, default=8, help="B at which to evaluate (default 8)")
+    p.add_argument("--seq", type=int, default=None, help="S at which to evaluate (default: S_max)")
+    p.add_argument("--step", choices=("train", "forward"), default="train")
+    p.add_argument("--optimizer", default="adamw", help="optimizer traced in the step (default adamw)")
+    p.add_argument("--autocast", choices=("bf16", "fp16"), default=None, help="forward under torch.autocast")
+    p.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None, help="parameters in this dtype")
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _Parser(prog="symacct", description="Symbolic resource accounting for PyTorch")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("derive", help="derive and print the FLOP, byte and parameter formulas of a model")
-    d.add_argument("model", help="built-in name (symacct list) or package.module:factory")
-    d.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    d.add_argument("--batch", type=int, default=8, help="B at which to evaluate (default 8)")
-    d.add_argument("--seq", type=int, default=None, help="S at which to evaluate (default: S_max)")
-    d.add_argument("--step", choices=("train", "forward"), default="train")
+    _step_args(d)
     d.add_argument("--causal-discount", action="store_true", help="halve attention-score FLOPs (Megatron)")
-    d.add_argument("--optimizer", default="adamw", help="optimizer traced in the step (default adamw)")
-    d.add_argument("--autocast", choices=("bf16", "fp16"), default=None, help="forward under torch.autocast")
-    d.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None, help="parameters in this dtype")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     sh = sub.add_parser("sheet", help="formula sheet: notation, per-component tables, totals, time; plots with --out")
-    sh.add_argument("model", help="built-in name (symacct list) or package.module:factory")
-    sh.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    sh.add_argument("--batch", type=int, default=8, help="B at which to evaluate (default 8)")
-    sh.add_argument("--seq", type=int, default=None, help="S at which to evaluate (default: S_max)")
-    sh.add_argument("--step", choices=("train", "forward"), default="train")
-    sh.add_argument("--optimizer", default="adamw", help="optimizer traced in the step (default adamw)")
-    sh.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
-    sh.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None)
+    _step_args(sh)
     sh.add_argument("--hardware", default="H100-SXM", help="accelerator for the time rows (default H100-SXM)")
     sh.add_argument("--mfu", type=_number, default=0.5, help="MFU for the step time (default 0.5)")
     sh.add_argument(
@@ -472,6 +472,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(render_text(report))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``symacct`` command: 0 done, 1 a verify row out of tolerance, 2 bad input (one line on stderr)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader (head, less) closed the pipe early: stop quietly, no traceback
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -59,21 +59,14 @@ def estimate(
     _check_positive(params=params, tokens=tokens, gpus=gpus)
     _check_mfu(mfu)
     hw = get(hardware)
-    flops = 6.0 * params * tokens
-    seconds = flops / (hw.peak_flops(dtype) * mfu * gpus)
-    return Estimate(
-        flops,
-        seconds,
-        seconds / DAY,
+    return _at_mfu(
+        6.0 * params * tokens,
+        hw,
+        dtype,
+        mfu,
+        gpus,
         "seconds = 6 * N * tokens / (peak * MFU * gpus)",
-        {
-            "params": params,
-            "tokens": tokens,
-            "hardware": hw.name,
-            "gpus": gpus,
-            "mfu": mfu,
-            "peak": hw.peak_flops(dtype),
-        },
+        {"params": params, "tokens": tokens, "peak": hw.peak_flops(dtype)},
     )
 
 
@@ -93,15 +86,23 @@ def train_time(
     hw = get(hardware)
     at = acct.at(**sizes)
     tokens_per_step = at.values.get("B", 1) * at.values.get("S", 1)
-    flops = at.flops.total * tokens / tokens_per_step
-    seconds = flops / (hw.peak_flops(dtype) * mfu * gpus)
-    return Estimate(
-        flops,
-        seconds,
-        seconds / DAY,
+    return _at_mfu(
+        at.flops.total * tokens / tokens_per_step,
+        hw,
+        dtype,
+        mfu,
+        gpus,
         "seconds = flops.total(B, S) * tokens / (B*S) / (peak * MFU * gpus)",
-        {"tokens": tokens, "hardware": hw.name, "gpus": gpus, "mfu": mfu, "step_flops": at.flops.total, **at.values},
+        {"tokens": tokens, "step_flops": at.flops.total, **at.values},
     )
+
+
+def _at_mfu(
+    flops: float, hw: Accelerator, dtype: str, mfu: float, gpus: int, formula: str, inputs: dict[str, Any]
+) -> Estimate:
+    """Seconds for ``flops`` on ``gpus`` accelerators at ``mfu`` of the dense ``dtype`` peak."""
+    seconds = flops / (hw.peak_flops(dtype) * mfu * gpus)
+    return Estimate(flops, seconds, seconds / DAY, formula, {**inputs, "hardware": hw.name, "gpus": gpus, "mfu": mfu})
 
 
 def mfu(flops: float, seconds: float, hardware: str | Accelerator, gpus: int = 1, dtype: str = "bf16") -> float:

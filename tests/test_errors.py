@@ -200,3 +200,14 @@ def test_cli_errors_are_one_line_exit_2(args, needle):
     assert proc.returncode == 2
     assert needle in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("cmd", [["hardware"], ["derive", "gpt2", "--config", "n_layer=2", "--seq", "16"]])
+def test_a_closed_pipe_ends_the_cli_quietly(cmd):
+    """`symacct ... | head` closes the pipe early: no traceback on stderr."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "symacct.cli", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    p.stdout.close()  # the reader is gone before the first line is written
+    err = p.stderr.read()
+    assert p.wait() == 1 and "Traceback" not in err and "Exception ignored" not in err, err
