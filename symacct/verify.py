@@ -98,6 +98,10 @@ def verify(
         raise SymacctError("--device cuda but CUDA is not available here", hint="use --device cpu")
     if steps < 1:
         raise SymacctError(f"steps must be at least 1, got {steps}", hint="e.g. --steps 3")
+    if device.startswith("cuda"):  # before the run: an unknown GPU should not cost a whole run
+        from symacct.hardware import get
+
+        hardware = get(hardware or device_hardware()).name
     sizes = {"B": B, "S": S, **(sizes or {})}
     at = acct.at(**sizes)
     cpu_args = tuple(model.example_inputs(B, S))
@@ -155,7 +159,7 @@ def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int
             float("inf"),
         )
     ]
-    hw = get(hardware or device_hardware())
+    hw = get(hardware or device_hardware())  # verify() resolved it before the run
     timed = cuda.seconds[1:] or cuda.seconds
     seconds = statistics.median(timed)
     roof = roofline(acct, hw, **sizes)

@@ -125,3 +125,21 @@ def test_cuda_rows_from_given_measurements():
     assert mfu.measured == pytest.approx(at.flops.total / (0.3 * 989e12))
     assert all(r.ok for r in rows)  # shown, never judged
     assert render(rows).count("shown") == 3
+
+
+def test_an_unknown_gpu_is_refused_before_the_run(monkeypatch):
+    """Without --hardware, a GPU the catalog lacks stops verify before anything runs on it."""
+    import symacct
+    import symacct.verify as v
+    from symacct.errors import SymacctError
+    from symacct.models import GPT2, GPT2Config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200 NVL")
+    ran = []
+    monkeypatch.setattr(v, "measure_cuda_steps", lambda *a, **k: ran.append(1))
+    model = GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16))
+    acct = symacct.derive(model)
+    with pytest.raises(SymacctError, match="--hardware"):
+        v.verify(model, acct, B=2, S=8, device="cuda")
+    assert ran == []
