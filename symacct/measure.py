@@ -232,6 +232,7 @@ class CudaSteps:
     memory: list[MeasuredMemory]  # per step
     reserved: list[int]  # memory_reserved at the end of each step, above the baseline
     seconds: list[float]  # per step, CUDA events around forward + backward + optimizer step + zero_grad
+    workspace: int = 0  # kept by the CUDA libraries after a warm-up pass (cuBLAS / cuBLASLt), not in ``memory``
 
 
 def measure_cuda_steps(
@@ -245,6 +246,12 @@ def measure_cuda_steps(
 
     ``model`` and ``args`` are given on the CPU and moved to the GPU here, after
     the baseline is read, so that every figure includes them (as derive's do).
+    Then one forward and backward runs and everything it made is dropped: what
+    stays allocated is the CUDA libraries' own memory, chiefly the cuBLAS /
+    cuBLASLt workspace (32 MiB on Hopper) that the caching allocator hands out
+    at the first matmul and keeps. It is reported as ``workspace`` and left out
+    of every figure, as it is out of derive's (a library's scratch is no tensor
+    of the step); otherwise the first step of a small model would be off by it.
     Each step's peak is ``max_memory_allocated`` with the peak reset at the
     step's start; its time is the elapsed time between two CUDA events.
     """
@@ -254,8 +261,17 @@ def measure_cuda_steps(
     base_reserved = torch.cuda.memory_reserved()
     model = model.cuda().train()
     args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    moved = torch.cuda.memory_allocated()
+    with _autocast(autocast, args):
+        warm = model(*args)
+    warm.backward()
+    model.zero_grad(set_to_none=True)
+    del warm
+    torch.cuda.synchronize()
+    workspace = torch.cuda.memory_allocated() - moved
+    base += workspace
     opt = optimizer(model) if optimizer is not None else None
-    result = CudaSteps([], [], [])
+    result = CudaSteps([], [], [], workspace)
     for _ in range(steps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

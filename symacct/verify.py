@@ -19,7 +19,9 @@ on the chosen device and run for real. Rows, each with its tolerance:
   to the per-op roofline's prediction on the catalog accelerator.
 
 Tolerances: 0 on CPU (every figure is exact there); 3 % for CUDA memory
-(the caching allocator rounds blocks to 512 bytes and keeps workspaces).
+(the caching allocator rounds blocks to 512 bytes; the CUDA libraries'
+workspaces, made in a warm-up pass before the measured steps, are shown as
+their own row and left out of the others).
 Rows with no stated tolerance (the uncounted CPU flash-attention FLOPs,
 reserved memory, time and MFU: a roofline ignores launch costs and overlap,
 so it is a bound, not a measurement's twin) are shown, never judged.
@@ -157,7 +159,8 @@ def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int
             at.memory.peak,
             max(cuda.reserved),
             float("inf"),
-        )
+        ),
+        Row("memory: cuBLAS/cuBLASLt workspaces, left out of the rows above", 0, cuda.workspace, float("inf")),
     ]
     hw = get(hardware or device_hardware())  # verify() resolved it before the run
     timed = cuda.seconds[1:] or cuda.seconds

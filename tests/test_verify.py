@@ -117,14 +117,14 @@ def test_cuda_rows_from_given_measurements():
     acct = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)))
     sizes = {"B": 2, "S": 8}
     at = acct.at(**sizes)
-    run = CudaSteps(memory=[], reserved=[100, 300, 200], seconds=[0.9, 0.2, 0.4])
+    run = CudaSteps(memory=[], reserved=[100, 300, 200], seconds=[0.9, 0.2, 0.4], workspace=33554432)
     rows = _cuda_rows(acct, at, run, sizes, "H200")
-    reserved, time, mfu = rows
-    assert reserved.measured == 300
+    reserved, workspace, time, mfu = rows
+    assert reserved.measured == 300 and workspace.measured == 32 * 2**20
     assert time.measured == pytest.approx(0.3) and "median of 2" in time.name and "H200" in time.name
     assert mfu.measured == pytest.approx(at.flops.total / (0.3 * 989e12))
     assert all(r.ok for r in rows)  # shown, never judged
-    assert render(rows).count("shown") == 3
+    assert render(rows).count("shown") == 4
 
 
 def test_an_unknown_gpu_is_refused_before_the_run(monkeypatch):
