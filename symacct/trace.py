@@ -209,6 +209,32 @@ def _mutated_args(op: torch._ops.OpOverload) -> list[int]:
     return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
+def _failure(func: Any, e: Exception) -> tuple[str, str]:
+    """What went wrong when an op failed on fake tensors, and what the user can do about it."""
+    if "convert all Tensors to FakeTensors" in str(e):
+        return (
+            "a real tensor reached the traced step",
+            "keep every tensor the step uses in a parameter or a registered buffer, or make it inside forward; "
+            "a tensor held in a plain attribute or a global is not faked",
+        )
+    name = type(e).__name__
+    if "data-dependent" in name.lower() or "DataDependent" in name or func in _VALUE_READS:
+        return (
+            "the step depends on tensor values (data-dependent control flow or output shape)",
+            "symacct traces with fake tensors and cannot read values: replace the "
+            "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops",
+        )
+    return (
+        f"the op failed on fake tensors: {name}: {str(e).splitlines()[0][:200]}",
+        "the step runs at probe sizes of symacct's choosing (distinct primes): a size typed in rather than "
+        "taken from the config or the inputs (an input of fixed width, a view to a literal size) breaks there; "
+        "derive every size from the model's fields",
+    )
+
+
+_VALUE_READS = (aten._local_scalar_dense.default, aten.nonzero.default)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, trace: StepTrace, ids: _Ids, tracker: ModTracker, root: str) -> None:
         super().__init__()
@@ -279,28 +305,9 @@ class _Recorder(TorchDispatchMode):
             raise
         except Exception as e:  # data-dependent ops, missing fake kernels
             shapes = [tuple(a.shape) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-            dd = "data-dependent" in type(e).__name__.lower() or "DataDependent" in type(e).__name__
-            what = (
-                "the step depends on tensor values (data-dependent control flow or output shape)"
-                if dd or func in (aten._local_scalar_dense.default, aten.nonzero.default)
-                else f"the op failed on fake tensors: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            )
-            real = "convert all Tensors to FakeTensors" in str(e)
+            what, hint = _failure(func, e)
             raise SymacctError(
-                "a real tensor reached the traced step" if real else what,
-                node=f"#{len(self.trace.ops)}",
-                module=self.module(),
-                op=str(func),
-                shapes=shapes,
-                hint="keep every tensor the step uses in a parameter or a registered buffer, or make it "
-                "inside forward; a tensor held in a plain attribute or a global is not faked"
-                if real
-                else "symacct traces with fake tensors and cannot read values: replace the "
-                "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops"
-                if dd or func in (aten._local_scalar_dense.default, aten.nonzero.default)
-                else "the step runs at probe sizes of symacct's choosing (distinct primes): a size typed in "
-                "rather than taken from the config or the inputs (an input of fixed width, a view to a literal "
-                "size) breaks there; derive every size from the model's fields",
+                what, node=f"#{len(self.trace.ops)}", module=self.module(), op=str(func), shapes=shapes, hint=hint
             ) from e
         out = _eager_strides(func, args, out)
         for a, k, o in _split_lists(func, args, kwargs, out):

@@ -146,7 +146,7 @@ def verify(
     return rows
 
 
-def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int], hardware: str | None) -> list[Row]:
+def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int], hardware: str) -> list[Row]:
     """Reserved memory, step time and MFU: shown next to the roofline, not judged."""
     import statistics
 
@@ -162,7 +162,7 @@ def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int
         ),
         Row("memory: cuBLAS/cuBLASLt workspaces, left out of the rows above", 0, cuda.workspace, float("inf")),
     ]
-    hw = get(hardware or device_hardware())  # verify() resolved it before the run
+    hw = get(hardware)  # verify() resolved it before the run
     timed = cuda.seconds[1:] or cuda.seconds
     seconds = statistics.median(timed)
     roof = roofline(acct, hw, **sizes)
