@@ -19,6 +19,8 @@ import networkx as nx
 import numpy as np
 import sympy
 
+from symacct.constraints import Constraint
+from symacct.constraints import check as check_constraints
 from symacct.errors import SymacctError
 from symacct.memory import Liveness, Memory
 from symacct.probe import Probe
@@ -41,11 +43,14 @@ class Flops:
     """FLOPs of one step. Matmul family (2 per multiply-add, as flop_counter) by phase; the rest in ``other``."""
 
     forward: Expr = 0
-    backward: Expr = 0
+    backward: Expr = 0  # model FLOPs of the backward: without what kernels recompute
     optimizer: Expr = 0
-    total: Expr = 0  # forward + backward + optimizer, matmul family ("model FLOPs")
-    recompute: Expr = 0  # forward ops run again in backward (activation checkpointing), matmul family
-    hardware: Expr = 0  # total + recompute: what the device executes
+    total: Expr = 0  # forward + backward + optimizer, matmul family: model FLOPs (PaLM's; MFU uses these)
+    # matmul FLOPs run again: forward ops of activation checkpointing, and what fused kernels recompute
+    # in backward (flash attention's Q K^T); in hardware, not in model FLOPs
+    recompute: Expr = 0
+    hardware: Expr = 0  # total + recompute: what the kernels execute (HFU uses these)
+    embedding: Expr = 0  # part of forward/backward/total from embedding_flops="matmul" (0 with "lookup")
     other: Expr = 0  # every non-matmul FLOP of the step (elementwise, reductions, norms, softmax)
     other_forward: Expr = 0
     other_backward: Expr = 0
@@ -86,6 +91,7 @@ class Accounting:
     minimum: dict[str, int] = field(default_factory=dict)  # least value for which the formulas hold
     memory: Memory = field(default_factory=Memory)  # bytes: static, activations, phase points, peak
     liveness: Liveness | None = field(default=None, repr=False)  # for exact peaks in at()
+    constraints: list[Constraint] = field(default_factory=list)  # sizes the model can run (symacct.constraints)
 
     @property
     def saved_bytes(self) -> Expr:
@@ -114,29 +120,60 @@ class Accounting:
                 names |= {s.name for s in e.free_symbols}
         return sorted(names, key=sort_key)
 
-    def _subs(self, values: Mapping[str, int]) -> dict[sympy.Symbol, int]:
-        full = {**self.symbols, **values}
+    def _subs(self, values: Mapping[str, Any]) -> dict[sympy.Symbol, int]:
+        full = self._validate(values)
+        return {sym(k): int(v) for k, v in full.items()}
+
+    def _validate(self, values: Mapping[str, Any], *, arrays: bool = False) -> dict[str, Any]:
+        """Every size checked, as ``at`` and ``sweep`` both need: names, positive integers, minimums, constraints.
+
+        With ``arrays`` the values may be numpy arrays (broadcast together);
+        the result maps every free symbol to an int64 array (or an int).
+        """
+        unknown = [k for k in values if k not in self.symbols and k not in ("B", "S")]
+        if unknown:
+            by_field = {f: letter for letter, f in self.fields.items()}
+            named = [f"{k} is the config field of {by_field[k]}: pass {by_field[k]}=" for k in unknown if k in by_field]
+            raise SymacctError(
+                f"unknown symbol(s) {', '.join(unknown)}",
+                hint="; ".join(named) if named else "symbols of this model: " + ", ".join(self.free_symbols()),
+            )
+        full: dict[str, Any] = {**self.symbols, **values}
+        for k in [*values, *(k for k in full if k not in values)]:  # the caller's values first
+            full[k] = _sizes(k, full[k], arrays)
+            low = self.minimum.get(k, 1)
+            if np.any(np.asarray(full[k]) < low):
+                bad = _first(full[k], lambda a, low=low: a < low)
+                raise SymacctError(
+                    f"{k}={bad} is below {low}, the least value for which these formulas hold",
+                    hint="the first and last blocks differ from the others; derive the model at that size instead",
+                )
         missing = [n for n in self.free_symbols() if n not in full]
         if missing:
             raise SymacctError(
                 f"no value for {', '.join(missing)}",
                 hint="pass them to at(), e.g. acct.at(" + ", ".join(f"{m}=..." for m in missing) + ")",
             )
-        unknown = [k for k in values if k not in self.symbols and k not in ("B", "S")]
-        if unknown:
-            raise SymacctError(
-                f"unknown symbol(s) {', '.join(unknown)}",
-                hint="symbols of this model: " + ", ".join(self.free_symbols()),
-            )
-        for k, v in full.items():
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
-                raise SymacctError(f"{k}={v!r} is not a positive integer", hint="sizes are positive integers")
-            if v < self.minimum.get(k, 1):
+        if arrays:
+            try:
+                np.broadcast_shapes(*(np.shape(v) for v in full.values()))
+            except ValueError as e:
+                shapes = ", ".join(f"{k}: {np.shape(v)}" for k, v in full.items() if np.shape(v))
                 raise SymacctError(
-                    f"{k}={v} is below {self.minimum[k]}, the least value for which these formulas hold",
-                    hint="the first and last blocks differ from the others; derive the model at that size instead",
-                )
-        return {sym(k): int(v) for k, v in full.items()}
+                    f"the size arrays do not broadcast together ({shapes})",
+                    hint="pass arrays of one length, or shapes numpy broadcasts (e.g. B[:, None] and S[None, :])",
+                ) from e
+        broken = check_constraints(self.constraints, full)
+        if broken is not None:
+            c, at = broken
+            vals = ", ".join(f"{k}={v}" for k, v in sorted(at.items(), key=lambda kv: sort_key(kv[0])))
+            fields = ", ".join(f"{self.fields[s]} ({s})" for s in sorted(c.symbols(), key=sort_key) if s in self.fields)
+            raise SymacctError(
+                f"the model cannot run these sizes: {vals} breaks {c.describe()} (from {c.where})",
+                hint="choose sizes the model runs"
+                + (f", or change the config fields they come from: {fields}" if fields else ""),
+            )
+        return full
 
     def at(self, **values: int) -> Accounting:
         """The same accounting with every formula evaluated (config symbols default to the model's values)."""
@@ -205,13 +242,33 @@ class Accounting:
         return train_time(self, hardware=hardware, tokens=tokens, gpus=gpus, mfu=mfu, **sizes)
 
     def bytes_per_param(self) -> sympy.Expr | None:
-        """Static bytes (params + grads + optimizer states) per parameter, read off the leading terms.
+        """Bytes per parameter **between steps**: (params + grads + optimizer states) / N, read off the leading terms.
 
         The ratio of the coefficients of the highest-degree monomials of N (the
         weight matrices); per-tensor extras such as AdamW's ``step`` counters
         are lower order. None when the leading terms are not proportional.
+        The optimizer step itself holds more (its temporaries, the mixed
+        recipe's fp32 gradient copies): see :meth:`bytes_per_param_peak`.
         """
-        static = sympy.expand(self.memory.params + self.memory.grads + self.memory.optimizer)
+        return self._per_param(self.memory.params + self.memory.grads + self.memory.optimizer)
+
+    def bytes_per_param_peak(self) -> sympy.Expr | None:
+        """Bytes per parameter **at the peak of the optimizer step** (every step after the first), leading terms.
+
+        The live bytes at the optimizer-phase op that holds the most (found at
+        the model's sizes with B = S = 1, states live from the start), read off
+        the leading terms of N as :meth:`bytes_per_param` does. None without an
+        optimizer (or a liveness pass), or when not proportional.
+        """
+        if self.liveness is None or not any(lab[3] == "optimizer" for lab in self.liveness.labels):
+            return None
+        live = self.liveness.steady()
+        values = {**self.symbols, "B": 1, "S": 1}
+        _, t = live.evaluate(values, phases=("optimizer",))
+        return self._per_param(live.at_point(t))
+
+    def _per_param(self, expr: Any) -> sympy.Expr | None:
+        static = sympy.expand(expr)
         n = sympy.expand(self.params)
         terms_n = sympy.Add.make_args(n)
         terms_s = dict(_split_term(t) for t in sympy.Add.make_args(static))
@@ -260,17 +317,41 @@ class Accounting:
         """
         expr = self.formula(name)
         names = self.free_symbols()
+        full = self._validate(arrays, arrays=True)
         fn = _lambdified(expr, tuple(names))
-        args = []
-        for n in names:
-            v = arrays.get(n, self.symbols.get(n))
-            if v is None:
-                raise SymacctError(f"no value for {n}", hint=f"pass {n}=array to sweep()")
-            args.append(np.asarray(v))
+        args = [np.asarray(full[n]) for n in names]
         approx = np.asarray(fn(*(a.astype(np.float64) for a in args)), dtype=np.float64)
         if np.all(np.abs(approx) < 2.0**53):
             return np.asarray(fn(*(a.astype(np.int64) for a in args))).astype(np.int64)
         return approx
+
+
+def _sizes(name: str, value: Any, arrays: bool) -> Any:
+    """A size (with ``arrays``: an array of sizes) as int / int64; refused unless every entry is a positive integer."""
+    if isinstance(value, (bool, np.bool_)) or (not arrays and not isinstance(value, (int, np.integer))):
+        raise SymacctError(f"{name}={value!r} is not a positive integer", hint="sizes are positive integers")
+    a = np.asarray(value)
+    if a.dtype == object or a.dtype.kind not in "iuf" or a.size == 0:
+        raise SymacctError(f"{name}={value!r} is not a positive integer", hint="sizes are positive integers")
+    if a.dtype.kind == "f":
+        if not np.all(np.isfinite(a)) or not np.all(a == np.floor(a)):
+            bad = _first(a, lambda x: ~np.isfinite(x) | (x != np.floor(np.where(np.isfinite(x), x, 0))))
+            raise SymacctError(
+                f"{name}={bad!r} is not a positive integer", hint="sizes are positive integers (no fractions)"
+            )
+    if np.any(a <= 0):
+        bad = _first(a, lambda x: x <= 0)
+        raise SymacctError(f"{name}={bad!r} is not a positive integer", hint="sizes are positive")
+    if a.dtype.kind == "f" and np.any(np.abs(a) >= 2.0**62):
+        raise SymacctError(f"{name} is too large for exact integers", hint="pass sizes below 2**62")
+    return int(value) if not arrays else a.astype(np.int64)
+
+
+def _first(a: Any, pred: Any) -> Any:
+    """The first entry of ``a`` where ``pred`` holds, as a Python number (for messages)."""
+    arr = np.atleast_1d(np.asarray(a))
+    hit = np.flatnonzero(pred(arr))
+    return arr.flat[hit[0]].item() if hit.size else arr.flat[0].item()
 
 
 def _split_term(term: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
@@ -279,7 +360,7 @@ def _split_term(term: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
     return mono, coeff
 
 
-_NODE_NUMBERS = ("flops", "flops_other", "bytes_read", "bytes_written", "allocated", "count")
+_NODE_NUMBERS = ("flops", "flops_recompute", "flops_other", "bytes_read", "bytes_written", "allocated", "count")
 
 _LAMBDA_CACHE: dict[tuple[sympy.Expr, tuple[str, ...]], Any] = {}
 
@@ -373,17 +454,22 @@ def aggregate(
         c = a["count"]
         if c == 0:
             continue
-        mm = a["flops"]
-        if causal_discount and mm and _is_attention(a):
-            mm = mm / 2
+        mm, again = a["flops"], a["flops_recompute"]
+        if causal_discount and (mm or again) and _is_attention(a):
+            mm, again = mm / 2, again / 2
         ph = a["phase"]
         flops[ph] += mm * c
+        flops["recompute"] += again * c  # kernel recomputation (checkpointing's is phase 'recompute')
+        if a["op"].startswith(("aten.embedding.", "aten.embedding_dense_backward.")):
+            flops["embedding"] += mm * c
         flops["other_" + ph] += a["flops_other"] * c
         byts["read_" + ph] += a["bytes_read"] * c
         byts["written_" + ph] += a["bytes_written"] * c
         gp, comp = a["generic"], a["component"]
         for target in (modules[gp], comps[comp]):
             target["flops_" + ph] += mm * c
+            if again != 0:
+                target["flops_recompute"] += again * c
             target["flops_other"] += a["flops_other"] * c
             target["bytes_read"] += a["bytes_read"] * c
             target["bytes_written"] += a["bytes_written"] * c
@@ -391,6 +477,8 @@ def aggregate(
             stack = next(p for p in stacks if a["module"].startswith(p + "."))
             blk = per_layer.setdefault(stack, defaultdict(lambda: sympy.Integer(0)))
             blk["flops_" + ph] += mm
+            if again != 0:
+                blk["flops_recompute"] += again
             blk["flops_other"] += a["flops_other"]
             blk["bytes_read"] += a["bytes_read"]
             blk["bytes_written"] += a["bytes_written"]
@@ -422,6 +510,7 @@ def aggregate(
         total=sympy.expand(flops["forward"] + flops["backward"] + flops["optimizer"]),
         recompute=sympy.expand(flops["recompute"]),
         hardware=sympy.expand(flops["forward"] + flops["backward"] + flops["optimizer"] + flops["recompute"]),
+        embedding=sympy.expand(flops["embedding"]),
         other=sympy.expand(
             flops["other_forward"] + flops["other_backward"] + flops["other_optimizer"] + flops["other_recompute"]
         ),

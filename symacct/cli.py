@@ -19,9 +19,12 @@ import dataclasses
 import difflib
 import importlib
 import json
+import math
 import os
 import sys
 import tempfile
+import traceback
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,12 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
 def _parse_value(text: str) -> Any:
+    """A --config value of a field whose type is not known: bool, int, float, else the string."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -53,14 +61,55 @@ def _parse_value(text: str) -> Any:
     return text
 
 
-def _overrides(items: Sequence[str]) -> dict[str, Any]:
+def _parse_typed(key: str, text: str, kind: Any) -> Any:
+    """A --config value parsed by its field's declared type; what does not parse is refused, never guessed."""
+    if kind is bool:
+        low = text.lower()
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise _UsageError(f"--config {key}={text!r}: {key} is a bool; use true/false (yes/no, on/off, 1/0)")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise _UsageError(f"--config {key}={text!r}: {key} is an integer (no fraction or exponent)") from None
+    if kind is float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise _UsageError(f"--config {key}={text!r}: {key} is a number") from None
+        if not math.isfinite(v):
+            raise _UsageError(f"--config {key}={text!r}: {key} must be finite")
+        return v
+    if kind is str:
+        return text
+    return _parse_value(text)
+
+
+def _overrides(items: Sequence[str]) -> dict[str, str]:
+    """--config KEY=VALUE items as raw strings; each is parsed by its field's type when the config is known."""
     out = {}
     for item in items:
         key, eq, value = item.partition("=")
-        if not eq or not key or not value:
+        if not eq or not key.strip() or not value.strip():
             raise _UsageError(f"--config expects KEY=VALUE, got {item!r}")
-        out[key.strip()] = _parse_value(value.strip())
+        out[key.strip()] = value.strip()
     return out
+
+
+def _build(what: str, make: Any) -> Any:
+    """Call a model constructor or factory; any failure becomes one line naming it (an assert shows its source)."""
+    try:
+        return make()
+    except SymacctError:
+        raise
+    except Exception as e:
+        text = str(e).strip()
+        if not text:  # a bare assert: show its line
+            frames = traceback.extract_tb(e.__traceback__)
+            text = (frames[-1].line or "") if frames else ""
+            text = f"{text} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else text
+        raise _UsageError(f"building {what} failed: {type(e).__name__}: {' '.join(text.split())}") from e
 
 
 def load_model(name: str, overrides: dict[str, Any]) -> Any:
@@ -73,13 +122,21 @@ def load_model(name: str, overrides: dict[str, Any]) -> Any:
         mod_name, _, attr = name.partition(":")
         try:
             factory = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise _UsageError(f"cannot import {name!r}: {e}") from e
+        except Exception as e:
+            raise _UsageError(f"cannot import {name!r}: {type(e).__name__}: {e}") from e
+        if not callable(factory):
+            raise _UsageError(f"{name!r} is not callable: pass a factory that returns an nn.Module")
         with torch.device("meta"):
-            model = factory()
+            model = _build(f"{name}()", factory)
+        if not isinstance(model, torch.nn.Module):
+            raise _UsageError(f"{name}() returned {type(model).__name__}, not an nn.Module")
         if overrides:
-            cfg = model.config
-            model = type(model)(_replace_config(cfg, overrides, name))
+            cfg = getattr(model, "config", None)
+            if cfg is None or not dataclasses.is_dataclass(cfg):
+                raise _UsageError(f"--config needs a model with a dataclass config; {name}() has none")
+            new = _replace_config(cfg, overrides, name)
+            with torch.device("meta"):
+                model = _build(f"{type(model).__name__} with {_shown(overrides)}", lambda: type(model)(new))
         return model
     if name not in PRESETS:
         close = difflib.get_close_matches(name, list(PRESETS), n=3)
@@ -88,7 +145,11 @@ def load_model(name: str, overrides: dict[str, Any]) -> Any:
     cls, make_config = PRESETS[name]
     config = _replace_config(make_config(), overrides, name)
     with torch.device("meta"):
-        return cls(config)
+        return _build(name + (f" with {_shown(overrides)}" if overrides else ""), lambda: cls(config))
+
+
+def _shown(overrides: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in overrides.items())
 
 
 def _replace_config(config: Any, overrides: dict[str, Any], name: str) -> Any:
@@ -99,7 +160,12 @@ def _replace_config(config: Any, overrides: dict[str, Any], name: str) -> Any:
             raise _UsageError(
                 f"{name} has no config field {key!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
             )
-    return dataclasses.replace(config, **overrides)
+    try:
+        hints = typing.get_type_hints(type(config))
+    except Exception:  # unresolvable annotations: fall back to the value's own look
+        hints = {}
+    values = {k: _parse_typed(k, v, hints.get(k)) if isinstance(v, str) else v for k, v in overrides.items()}
+    return dataclasses.replace(config, **values)
 
 
 def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
@@ -186,14 +252,32 @@ def _number(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if v != v or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number: {text!r}")
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite non-negative number: {text!r}")
     return v
+
+
+def _count(text: str) -> int:
+    """--gpus: a positive whole number, as ``symacct.timing.check_gpus`` rules in Python."""
+    from symacct.timing import check_gpus
+
+    try:
+        return check_gpus(float(text))
+    except (ValueError, SymacctError):
+        raise argparse.ArgumentTypeError(f"must be a positive whole number: {text!r}") from None
+
+
+def _json(report: Any) -> str:
+    """Strict JSON: a NaN or infinity is refused (json.dumps would write bare NaN / Infinity, which is not JSON)."""
+    try:
+        return json.dumps(report, indent=2, sort_keys=True, allow_nan=False)
+    except ValueError as e:
+        raise SymacctError(f"a figure is not finite, and cannot be written as JSON: {e}") from e
 
 
 def _print(report: dict[str, Any], as_json: bool) -> int:
     if as_json:
-        print(json.dumps(report, indent=2, sort_keys=True))
+        print(_json(report))
     else:
         width = max(len(k) for k in report)
         for k, v in report.items():
@@ -210,7 +294,7 @@ def _dtype(name: str | None) -> Any:
 def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     from symacct.timing import estimate, train_time
 
-    gpus = int(args.gpus)
+    gpus = args.gpus
     if args.model is None:
         if args.params is None:
             raise _UsageError("estimate needs --params (6ND form) or a MODEL")
@@ -252,7 +336,7 @@ def _fit(args: argparse.Namespace) -> dict[str, Any]:
     from symacct.timing import fit, max_params
 
     hw = get(args.hardware)
-    gpus = int(args.gpus)
+    gpus = args.gpus
     if args.model is None:
         # bytes per parameter read off a derived step (a small reference model), not a table
         from symacct.models import Cruncher, CruncherConfig
@@ -291,6 +375,9 @@ def _fit(args: argparse.Namespace) -> dict[str, Any]:
         "budget_bytes": res.budget_bytes,
         "reserve": args.reserve,
         "hardware": hw.name,
+        "gpus": gpus,
+        "global_batch": res.global_batch,
+        "notes": res.notes,
         **{k: v for k, v in sizes.items()},
     }
 
@@ -386,7 +473,7 @@ def _main(argv: Sequence[str] | None) -> int:
     e.add_argument("--params", type=_number, help="parameter count N (6ND form), e.g. 70e9")
     e.add_argument("--tokens", type=_number, required=True, help="training tokens, e.g. 15e12")
     e.add_argument("--hardware", required=True, help="accelerator name (see symacct hardware)")
-    e.add_argument("--gpus", type=_number, default=1)
+    e.add_argument("--gpus", type=_count, default=1, help="devices, a positive whole number")
     e.add_argument("--mfu", type=_number, default=0.5, help="model FLOPs utilisation in (0, 1]")
     e.add_argument("--dtype", default="bf16", help="peak to use: bf16, fp16, fp8, tf32, fp32")
     e.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
@@ -396,7 +483,9 @@ def _main(argv: Sequence[str] | None) -> int:
     f = sub.add_parser("fit", help="what fits: largest model (bytes/param rule) or largest batch / sequence")
     f.add_argument("model", nargs="?", help="optional: solve on this model's derived peak")
     f.add_argument("--hardware", required=True)
-    f.add_argument("--gpus", type=_number, default=1)
+    f.add_argument(
+        "--gpus", type=_count, default=1, help="devices: data-parallel replicas with a model (global batch B x gpus)"
+    )
     f.add_argument("--optimizer", default="adamw")
     f.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None)
     f.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
@@ -466,7 +555,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"symacct: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True))
+        print(_json(report))
     else:
         from symacct.report import render_text
 
@@ -477,11 +566,22 @@ def _main(argv: Sequence[str] | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``symacct`` command: 0 done, 1 a verify row out of tolerance, 2 bad input (one line on stderr)."""
     try:
-        return _main(argv)
+        rc = _main(argv)
+        sys.stdout.flush()  # a full disk or device shows here, not at interpreter exit
+        return rc
     except BrokenPipeError:  # the reader (head, less) closed the pipe early: stop quietly, no traceback
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _silence_stdout()
         return 1
+    except OSError as e:  # stdout cannot be written (a full disk: ENOSPC)
+        _silence_stdout()
+        print(f"symacct: error: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush raises nothing."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -30,6 +31,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
 from symacct.accounting import Accounting, aggregate, generic_path
+from symacct.constraints import learn as learn_constraints
 from symacct.errors import SymacctError
 from symacct.graph import CostedOp, build_graph, cost_ops
 from symacct.memory import block_of, fill_phases, liveness, op_blocks, static_and_activations
@@ -38,7 +40,7 @@ from symacct.recipes import MixedPrecisionAdamW
 from symacct.symbols import letter_for_field, sym
 from symacct.trace import StepTrace, call_inputs, record_step
 
-_METRICS = ("flops", "flops_other", "bytes_read", "bytes_written")
+_METRICS = ("flops", "flops_recompute", "flops_other", "bytes_read", "bytes_written")
 
 
 @dataclasses.dataclass
@@ -55,14 +57,23 @@ class _Source:
 def _int_fields(config: Any) -> dict[str, int]:
     if dataclasses.is_dataclass(config):
         items = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
-    else:
+    elif isinstance(config, Mapping):
+        items = list(config.items())
+    elif hasattr(config, "__dict__"):
         items = list(vars(config).items())
+    else:
+        raise SymacctError(
+            f"the model's config is a {type(config).__name__}, which symacct cannot read fields from",
+            hint="give the model a dataclass (or dict, or plain object) config, or pass a factory with dims={...}",
+        )
     return {k: v for k, v in items if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _with_fields(config: Any, values: Mapping[str, int]) -> Any:
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return dataclasses.replace(config, **values)
+    if isinstance(config, Mapping):
+        return type(config)({**config, **values}) if not isinstance(config, type) else config
     new = copy.copy(config)
     for k, v in values.items():
         setattr(new, k, v)
@@ -90,6 +101,15 @@ def _source(
                 "dims= needs a factory, not a built module",
                 hint="pass derive(lambda D, L: MyModel(D, L), dims={'D': 512, 'L': 4}, inputs=...)",
             )
+        if not isinstance(dims, Mapping):
+            raise SymacctError(f"dims= must be a dict of sizes, got {type(dims).__name__}", hint="dims={'D': 512}")
+        for k, v in dims.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SymacctError(
+                    f"dims={{{k!r}: {v!r}}}: a size must be a positive integer",
+                    hint="pass the model's own sizes, e.g. dims={'D': 512, 'L': 4}",
+                )
+        _check_fixed(fixed, set(dims), "dims")
         factory = model
         fields = {k: letter_for_field(k) for k in dims if k not in fixed}
         return _Source(
@@ -106,6 +126,11 @@ def _source(
     config = getattr(model, "config", None)
     has_example = hasattr(model, "example_inputs")
     if config is None:
+        if fixed:
+            raise SymacctError(
+                f"fixed={sorted(fixed)} names fields, but the model has no config",
+                hint="without a config only B and S are symbols; drop fixed=",
+            )
         original = model
 
         def build_copy(vals: dict[str, int]) -> nn.Module:
@@ -113,6 +138,7 @@ def _source(
 
         return _Source({}, {}, build_copy, make_inputs_fn(has_example), configless=True)
     ints = _int_fields(config)
+    _check_fixed(fixed, set(ints), "config")
     fields = {k: letter_for_field(k) for k in ints if k not in fixed}
     cls = type(model)
     return _Source(
@@ -121,6 +147,21 @@ def _source(
         build=lambda vals: cls(_with_fields(config, vals)),
         inputs=make_inputs_fn(has_example),
     )
+
+
+def _check_fixed(fixed: set[str], known: set[str], where: str) -> None:
+    """A name in fixed= that is not an integer field would silently fix nothing."""
+    unknown = sorted(fixed - known)
+    if unknown:
+        import difflib
+
+        close = [m for u in unknown for m in difflib.get_close_matches(u, sorted(known), n=1)]
+        raise SymacctError(
+            f"fixed= names {', '.join(unknown)}, not an integer field of the {where}",
+            hint=(f"did you mean {', '.join(close)}? " if close else "")
+            + "integer fields: "
+            + (", ".join(sorted(known)) or "none"),
+        )
 
 
 def _probe_for(src: _Source, primes: tuple[int, ...], layers: int, avoid: set[int]) -> Probe:
@@ -343,8 +384,15 @@ def _optimizer_factory(
             )
     elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         cls = optimizer
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        raise SymacctError(
+            f"optimizer= got a {type(optimizer).__name__} instance; symacct builds the optimizer on its own model copy",
+            hint=f"pass the class and its options: optimizer={type(optimizer).__name__}, "
+            "optimizer_options={...} (e.g. the instance's defaults)",
+        )
     else:
-        raise SymacctError(f"not an optimizer: {optimizer!r}", hint="pass a torch.optim.Optimizer subclass or a name")
+        shown = repr(optimizer).splitlines()[0][:80]
+        raise SymacctError(f"not an optimizer: {shown}", hint="pass a torch.optim.Optimizer subclass or a name")
     opts = {"lr": 1e-3, **(options or {})}
 
     def make(model: nn.Module) -> torch.optim.Optimizer:
@@ -364,7 +412,28 @@ class _Identity:
         return v
 
 
-def derive(
+_LOCK = threading.RLock()
+
+
+def _locked(fn: Callable[..., Accounting]) -> Callable[..., Accounting]:
+    @functools.wraps(fn)
+    def derive(model: Any, **options: Any) -> Accounting:
+        with _LOCK:
+            try:
+                return fn(model, **options)
+            except SymacctError:
+                raise
+            except TypeError as e:
+                if "unexpected keyword argument" in str(e) and "derive()" in str(e):
+                    raise SymacctError(str(e), hint="see help(symacct.derive) for the options") from e
+                raise _internal(e) from e
+            except Exception as e:  # an exception symacct did not expect: its own defect, with the full cause
+                raise _internal(e) from e
+
+    return derive
+
+
+def _derive(
     model: Any,
     *,
     inputs: Callable[..., Any] | None = None,
@@ -381,7 +450,7 @@ def derive(
     params_dtype: torch.dtype | str | None = None,
     device: str = "cpu",
 ) -> Accounting:
-    """Derive the FLOP, byte and memory formulas of one step of ``model``.
+    """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
 
     Args:
         model: an ``nn.Module`` whose ``config`` (a dataclass) rebuilds it as
@@ -416,6 +485,10 @@ def derive(
         device: the device the fake tensors claim to be on (``"cpu"``
             default; ``"cuda"`` traces the CUDA kernels, e.g. flash attention,
             and needs a CUDA build of torch).
+
+    Thread safety: one derivation runs at a time (a process-wide lock):
+    PyTorch's module tracking and fake-tensor state are global, so two traces
+    at once would corrupt each other; a second thread waits for the first.
 
     Conventions: docs/conventions.md.
     """
@@ -452,12 +525,18 @@ def derive(
             hint="device='cuda' needs a CUDA build of torch and a GPU; otherwise use device='cpu'",
         )
     precision = {"autocast": autocast, "params_dtype": params_dtype, "device": device}
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise SymacctError(
+            "the model is a torch.compile wrapper: symacct traces eager PyTorch, and a compiled graph may fuse "
+            "ops and keep other tensors",
+            hint="pass the eager module, model._orig_mod (the figures are then those of eager execution)",
+        )
     src = _source(model, inputs, dims, fixed)
     # a fixed field's value is a constant; its prime factors may appear in sizes
     avoid = set()
     for f in fixed:
-        if f in src.values:
-            avoid |= set(sympy.factorint(src.values[f]))
+        if f in src.values and abs(src.values[f]) > 1:  # 0, 1, -1 carry no prime
+            avoid |= set(sympy.factorint(abs(src.values[f])))
     if src.configless:  # every size of the module is a constant: no probe may collide with one
         for t in [*model.parameters(), *model.buffers()]:
             for d in t.shape:
@@ -528,13 +607,31 @@ def derive(
     )
     acct.memory = memory
     acct.liveness = live
+    acct.constraints = learn_constraints(trace1, probe1.to_expr)
+    if "B" not in acct.free_symbols():
+        acct.notes.append(
+            "B reaches no tensor shape: the inputs do not use their B argument, so every figure is per call "
+            "of the inputs, whatever B is passed to at()"
+            + ("" if inputs is None else "; make inputs= build tensors of batch B")
+        )
     return acct
+
+
+derive = _locked(_derive)
+
+
+def _internal(e: Exception) -> SymacctError:
+    return SymacctError(
+        f"symacct failed: {type(e).__name__}: {' '.join(str(e).split())}",
+        hint="this is a defect of symacct, not of the model: please report it with the model",
+        internal=True,
+    )
 
 
 def _with_fixed_layers(model: Any, src: Any, kwargs: dict[str, Any], why: str) -> Accounting:
     """Derive again with the layer count fixed at its value: exact for this L, not factored by it."""
     lfields = [f for f, letter in src.fields.items() if letter == "L"]
-    acct = derive(model, **{**kwargs, "fixed": [*kwargs["fixed"], *lfields]})
+    acct = _derive(model, **{**kwargs, "fixed": [*kwargs["fixed"], *lfields]})
     acct.notes.insert(0, f"{why}: the layer stack is left unfactored, L fixed at its value")
     return acct
 

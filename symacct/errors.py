@@ -10,6 +10,11 @@ class SymacctError(Exception):
 
     The message names where it happened (node, module path, op, shapes) and
     what the user can do about it, in one paragraph.
+
+    ``internal`` is True when symacct itself failed (a cost rule that
+    crashed, an exception it did not expect): a bug to report, as opposed to
+    a refusal by design (bad input, data-dependent control flow, an op with
+    no rule, a size that is not a product of the model's symbols).
     """
 
     def __init__(
@@ -21,8 +26,10 @@ class SymacctError(Exception):
         op: str | None = None,
         shapes: Sequence[object] | None = None,
         hint: str | None = None,
+        internal: bool = False,
     ) -> None:
         self.what = what
+        self.internal = internal
         self.node = node
         self.module = module
         self.op = op

@@ -7,7 +7,9 @@ wrote a value to every op that reads it. Node attributes:
 
 ``op`` (str), ``module`` (path, layer index kept), ``phase``
 (forward / backward / optimizer), ``shapes`` (output shapes, sympy),
-``dtypes``, ``flops`` (matmul family), ``flops_other``, ``bytes_read``,
+``dtypes``, ``flops`` (matmul family, model FLOPs), ``flops_recompute``
+(matmul FLOPs the kernel runs again, e.g. flash attention's backward
+recomputing Q K^T: hardware FLOPs only), ``flops_other``, ``bytes_read``,
 ``bytes_written``, ``saved`` (an output storage is saved for backward),
 ``allocated`` (bytes of the new storages it makes), ``count`` (how many
 times the node stands in the real model: ``L`` for a representative block,
@@ -123,6 +125,8 @@ def cost_ops(
                     module=rec.module,
                     op=str(rec.op),
                     shapes=[_shape_str(i.shape) for i in call.inputs],
+                    hint="this is a defect of symacct's rule for this op, not of the model: please report it",
+                    internal=True,
                 ) from e
         if cost.bytes_read is None or cost.bytes_written is None:
             r, w = default_bytes(call)
@@ -150,6 +154,7 @@ def build_graph(trace: StepTrace, costed: list[CostedOp], counts: list[sympy.Exp
             in_shapes=[],
             dtypes=[str(ph.meta.dtype)],
             flops=0,
+            flops_recompute=0,
             flops_other=0,
             bytes_read=0,
             bytes_written=0,
@@ -170,6 +175,7 @@ def build_graph(trace: StepTrace, costed: list[CostedOp], counts: list[sympy.Exp
             in_shapes=[t.shape for t in c.call.inputs],
             dtypes=[str(t.dtype) for t in c.call.outputs],
             flops=c.cost.flops,
+            flops_recompute=c.cost.flops_recompute,
             flops_other=c.cost.flops_other,
             bytes_read=c.cost.bytes_read,
             bytes_written=c.cost.bytes_written,

@@ -148,16 +148,19 @@ class Liveness:
             out.append(acc)
         return out  # out[t + 1] = live bytes during op t
 
-    def evaluate(self, values: Mapping[str, int]) -> tuple[int, int]:
-        """(peak bytes, op index) at the given sizes, exactly."""
+    def evaluate(self, values: Mapping[str, int], phases: tuple[str, ...] | None = None) -> tuple[int, int]:
+        """(peak bytes, op index) at the given sizes, exactly; over the ops of ``phases`` only, if given."""
         live = self._live_arrays(self.base, values)
+        chosen = [t for t in range(self.base.n) if phases is None or self.labels[t][3] in phases]
+        if not chosen:
+            raise ValueError(f"no op in phases {phases}")
         if self.other is None:
-            best = max(range(self.base.n), key=lambda t: live[t + 1])
+            best = max(chosen, key=lambda t: live[t + 1])
             return live[best + 1], best
         live2 = self._live_arrays(self.other, values)
         L = values.get("L", self.layers)
         k = L - self.layers
-        points = [t for t in range(self.base.n) if self._valid(t, L)]
+        points = [t for t in chosen if self._valid(t, L)]
         vals = {t: live[t + 1] + k * (live2[self.align[t] + 1] - live[t + 1]) for t in points}
         best = max(points, key=lambda t: vals[t])
         return vals[best], best

@@ -8,7 +8,10 @@ fp32 Adam moments, steps them, and copies the result back:
 2 (bf16 weights) + 2 (bf16 grads) + 4 (master) + 4 (m) + 4 (v) = 16 bytes per
 parameter. With ``fp32_grads=True`` gradients are accumulated into an fp32
 ``main_grad`` as backward produces them (Megatron's choice), and the bf16
-gradient is dropped: 2 + 4 + 4 + 4 + 4 = 18 bytes per parameter.
+gradient is dropped: 2 + 4 + 4 + 4 + 4 = 18 bytes per parameter. The fp32
+buffer is kept between steps (as Megatron's grad buffer is) and overwritten by
+the first backward after a step, so each step uses the gradients accumulated
+since the last one (micro-batches), never those of earlier steps.
 """
 
 from __future__ import annotations
@@ -43,10 +46,13 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
 
     def _accumulate_fp32(self, p: torch.Tensor) -> None:
         state = self.state[p]
-        if "main_grad" in state:
-            state["main_grad"].add_(p.grad)
-        else:
+        if "main_grad" not in state:
             state["main_grad"] = p.grad.float()
+        elif state.get("main_grad_consumed", False):  # the first backward after a step: start afresh
+            state["main_grad"].copy_(p.grad)
+        else:
+            state["main_grad"].add_(p.grad)
+        state["main_grad_consumed"] = False
         p.grad = None
 
     @torch.no_grad()
@@ -55,7 +61,9 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         for p in params:
             state = self.state[p]
             if self.fp32_grads:
-                state["master"].grad = state.get("main_grad")
+                if not state.get("main_grad_consumed", True):  # gradients since the last step, if any
+                    state["master"].grad = state["main_grad"]
+                state["main_grad_consumed"] = True
             elif p.grad is not None:
                 state["master"].grad = p.grad.float()
         self.inner.step()

@@ -71,6 +71,7 @@ def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
         "model": name,
         "peak_at": list(at.memory.peak_at),
         "bytes_per_param": str(acct.bytes_per_param()),
+        "bytes_per_param_peak": str(acct.bytes_per_param_peak()),
         "step": acct.options.get("step", "train"),
         "symbols": [
             {"symbol": k, "meaning": MEANING.get(k, f"config field {acct.fields.get(k, k)}"), "value": v}
@@ -100,7 +101,8 @@ def render_text(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"peak at: {', '.join(report['peak_at'])}",
-        f"static bytes per parameter: {report['bytes_per_param']}",
+        f"bytes per parameter: {report['bytes_per_param']} between steps, "
+        f"{report['bytes_per_param_peak']} at the optimizer step's peak",
     ]
     if report["notes"]:
         lines += ["", "notes:"] + [f"  {n}" for n in report["notes"]]

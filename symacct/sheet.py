@@ -215,6 +215,8 @@ def build(
         "roofline_seconds": roof.seconds,
         "roofline_memory_bound_seconds": roof.memory_bound_seconds,
         "roofline_mfu": roof.mfu,
+        "roofline_hfu": roof.hfu,
+        "roofline_dtype": roof.dtype,
         "memory_gb": hw.memory_gb,
         "peak_fits": at.memory.peak <= hw.memory_bytes,
     }
@@ -233,6 +235,7 @@ def build(
         "totals": totals,
         "time": time,
         "bytes_per_param": str(acct.bytes_per_param()),
+        "bytes_per_param_peak": str(acct.bytes_per_param_peak()),
         "peak_at": list(at.memory.peak_at),
         "notes": list(at.notes),
     }
@@ -315,10 +318,12 @@ def render_md(sheet: dict[str, Any]) -> str:
         f"| step at MFU {tm['mfu']:g} (`{tm['formula_at_mfu']}`) | {tm['seconds_at_mfu']:.4g} s |",
         f"| step by per-op roofline (no overlap, no launch cost) | {tm['roofline_seconds']:.4g} s |",
         f"| of which memory-bound ops | {tm['roofline_memory_bound_seconds']:.4g} s |",
-        f"| MFU the roofline implies | {tm['roofline_mfu']:.3f} |",
+        f"| MFU / HFU the roofline implies (model / hardware FLOPs, {tm['roofline_dtype']} peak) "
+        f"| {tm['roofline_mfu']:.3f} / {tm['roofline_hfu']:.3f} |",
         f"| peak memory fits in {tm['memory_gb']:g} GB | {'yes' if tm['peak_fits'] else 'no'} |",
         "",
-        f"Static bytes per parameter (leading terms): {sheet['bytes_per_param']}. "
+        f"Bytes per parameter (leading terms): {sheet['bytes_per_param']} between steps, "
+        f"{sheet['bytes_per_param_peak']} at the optimizer step's peak. "
         f"The peak occurs at {', '.join(sheet['peak_at'])}.",
     ]
     if sheet["notes"]:

@@ -20,6 +20,7 @@ GB = 10**9 bytes throughout (see ``symacct.hardware``).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,14 +34,27 @@ DEFAULT_RESERVE = 0.15  # CUDA context, allocator slack, library workspaces: the
 
 
 def _check_mfu(mfu: float) -> None:
-    if not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
+    if not isinstance(mfu, (int, float)) or isinstance(mfu, bool) or not math.isfinite(mfu) or not 0 < mfu <= 1:
         raise SymacctError(f"MFU must be in (0, 1], got {mfu!r}", hint="MFU is a fraction of the peak, e.g. 0.5")
 
 
 def _check_positive(**values: Any) -> None:
+    """Each value a finite positive number (NaN and infinity refused: they would print as a figure)."""
     for k, v in values.items():
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-            raise SymacctError(f"{k} must be a positive number, got {v!r}", hint=f"pass a positive {k}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise SymacctError(f"{k} must be a finite positive number, got {v!r}", hint=f"pass a positive {k}")
+
+
+def check_gpus(gpus: Any) -> int:
+    """The one rule for device counts, in Python and on the command line: a positive whole number.
+
+    ``gpus=1.5`` is refused, not truncated: half a device is not a data-parallel replica.
+    """
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, float)) or not math.isfinite(gpus):
+        raise SymacctError(f"gpus must be a positive whole number, got {gpus!r}", hint="e.g. gpus=8")
+    if gpus <= 0 or gpus != int(gpus):
+        raise SymacctError(f"gpus must be a positive whole number, got {gpus!r}", hint="e.g. gpus=8")
+    return int(gpus)
 
 
 @dataclass
@@ -56,7 +70,8 @@ def estimate(
     *, params: float, tokens: float, hardware: str | Accelerator, gpus: int = 1, mfu: float = 0.5, dtype: str = "bf16"
 ) -> Estimate:
     """Training time from bare figures by the 6ND rule."""
-    _check_positive(params=params, tokens=tokens, gpus=gpus)
+    _check_positive(params=params, tokens=tokens)
+    gpus = check_gpus(gpus)
     _check_mfu(mfu)
     hw = get(hardware)
     return _at_mfu(
@@ -81,7 +96,8 @@ def train_time(
     **sizes: int,
 ) -> Estimate:
     """Training time with the step's matmul FLOPs derived from the model (sizes must give B and S)."""
-    _check_positive(tokens=tokens, gpus=gpus)
+    _check_positive(tokens=tokens)
+    gpus = check_gpus(gpus)
     _check_mfu(mfu)
     hw = get(hardware)
     at = acct.at(**sizes)
@@ -106,9 +122,25 @@ def _at_mfu(
 
 
 def mfu(flops: float, seconds: float, hardware: str | Accelerator, gpus: int = 1, dtype: str = "bf16") -> float:
-    """Model FLOPs utilisation of a measured step: flops / (seconds * peak * gpus)."""
-    _check_positive(flops=flops, seconds=seconds, gpus=gpus)
-    return flops / (seconds * get(hardware).peak_flops(dtype) * gpus)
+    """Model FLOPs utilisation of a measured step: flops / (seconds * peak * gpus).
+
+    ``flops`` are model FLOPs of the whole step on all ``gpus`` (``acct.flops.total``:
+    no recomputation); ``dtype`` names the peak the step runs at. A result above 1
+    is impossible and refused, naming the likely cause.
+    """
+    _check_positive(flops=flops, seconds=seconds)
+    gpus = check_gpus(gpus)
+    hw = get(hardware)
+    peak = hw.peak_flops(dtype)
+    value = flops / (seconds * peak * gpus)
+    if value > 1:
+        raise SymacctError(
+            f"MFU would be {value:.3g}, above 1: {flops:.4g} FLOPs in {seconds:.4g} s on {gpus} x {hw.name} "
+            f"exceeds the {dtype} dense peak ({peak:.4g} FLOP/s each)",
+            hint="check that flops are per step for all gpus (not summed over steps), that seconds are one step's, "
+            "the gpus count, and the dtype of the peak (fp8 work against an fp8 peak)",
+        )
+    return value
 
 
 @dataclass
@@ -118,33 +150,85 @@ class Roofline:
     by_module: dict[str, float]
     memory_bound_seconds: float
     memory_bound: list[tuple[str, float]]  # (op in module, seconds), largest first
-    mfu: float  # model FLOPs / (seconds * peak)
+    mfu: float  # model FLOPs (flops.total, no recompute) / (seconds * peak of the step's dtype)
     graph: Any = None  # the evaluated graph; every op node has 'seconds' (one instance) and 'bound'
+    hfu: float = 0.0  # hardware FLOPs (flops.hardware: with recomputation) / (seconds * the same peak)
+    dtype: str = "bf16"  # the catalog peak MFU and HFU are against (step_dtype)
     formula: str = "node seconds = max(flops / peak(dtype), bytes / bandwidth)"
 
 
-def _dtype_key(dtypes: list[str]) -> str:
+_DTYPE_KEYS = {
+    "torch.bfloat16": "bf16",
+    "torch.float16": "fp16",
+    "torch.float32": "fp32",
+    "torch.float8_e4m3fn": "fp8",
+    "torch.float8_e5m2": "fp8",
+}
+
+
+def _dtype_key(dtypes: list[str], tf32: bool) -> str:
+    """The catalog peak a matmul in these dtypes runs at; fp32 matmuls at tf32 only when ``tf32``."""
     d = dtypes[0] if dtypes else "torch.float32"
-    return {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "tf32"}.get(d, "fp32")
+    key = _DTYPE_KEYS.get(d, "fp32")
+    return "tf32" if key == "fp32" and tf32 else key
+
+
+def _peak(hw: Accelerator, key: str, what: str) -> float:
+    if key not in hw.peak or not hw.peak[key] > 0:
+        raise SymacctError(
+            f"{hw.name} has no {key} peak in the catalog, needed for {what}",
+            hint=f"{hw.name} lists: {', '.join(sorted(hw.peak)) or 'nothing'}; add the figure with "
+            "symacct.hardware.load, or choose other hardware",
+        )
+    return hw.peak[key] * 1e12
+
+
+def step_dtype(acct: Accounting, *, tf32: bool = False) -> str:
+    """The dtype (catalog key) of the step's matmul work: the one most matmul FLOPs run in.
+
+    Compared at the evaluated sizes of an ``acct.at(...)`` copy, else at the
+    model's own sizes with B = S = 1.
+    """
+    from symacct.symbols import evaluate
+
+    by: dict[str, Any] = defaultdict(int)
+    for _, a in acct.graph.nodes(data=True):
+        if a["phase"] != "input" and a["flops"] != 0:
+            by[_dtype_key(a["dtypes"], tf32)] += a["flops"] * a["count"]
+    if not by:
+        return "tf32" if tf32 else "fp32"
+    if acct.values is None:
+        sizes = {**acct.symbols, "B": 1, "S": 1}
+        by = {k: evaluate(v, sizes) for k, v in by.items()}
+    return max(sorted(by), key=lambda k: by[k])
 
 
 def roofline(acct: Accounting, hardware: str | Accelerator, *, tf32: bool = False, **sizes: int) -> Roofline:
-    """Predicted step time from the per-op roofline (see the module docstring)."""
+    """Predicted step time from the per-op roofline (see the module docstring).
+
+    A node's matmul FLOPs (with what its kernel recomputes) run at the dense
+    peak of its dtype, its other FLOPs at the fp32 (vector) peak; a peak the
+    catalog lacks is refused, never replaced by another dtype's. MFU is model
+    FLOPs (``flops.total``) against the peak of the step's dtype
+    (:func:`step_dtype`), HFU hardware FLOPs (``flops.hardware``) against the same.
+    """
     hw = get(hardware)
     at = acct.at(**sizes)
     phase: dict[str, float] = defaultdict(float)
     module: dict[str, float] = defaultdict(float)
     mem_bound: dict[str, float] = defaultdict(float)
     stacks = [p for p in acct.per_layer]
-    vector = hw.peak.get("fp32", min(hw.peak.values())) * 1e12
+    vector = None
     for _, a in at.graph.nodes(data=True):
         if a["phase"] == "input":
             continue
-        key = _dtype_key(a["dtypes"])
-        if key == "tf32" and not tf32:
-            key = "fp32"
-        tensor_peak = hw.peak.get(key, hw.peak.get("bf16", 0)) * 1e12 if a["flops"] else 1.0
-        compute = a["flops"] / tensor_peak + a["flops_other"] / vector
+        matmul = a["flops"] + a.get("flops_recompute", 0)
+        compute = 0.0
+        if matmul:
+            compute += matmul / _peak(hw, _dtype_key(a["dtypes"], tf32), f"{a['op']} ({a['dtypes'][0]})")
+        if a["flops_other"]:
+            vector = vector or _peak(hw, "fp32", "elementwise work (the vector peak)")
+            compute += a["flops_other"] / vector
         memory = (a["bytes_read"] + a["bytes_written"]) / hw.bandwidth
         a["seconds"] = max(compute, memory)
         a["bound"] = "memory" if memory > compute else "compute"
@@ -154,7 +238,8 @@ def roofline(acct: Accounting, hardware: str | Accelerator, *, tf32: bool = Fals
         if memory > compute and t > 0:
             mem_bound[f"{a['op']} in '{generic_path(a['module'], stacks)}'"] += t
     total = sum(phase.values())
-    peak = hw.peak_flops("bf16")
+    key = step_dtype(at, tf32=tf32)
+    peak = _peak(hw, key, "MFU")
     return Roofline(
         total,
         dict(sorted(phase.items())),
@@ -163,6 +248,8 @@ def roofline(acct: Accounting, hardware: str | Accelerator, *, tf32: bool = Fals
         sorted(mem_bound.items(), key=lambda kv: -kv[1])[:20],
         at.flops.total / (total * peak) if total else 0.0,
         at.graph,
+        hfu=at.flops.hardware / (total * peak) if total else 0.0,
+        dtype=key,
     )
 
 
@@ -184,6 +271,9 @@ class Fit:
     budget_bytes: int
     next_peak_bytes: int  # the peak one size up (does not fit)
     formula: str
+    replicas: int = 1  # data-parallel replicas (gpus): memory per device is unchanged
+    global_batch: int | None = None  # B x replicas, when B is known (solved or given)
+    notes: list[str] = field(default_factory=list)  # e.g. S_max raised with S
 
 
 def fit(
@@ -198,19 +288,25 @@ def fit(
 ) -> Fit:
     """The largest value of ``symbol`` (B, S, L, ...) whose peak fits one device's budget.
 
-    ``gpus`` devices each hold a full replica (data parallel): the budget is
-    one device's capacity times (1 - reserve). The answer is found on the
-    exact peak (``acct.at``), by doubling then bisection; it fits and the
-    next value does not.
+    ``gpus`` is the number of data-parallel replicas: each device holds a full
+    copy of the model and its optimizer states and runs B sequences, so the
+    memory per device and the answer do not depend on it; it sets
+    ``global_batch`` (B x gpus). The budget is one device's capacity times
+    (1 - reserve). The answer is found on the exact peak (``acct.at``), by
+    doubling then bisection; it fits and the next value does not. Solving S
+    on a model with a position table raises S_max with S (the table grows
+    with it), and says so in ``notes``.
     """
-    if not 0 <= reserve < 1:
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
         raise SymacctError(f"reserve must be in [0, 1), got {reserve!r}", hint="e.g. reserve=0.15")
+    gpus = check_gpus(gpus)
     hw = get(hardware)
     budget = int(hw.memory_bytes * (1 - reserve))
+    raise_smax = symbol == "S" and "S_max" in acct.symbols and "S_max" not in sizes
 
     def peak(v: int) -> int:
         vals = {**sizes, symbol: v}
-        if symbol == "S" and "S_max" in acct.symbols and "S_max" not in sizes:
+        if raise_smax:
             vals["S_max"] = max(acct.symbols["S_max"], v)
         return int(acct.peak(**vals))
 
@@ -232,4 +328,22 @@ def fit(
             lo = mid
         else:
             hi = mid
-    return Fit(symbol, lo, peak(lo), budget, peak(lo + 1), "largest v with memory.peak(v) <= capacity * (1 - reserve)")
+    notes = []
+    if raise_smax and lo > acct.symbols["S_max"]:
+        field_name = acct.fields.get("S_max", "S_max")
+        notes.append(
+            f"S_max raised from {acct.symbols['S_max']} to {lo} with S ({field_name}={lo}): the model cannot run "
+            f"S > S_max, and its position table grows with it"
+        )
+    B = lo if symbol == "B" else sizes.get("B")
+    return Fit(
+        symbol,
+        lo,
+        peak(lo),
+        budget,
+        peak(lo + 1),
+        "largest v with memory.peak(v) <= capacity * (1 - reserve)",
+        replicas=gpus,
+        global_batch=B * gpus if B is not None else None,
+        notes=notes,
+    )

@@ -330,7 +330,9 @@ class _Recorder(TorchDispatchMode):
         outputs = [m for m in tree_flatten(mout)[0] if isinstance(m, TMeta)]
         mutated: list[TMeta] = []
         for i in mutated_idx:
-            a = margs[i] if i < len(margs) else None
+            # a written argument passed by position, or by name (out= of the .out overloads)
+            name = func._schema.arguments[i].name
+            a = margs[i] if i < len(margs) else mkwargs.get(name)
             mutated.extend(m for m in tree_flatten(a)[0] if isinstance(m, TMeta))
         in_storages = {m.storage for m in inputs}
         # a view: writes nothing and every output shares an input's storage
@@ -365,6 +367,12 @@ def call_inputs(inputs: Callable[..., Any], model: nn.Module, B: int, S: int) ->
     except (TypeError, ValueError):
         n = 2
     got = inputs(model, B, S) if n >= 3 else inputs(B, S)
+    if isinstance(got, dict):
+        raise SymacctError(
+            f"inputs= returned a dict (keys {', '.join(map(str, got))}); symacct calls model(*inputs)",
+            hint="return the positional inputs as a tuple, e.g. lambda m, B, S: (ids,), or wrap the model so that "
+            "its forward takes them positionally",
+        )
     return tuple(got) if isinstance(got, (tuple, list)) else (got,)
 
 
@@ -407,7 +415,9 @@ def record_step(
             hint="the model must be rebuildable as type(model)(config) with other sizes; "
             "keep fields it cannot vary fixed with derive(..., fixed=[...])",
         ) from e
-    with fake, torch.device("cpu"):
+    # a train step records autograd whatever the caller's grad mode (derive inside torch.no_grad())
+    grad_mode = torch.enable_grad() if step == "train" else contextlib.nullcontext()
+    with fake, torch.device("cpu"), torch.inference_mode(False), grad_mode:
         try:
             if params_dtype is not None:
                 _cast_floats(model, params_dtype)

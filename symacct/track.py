@@ -92,8 +92,13 @@ def track(
     sizes: dict[str, int] | None = None,
     device: str = "cpu",
 ) -> Iterator[Tracker]:
-    """Track a real run; the log is written when the block ends (nothing half-way on an error)."""
+    """Track a real run; the log is written when the block ends (nothing half-way on an error).
+
+    The path is checked for writing before the run starts: a run is never
+    spent only to fail at the end.
+    """
     sizes = dict(sizes or {})
+    _check_writable(Path(path))
     config = getattr(model, "config", None)
     header = {
         "run": name,
@@ -119,10 +124,59 @@ def track(
     Path(path).write_text("\n".join(lines) + "\n")
 
 
+def _check_writable(path: Path) -> None:
+    """Refuse a log path that cannot be written, without leaving a file behind."""
+    existed = path.exists()
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "Is a directory")
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise SymacctError(
+            f"cannot write the log {str(path)!r}: {e.strerror or e}", hint="choose a path in a writable folder"
+        ) from e
+    if not existed:
+        path.unlink()
+
+
+_HEADER = {"run": str, "model": str}
+_MARK = {"phase": str, "allocated": int, "peak": int}
+
+
+def _fields(row: dict[str, Any], want: dict[str, type], where: str) -> None:
+    for key, kind in want.items():
+        v = row.get(key)
+        if v is None:
+            raise SymacctError(f"{where} has no {key!r}", hint="a log is JSON lines written by track()")
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise SymacctError(
+                f"{where}: {key!r} is {type(v).__name__} {v!r}, not {kind.__name__}",
+                hint="a log is JSON lines written by track()",
+            )
+
+
+def _predicted_ok(pred: Any, where: str) -> None:
+    if pred is None:
+        return
+    ok = isinstance(pred, dict) and all(isinstance(pred.get(k), dict) for k in ("phases", "parts"))
+    ok = ok and isinstance(pred.get("activations_by_module", {}), dict)
+    ok = ok and all(isinstance(v, int) for part in ("phases", "parts") for v in pred[part].values())
+    if not ok:
+        raise SymacctError(
+            f"{where}: 'predicted' lacks its phases, parts or activations_by_module (or holds non-integers)",
+            hint="a log is JSON lines written by track()",
+        )
+
+
 def read_log(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(header, marks) of a log; a one-line SymacctError for anything that is not a symacct log."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SymacctError(
+            f"{path}: not UTF-8 text (byte {e.start})", hint="a log is JSON lines written by track()"
+        ) from e
     except OSError as e:
         raise SymacctError(f"cannot read log {str(path)!r}: {e.strerror}", hint="pass a log written by track()") from e
     rows = []
@@ -135,6 +189,12 @@ def read_log(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             raise SymacctError(f"{path}: line {i} is not JSON", hint="a log is JSON lines written by track()") from e
     if not rows or not isinstance(rows[0], dict) or not rows[0].get("header"):
         raise SymacctError(f"{path}: no symacct header line", hint="a log is JSON lines written by track()")
+    _fields(rows[0], _HEADER, f"{path}: the header")
+    _predicted_ok(rows[0].get("predicted"), f"{path}: the header")
+    for i, row in enumerate(rows[1:], 2):
+        if not isinstance(row, dict):
+            raise SymacctError(f"{path}: line {i} is not an object", hint="a log is JSON lines written by track()")
+        _fields(row, _MARK, f"{path}: line {i}")
     return rows[0], rows[1:]
 
 
@@ -160,7 +220,8 @@ def diff(path_a: str | Path, path_b: str | Path) -> dict[str, Any]:
         out["phase_changed_most"] = worst["phase"]
     pa, pb = ha.get("predicted") or {}, hb.get("predicted") or {}
     if pa and pb:
-        parts = {k: pb["parts"][k] - pa["parts"][k] for k in pa["parts"]}
+        keys = sorted(set(pa["parts"]) | set(pb["parts"]))
+        parts = {k: pb["parts"].get(k, 0) - pa["parts"].get(k, 0) for k in keys}
         out["parts_delta"] = parts
         out["part_changed_most"] = max(parts, key=lambda k: abs(parts[k]))
         mods = set(pa["activations_by_module"]) | set(pb["activations_by_module"])

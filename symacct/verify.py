@@ -77,8 +77,8 @@ def _uncounted_sdpa(at: Accounting) -> tuple[int, int]:
         if a["op"].startswith(_CPU_SDPA) and a["count"]:
             if a["phase"] == "forward":
                 fwd += a["flops"] * a["count"]
-            else:
-                bwd += a["flops"] * a["count"]
+            else:  # the kernel's model FLOPs and what it recomputes: FlopCounterMode misses both
+                bwd += (a["flops"] + a["flops_recompute"]) * a["count"]
     return fwd, bwd
 
 
@@ -169,9 +169,14 @@ def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int
     rows.append(
         Row(f"step time, s (median of {len(timed)}; roofline on {hw.name})", roof.seconds, seconds, float("inf"))
     )
-    peak = hw.peak_flops("bf16")
+    peak = hw.peak_flops(roof.dtype)  # the peak of the dtype the step's matmuls run in
     rows.append(
-        Row("MFU (model FLOPs / (time x bf16 dense peak))", roof.mfu, at.flops.total / (seconds * peak), float("inf"))
+        Row(
+            f"MFU (model FLOPs / (time x {roof.dtype} dense peak))",
+            roof.mfu,
+            at.flops.total / (seconds * peak),
+            float("inf"),
+        )
     )
     return rows
 

@@ -83,15 +83,35 @@ def test_first_layer_and_backward_twice_forward(claims):
     assert c.numbers["flops"] == m.flops_total and c.numbers["rule"] == rule
     d = model.config.dim
     assert m.flops_total - rule == -2 * 8 * d * d  # the first layer's missing dL/dx
-    assert c.verdict == judge(m.flops_total, rule, assumption_holds=True) == ASSUMING
-    # backward = 2 x forward: exact on gpt2 at two sizes, not on the cruncher
+    # module by module with FlopCounterMode's own per-module counts: only the first layer's backward
+    # (dL/dW alone) is not twice its forward, and it reads the raw input
+    fc = FlopCounterMode(display=False)
+    args = model.example_inputs(8)
+    with fc:
+        model(*args).backward()
+    counts = fc.get_flop_counts()
+    differ = [
+        name.removeprefix("Cruncher.")
+        for name, ops in counts.items()
+        if name.startswith("Cruncher.") and name.count(".") == 2 and sum(ops.values()) != 3 * _fwd(model, name)
+    ]
+    assert differ == ["layers.0"] and c.numbers["differ"] == c.numbers["raw"] == differ
+    assert c.verdict == ASSUMING
+    # backward = 2 x forward: exact on gpt2 at two sizes
     twice = []
     for B, S in ((2, 7), (3, 16)):
         g = GPT2(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
         mg = measure_step(g, g.example_inputs(B, S))
         twice.append(mg.flops_backward == 2 * mg.flops_forward)
-    assert m.flops_backward != 2 * m.flops_forward  # the cruncher's first layer: the stated exception
-    assert claims["4nd-backward"].verdict == (HOLDS if all(twice) else ASSUMING)
+    assert all(twice) and claims["4nd-backward"].verdict == HOLDS
+
+
+def _fwd(model, name: str) -> int:
+    """Forward matmul FLOPs of one submodule of the cruncher (FlopCounterMode over the forward alone)."""
+    fc = FlopCounterMode(display=False)
+    with fc:
+        model(*model.example_inputs(8))
+    return sum(fc.get_flop_counts().get(name, {}).values())
 
 
 def test_two_nd_forward(claims):
@@ -120,14 +140,16 @@ def test_two_bdk(claims):
 
 
 def test_elementwise_share(claims):
+    """FLOP share from FlopCounterMode (matmuls) and the CPU profiler's per-op time is not used: the share
+    of non-matmul FLOPs is recomputed from torch's own counts of elementwise outputs on the meta device."""
     c = claims["elementwise-negligible"]
     fw, bw, _ = _meta_flops(lambda: GPT2(GPT2Config()), 8, 1024)
-    # the denominator's matmul part is FlopCounterMode's count; the shares follow the documented rule
     share = c.numbers["share_flops"]
     other = share * (fw + bw) / (1 - share)
-    assert other > 0 and share < check.TOL
+    # at least one FLOP per element of the (B, S, V) logits' softmax in the loss, forward and backward
+    assert other > 2 * 8 * 1024 * 50257 and share < check.TOL
     assert c.numbers["share_bytes"] > 0.5  # most bytes are moved by non-matmul ops
-    assert c.verdict == (ASSUMING if share < check.TOL else WRONG)
+    assert c.numbers["share_time"] >= check.TOL and c.verdict == ASSUMING
 
 
 def _static_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int]:
@@ -248,7 +270,7 @@ def test_worked_numbers(claims):
     assert c.numbers["derived"] == fw + bw and c.verdict == judge(fw + bw, 2.56e14)
     days = 6 * 70e9 * 15e12 / (989e12 * 0.5 * 1024) / 86400
     assert math.isclose(claims["146-days"].numbers["days"], days) and claims["146-days"].verdict == judge(days, 146)
-    assert claims["40b-on-8xh100"].numbers["params"] == 8 * 80e9 / 16
+    assert claims["40b-on-8xh100"].numbers["params"] == 8 * 80e9 / 16  # the fp32 AdamW 16 measured above
     assert claims["40b-on-8xh100"].verdict == judge(8 * 80e9 / 16, 40e9) == HOLDS
     c = claims["7b-112gb"]
     assert c.numbers["params"] == n7 and 16 * n7 <= c.numbers["static"] <= 16 * n7 + 4096

@@ -9,7 +9,9 @@ without dropout runs ``_scaled_dot_product_flash_attention_for_cpu``, which
 FlopCounterMode does not count (0). The test adds the independent count of
 that kernel written from the attention definition: forward = QK^T and PV,
 2 * (2*B*H*S*S*Dh); backward = 5 such products (scores recomputed, dV, dP,
-dQ, dK): 5 * 2*B*H*S*S*Dh.
+dQ, dK): 5 * 2*B*H*S*S*Dh. Of those five, the recomputed scores are
+hardware FLOPs, not model FLOPs: ``flops.backward`` has the other four,
+``flops.recompute`` the fifth (and, with checkpointing, the forward run again).
 """
 
 from __future__ import annotations
@@ -19,20 +21,22 @@ from cases import build, cruncher_cases, derived, gpt2_cases, llama_cases, sizes
 from hypothesis import given
 
 from symacct.measure import measure_step
-from symacct.models import GPT2Config, LlamaConfig
+from symacct.models import CruncherConfig, GPT2Config, LlamaConfig
 
 
-def sdpa_cpu_kernel_flops(cfg, B: int, S: int) -> tuple[int, int]:
-    """The CPU flash kernel's matmul FLOPs when the model uses it (SDPA without dropout), else 0.
+def sdpa_cpu_kernel_flops(cfg, B: int, S: int) -> tuple[int, int, int]:
+    """The CPU flash kernel's matmul FLOPs when the model uses it (SDPA without dropout), else 0:
+    (forward, backward as FlopCounterMode's backward sees it, of which recomputation).
 
-    With activation checkpointing the forward kernel runs again in backward.
+    The backward recomputes the scores (one product); with activation checkpointing the forward
+    kernel runs again in backward too (two more).
     """
     if not getattr(cfg, "sdpa", False) or getattr(cfg, "dropout", 0.0) != 0.0:
-        return 0, 0
+        return 0, 0, 0
     s = sizes(cfg)
     one = 2 * B * s["H"] * S * S * (s["D"] // s["H"])  # one (S x Dh) @ (Dh x S) product per batch and head
     again = 2 if cfg.checkpoint else 0
-    return s["L"] * 2 * one, s["L"] * (5 + again) * one
+    return s["L"] * 2 * one, s["L"] * (5 + again) * one, s["L"] * (1 + again) * one
 
 
 def check(case) -> None:
@@ -40,17 +44,21 @@ def check(case) -> None:
     model = build(cfg)
     torch.manual_seed(0)
     m = measure_step(model, model.example_inputs(B, S))
-    extra = sdpa_cpu_kernel_flops(cfg, B, S) if isinstance(cfg, (GPT2Config, LlamaConfig)) else (0, 0)
+    extra = sdpa_cpu_kernel_flops(cfg, B, S) if isinstance(cfg, (GPT2Config, LlamaConfig)) else (0, 0, 0)
     fwd, bwd = m.flops_forward + extra[0], m.flops_backward + extra[1]
     got = derived(cfg).at(B=B, S=S, **sizes(cfg))
     assert got.flops.forward == fwd
     # FlopCounterMode's backward includes the forward that checkpointing runs again
     assert got.flops.backward + got.flops.recompute == bwd
     assert got.flops.hardware == fwd + bwd
+    assert got.flops.total == got.flops.hardware - got.flops.recompute
     if getattr(cfg, "checkpoint", False):
-        assert got.flops.recompute > 0 and got.flops.total == got.flops.hardware - got.flops.recompute
-    else:
-        assert got.flops.recompute == 0
+        assert got.flops.recompute > 0
+    else:  # the kernel's recomputed scores only (0 without the fused kernel)
+        assert got.flops.recompute == extra[2]
+    # model FLOPs: the matmul backward is exactly twice the forward (no layer here skips dL/dx)
+    if not isinstance(cfg, CruncherConfig):
+        assert got.flops.backward == 2 * got.flops.forward
 
 
 @given(gpt2_cases())

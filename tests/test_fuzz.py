@@ -8,6 +8,7 @@ the meta and the CPU kernel of batch norm (see symacct/trace.py).
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,3 +33,25 @@ def test_fuzz_script_reports_counts(capsys):
 
     assert main(["--n", "5", "--seed", "3"]) == 0
     assert "generated 5 models" in capsys.readouterr().out
+
+
+def test_a_crashing_rule_is_a_failure_not_a_refusal(monkeypatch):
+    """A SymacctError is a pass only when it refuses by design: a cost rule that crashes fails the fuzzer."""
+    from symacct.rules import registry
+
+    def broken(call):
+        raise ZeroDivisionError("a bug in a rule")
+
+    by_op = dict(registry._BY_OP)
+    by_op[torch.ops.aten.addmm] = broken
+    monkeypatch.setattr(registry, "_BY_OP", by_op)
+    out = check(["linear"], 4, None, [(2, 3)])
+    assert out.status == "FAILED" and "a bug in a rule" in out.detail
+    monkeypatch.undo()
+    assert check(["linear"], 4, None, [(2, 3)]).status == "matched"
+
+
+def test_a_refusal_by_design_is_not_a_failure():
+    """A model whose loss needs no gradient (no parameter on its path) is refused by design."""
+    out = check(["relu"], 4, None, [(2, 3)])
+    assert out.status == "refused" and "does not require grad" in out.detail

@@ -20,10 +20,65 @@ CLI_LINES = [
 ]
 
 
+def _value(comment: str) -> str | None:
+    """The result a '# ...' comment states (before any ': explanation'), or None for a description."""
+    head = comment.split(": ", 1)[0].strip()
+    if re.fullmatch(r"-?[0-9][0-9,_]*(\.[0-9]+)?", head):
+        return head
+    if re.fullmatch(r"[A-Za-z0-9_*+\-/() .]+", head) and re.search(r"[*+]", head) and "  " not in head:
+        return head
+    return None
+
+
+def _same(printed: str, stated: str) -> bool:
+    """A printed result equals the stated one: integers exactly (commas ignored), decimals to the stated
+    places, formulas as sympy expressions."""
+    import sympy
+
+    if re.fullmatch(r"-?[0-9][0-9,_]*", stated):
+        return printed.strip() == stated.replace(",", "").replace("_", "")
+    if re.fullmatch(r"-?[0-9][0-9,_]*\.[0-9]+", stated):
+        places = len(stated.split(".")[1])
+        return round(float(printed), places) == float(stated.replace(",", ""))
+
+    def parse(text: str) -> sympy.Expr:  # every name a plain symbol (S is not sympy's singleton here)
+        return sympy.sympify(text, locals={n: sympy.Symbol(n) for n in re.findall(r"[A-Za-z_]\w*", text)})
+
+    return sympy.expand(parse(printed) - parse(stated)) == 0
+
+
 @pytest.mark.parametrize("code", PY_BLOCKS, ids=[f"python-{i}" for i in range(len(PY_BLOCKS))])
 def test_python_example_runs(code: str, capsys: pytest.CaptureFixture[str]) -> None:
-    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+    """Each block runs, and every `print(...)  # value` prints that value (a formula, an integer, a decimal)."""
+    printed: dict[int, list[str]] = {}
+
+    def recording_print(*args, **kwargs):
+        line = sys._getframe(1).f_lineno
+        printed.setdefault(line, []).append(" ".join(str(a) for a in args))
+        print(*args, **kwargs)
+
+    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__", "print": recording_print})
     assert capsys.readouterr().out.strip()
+    for i, line in enumerate(code.splitlines(), 1):
+        if line.startswith("print(") and "  # " in line:
+            stated = _value(line.split("  # ", 1)[1])
+            if stated is not None:
+                assert i in printed and _same(printed[i][-1], stated), f"README: {line!r} printed {printed.get(i)}"
+
+
+def test_readme_result_comments_are_all_checked() -> None:
+    """The comments that state a result, across the README (the test above checks each against the output)."""
+    stated = [
+        _value(line.split("  # ", 1)[1])
+        for block in PY_BLOCKS
+        for line in block.splitlines()
+        if line.startswith("print(") and "  # " in line
+    ]
+    values = [v for v in stated if v is not None]
+    assert "16" in values and "144.0" in values and "405,853,388,800" in values
+    assert "6*B*D*S*V + 72*B*D**2*L*S + 12*B*D*L*S**2" in values and len(values) >= 6
+    assert _value("largest batch on one H100") is None and _value("parameter count N as a formula") is None
+    assert not _same("143.9", "144.0") and _same("143.99", "144.0") and not _same("17", "16")
 
 
 @pytest.mark.parametrize("line", CLI_LINES)

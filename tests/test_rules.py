@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from symacct.graph import cost_ops
-from symacct.rules import lookup, registered_ops
 from symacct.trace import record_step
 
 aten = torch.ops.aten
@@ -111,14 +110,44 @@ def test_sdpa_cpu_kernel_counted_like_flop_counter_formula():
     assert c.flops == 2 * (2 * 2 * 3 * 5 * 5 * 7)  # QK^T and PV: 2 x 2*b*h*s*s*d
 
 
-def test_every_registered_op_exists_and_duplicates_raise():
+def test_registered_ops_are_real_ops_and_duplicates_raise():
     from symacct.rules import rule
+    from symacct.rules.registry import _BY_OP
 
-    assert len(registered_ops()) > 100
+    # every registration names an aten op that exists in this torch, with overloads to dispatch to
+    for packet in _BY_OP:
+        assert getattr(aten, packet.__name__) is packet and packet.overloads(), packet
     with pytest.raises(RuntimeError, match="duplicate"):
         rule(aten.mm)(lambda call: None)
-    assert lookup(aten.mm.default) is not None
-    assert lookup(aten.add.Tensor) is not None  # via the pointwise tag
+    with pytest.raises(TypeError, match="op packet"):
+        rule(aten.mm.default)(lambda call: None)  # an overload, not a packet: refused
+
+
+@pytest.mark.parametrize(
+    "fn, shapes",
+    [
+        (torch.mm, [(3, 5), (5, 7)]),
+        (lambda b, a, c: torch.addmm(b, a, c), [(7,), (3, 5), (5, 7)]),
+        (torch.bmm, [(2, 3, 5), (2, 5, 7)]),
+        (lambda b, a, c: torch.baddbmm(b, a, c), [(2, 3, 7), (2, 3, 5), (2, 5, 7)]),
+        (lambda x, w: torch.nn.functional.conv1d(x, w), [(2, 3, 11), (5, 3, 3)]),
+        (lambda x, w: torch.nn.functional.conv2d(x, w, stride=2), [(2, 3, 9, 11), (5, 3, 3, 3)]),
+    ],
+)
+def test_matmul_rules_equal_flop_counter_on_real_tensors(fn, shapes):
+    """The matmul family's rule against FlopCounterMode on real tensors, forward and backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class M(torch.nn.Module):
+        def forward(self, *xs):
+            return fn(*xs).sum()
+
+    xs = [torch.randn(*s, requires_grad=True) for s in shapes]
+    with FlopCounterMode(display=False) as fc:
+        M()(*xs).backward()
+    tr = record_step(lambda fake: M(), lambda m: tuple(torch.ones(s, requires_grad=True) for s in shapes))
+    ours = sum(c.cost.flops + c.cost.flops_recompute for c in cost_ops(tr, lambda v: v))
+    assert ours == fc.get_total_flops() > 0
 
 
 def test_conventions_doc_lists_every_table_entry():

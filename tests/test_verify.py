@@ -32,6 +32,17 @@ def test_verify_cpu_every_row_exact():
     names = {r["name"] for r in rows}
     assert {"matmul FLOPs, forward", "saved activation bytes", "memory: peak", "memory: after_optimizer"} <= names
     assert all(r["verdict"] == "ok" and r["relative_error"] == 0 for r in rows)
+    # the measured side is what PyTorch counts: the forward's matmul FLOPs by FlopCounterMode, here
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symacct.models import GPT2, GPT2Config
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_layer=2, n_embd=32, vocab_size=64, block_size=16, n_head=4))
+    with FlopCounterMode(display=False) as fc:
+        model(*model.example_inputs(2, 16))
+    forward = next(r for r in rows if r["name"] == "matmul FLOPs, forward")
+    assert forward["measured"] == forward["predicted"] == fc.get_total_flops()
 
 
 def test_verify_shows_flop_counter_gap_on_cpu_sdpa():
@@ -108,23 +119,26 @@ def test_gpu_name_maps_to_the_catalog(monkeypatch):
 def test_cuda_rows_from_given_measurements():
     """The CUDA rows' arithmetic, on made-up measurements (the measuring itself needs a GPU: test_cuda.py):
     reserved is the largest of the steps, time the median of steps 2.., MFU the model FLOPs over that time
-    at the H200's dense bf16 peak of 989 TFLOP/s (../shared/REFERENCES.md)."""
+    at the dense peak of the step's dtype: the H200's 989 TFLOP/s for bf16 autocast, 67 TFLOP/s for fp32
+    (../shared/REFERENCES.md)."""
     import symacct
     from symacct.measure import CudaSteps
     from symacct.models import GPT2, GPT2Config
     from symacct.verify import _cuda_rows, render
 
-    acct = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)))
+    model = GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16))
     sizes = {"B": 2, "S": 8}
-    at = acct.at(**sizes)
     run = CudaSteps(memory=[], reserved=[100, 300, 200], seconds=[0.9, 0.2, 0.4], workspace=33554432)
-    rows = _cuda_rows(acct, at, run, sizes, "H200")
-    reserved, workspace, time, mfu = rows
-    assert reserved.measured == 300 and workspace.measured == 32 * 2**20
-    assert time.measured == pytest.approx(0.3) and "median of 2" in time.name and "H200" in time.name
-    assert mfu.measured == pytest.approx(at.flops.total / (0.3 * 989e12))
-    assert all(r.ok for r in rows)  # shown, never judged
-    assert render(rows).count("shown") == 4
+    for autocast, peak in (("bf16", 989e12), (None, 67e12)):
+        acct = symacct.derive(model, autocast=autocast)
+        at = acct.at(**sizes)
+        rows = _cuda_rows(acct, at, run, sizes, "H200")
+        reserved, workspace, time, mfu = rows
+        assert reserved.measured == 300 and workspace.measured == 32 * 2**20
+        assert time.measured == pytest.approx(0.3) and "median of 2" in time.name and "H200" in time.name
+        assert mfu.measured == pytest.approx(at.flops.total / (0.3 * peak)), autocast
+        assert all(r.ok for r in rows)  # shown, never judged
+        assert render(rows).count("shown") == 4
 
 
 def test_an_unknown_gpu_is_refused_before_the_run(monkeypatch):

@@ -1,6 +1,6 @@
 """Per-op cost rules; importing this package registers all of them."""
 
-from symacct.rules import attention, matmul, memory_ops, pointwise, reductions
+from symacct.rules import attention, matmul, memory_ops, optimizer, pointwise, reductions
 from symacct.rules.registry import Call, Cost, default_bytes, lookup, registered_ops, rule
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "lookup",
     "matmul",
     "memory_ops",
+    "optimizer",
     "pointwise",
     "reductions",
     "registered_ops",

@@ -5,14 +5,17 @@ counted by its formulas. The CPU kernel ``_scaled_dot_product_flash_attention_fo
 is not: FlopCounterMode counts it as 0. symacct counts it with the same
 formulas (flop_counter's ``sdpa_flop_count`` / ``sdpa_backward_flop_count``):
 forward = two batched matmuls, 4*B*H*S_q*S_k*Dh; backward = five,
-10*B*H*S_q*S_k*Dh (the scores are recomputed). The causal mask is not
+10*B*H*S_q*S_k*Dh. One of those five products recomputes the scores Q K^T
+that the forward did not keep: it is hardware work, not model work, so the
+rules put it in ``flops_recompute`` (2*B*H*S_q*S_k*Dh) and the remaining four
+(dV, dP, dQ, dK: twice the forward) in ``flops``. The causal mask is not
 discounted here (see docs/conventions.md for the option that does).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import bmm_flop, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from symacct.rules.registry import Call, Cost, rule, shapes_of
 
@@ -28,10 +31,26 @@ _CUDA_SDPA = (
 )
 
 
+def _scores(q: tuple, k: tuple) -> object:
+    """FLOPs of Q K^T for q: [b, h, s_q, d], k: [b, h, s_k, d] (what a backward kernel recomputes)."""
+    b, h, s_q, d = q
+    s_k = k[-2]
+    return bmm_flop((b * h, s_q, d), (b * h, d, s_k))
+
+
+def _backward(total: object, q: tuple, k: tuple) -> Cost:
+    again = _scores(q, k)
+    return Cost(flops=total - again, flops_recompute=again)
+
+
 @rule(*_CUDA_SDPA)
 def sdpa_cuda(call: Call) -> Cost:
     formula = flop_registry[call.op.overloadpacket]
-    return Cost(flops=formula(*shapes_of(call.args), **shapes_of(call.kwargs), out_val=shapes_of(call.out)))
+    total = formula(*shapes_of(call.args), **shapes_of(call.kwargs), out_val=shapes_of(call.out))
+    if call.op.overloadpacket.__name__.endswith("_backward"):
+        # grad_out, query, key, value, ... as in the CPU kernel
+        return _backward(total, shapes_of(call.args[1]), shapes_of(call.args[2]))
+    return Cost(flops=total)
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu)
@@ -45,4 +64,4 @@ def sdpa_cpu(call: Call) -> Cost:
 def sdpa_cpu_backward(call: Call) -> Cost:
     # grad_out: [b, h, s_q, d_v], then q, k, v as in the forward
     grad_out, q, k, v = (shapes_of(a) for a in call.args[:4])
-    return Cost(flops=sdpa_backward_flop_count(grad_out, q, k, v))
+    return _backward(sdpa_backward_flop_count(grad_out, q, k, v), q, k)

@@ -132,18 +132,38 @@ def foreach_zero(call: Call) -> Cost:
     return Cost(bytes_read=0)
 
 
+def _as_matmul(call: Call) -> bool:
+    """``derive(embedding_flops="matmul")``: count a lookup as the one-hot matmul it stands for."""
+    return call.options.get("embedding_flops") == "matmul"
+
+
 @rule(aten.embedding)
 def embedding(call: Call) -> Cost:
-    """A lookup: reads the indices and the gathered rows, no FLOPs."""
-    idx = call.inputs[1]
+    """A lookup: reads the indices and the gathered rows, no FLOPs.
+
+    With ``embedding_flops="matmul"`` (Chinchilla's appendix): the one-hot
+    (tokens, V) @ (V, D) product, 2*tokens*V*D matmul FLOPs, for every table
+    looked up (a learned position table too: V is then its S_max rows).
+    """
+    weight, idx = call.inputs[0], call.inputs[1]  # weight: [V, D], idx: [...] (tokens)
     out = call.outputs[0]
+    if _as_matmul(call):
+        rows, width = weight.shape
+        return Cost(flops=2 * numel(idx.shape) * rows * width, bytes_read=nbytes(idx) + nbytes(out))
     return Cost(bytes_read=nbytes(idx) + nbytes(out))
 
 
 @rule(aten.embedding_dense_backward)
 def embedding_backward(call: Call) -> Cost:
-    """Scatter-adds every gradient row into a zeroed (V, D) table: 1 FLOP per grad element."""
-    grad = call.inputs[0]
+    """Scatter-adds every gradient row into a zeroed (V, D) table: 1 FLOP per grad element.
+
+    With ``embedding_flops="matmul"``: twice the forward's one-hot matmul,
+    4*tokens*V*D (the convention's backward = 2 x forward), and no scatter-add.
+    """
+    grad, idx = call.inputs[0], call.inputs[1]  # grad: [..., D], idx: [...] (tokens)
+    if _as_matmul(call):
+        rows, width = call.outputs[0].shape  # the weight's gradient: [V, D]
+        return Cost(flops=4 * numel(idx.shape) * rows * width)
     return Cost(flops_other=numel(grad.shape))
 
 

@@ -57,19 +57,3 @@ def foreach(call: Call) -> Cost:
     if call.op.overloadpacket.__name__.startswith(("_foreach_norm", "_foreach_max")):
         return Cost(flops_other=sum((numel(t.shape) for t in distinct(call.inputs)), 0))
     return Cost(flops_other=_per_element(call) * sum((numel(t.shape) for t in distinct(written)), 0))
-
-
-# FLOPs per parameter element of the fused optimizer kernels (per-tensor scalars not counted)
-FUSED_OPTIMIZER: dict[str, int] = {
-    "_fused_sgd_": 3,  # weight decay, momentum, update
-    "_fused_adam_": 13,  # m (3), v (4), sqrt/eps/bias correction (3), update (3)
-    "_fused_adamw_": 14,  # adam + decoupled weight decay
-    "_fused_adagrad_": 6,  # sum += g*g (2), sqrt + eps (2), update (2)
-}
-
-
-@rule(*(getattr(aten, n) for n in FUSED_OPTIMIZER if hasattr(aten, n)))
-def fused_optimizer(call: Call) -> Cost:
-    params = call.args[0]  # the parameter list
-    k = FUSED_OPTIMIZER[call.op.overloadpacket.__name__]
-    return Cost(flops_other=k * sum((numel(t.shape) for t in params), 0))

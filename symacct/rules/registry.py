@@ -29,18 +29,13 @@ Num = Union[int, sympy.Expr]
 class Cost:
     """What one op costs; every field is an int or a sympy expression."""
 
-    flops: Num = 0  # matmul family (mm, bmm, conv, attention): 2 per multiply-add, as flop_counter
+    flops: Num = 0  # matmul family (mm, bmm, conv, attention): 2 per multiply-add, as flop_counter; model FLOPs
     flops_other: Num = 0  # everything else, per docs/conventions.md
     bytes_read: Num | None = None  # None: every distinct tensor argument, once
     bytes_written: Num | None = None  # None: every output (or what is written in place)
-
-    def __add__(self, other: Cost) -> Cost:
-        return Cost(
-            self.flops + other.flops,
-            self.flops_other + other.flops_other,
-            (self.bytes_read or 0) + (other.bytes_read or 0),
-            (self.bytes_written or 0) + (other.bytes_written or 0),
-        )
+    # matmul FLOPs the kernel runs again to recompute forward values (flash attention's backward
+    # recomputes Q K^T): hardware FLOPs, left out of model FLOPs (PaLM's convention)
+    flops_recompute: Num = 0
 
 
 @dataclass

@@ -1,0 +1,461 @@
+"""No silently wrong number: each input here gave a plausible wrong figure or a traceback before; now it
+gives the right figure or one clear SymacctError (the CLI: one line, exit code 2).
+
+Where a refusal claims the model cannot run a size, a real step at that size is shown to fail too, so the
+constraint is the model's, not symacct's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import symacct
+from symacct import SymacctError
+from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig
+from symacct.recipes import MixedPrecisionAdamW
+
+SMALL = dict(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)
+
+
+def cli(*args: str, stdout: object = subprocess.PIPE) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "symacct.cli", *args], stdout=stdout, stderr=subprocess.PIPE, text=True
+    )
+
+
+def one_line(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> symacct.Accounting:
+    return symacct.derive(GPT2(GPT2Config(**SMALL)))
+
+
+# ---- sweep validates as at() does ----------------------------------------------------------------
+
+
+def test_sweep_refuses_what_at_refuses(gpt2):
+    with pytest.raises(SymacctError, match="n_layer is the config field of L"):
+        gpt2.sweep("flops.total", n_layer=np.array([24, 48]), B=2, S=8)
+    with pytest.raises(SymacctError, match="B=-1 is not a positive integer"):
+        gpt2.sweep("flops.total", B=np.array([-1, 2]), S=8)
+    with pytest.raises(SymacctError, match="B=1.5 is not a positive integer"):
+        gpt2.sweep("flops.total", B=np.array([1.5]), S=8)
+    with pytest.raises(SymacctError, match="do not broadcast"):
+        gpt2.sweep("flops.total", B=np.array([1, 2]), S=np.array([2, 4, 8]))
+    with pytest.raises(SymacctError, match="S <= S_max"):
+        gpt2.sweep("flops.total", B=2, S=np.array([8, 32]))
+    got = gpt2.sweep("flops.total", B=np.array([1, 2]), S=np.array([8, 16]))
+    assert list(got) == [gpt2.at(B=1, S=8).flops.total, gpt2.at(B=2, S=16).flops.total]
+    assert list(gpt2.sweep("flops.total", B=np.array([2.0]), S=8)) == [gpt2.at(B=2, S=8).flops.total]
+
+
+# ---- sizes the model cannot run ----------------------------------------------------------------
+
+
+def test_sequence_beyond_the_position_table_is_refused(gpt2):
+    model = GPT2(GPT2Config(**SMALL))
+    with pytest.raises(IndexError):  # the real step cannot run it either
+        model(*model.example_inputs(1, 17))
+    with pytest.raises(SymacctError, match=r"S=17, S_max=16 breaks S <= S_max.*block_size"):
+        gpt2.at(B=1, S=17)
+    with pytest.raises(SymacctError, match="S <= S_max"):
+        gpt2.peak(B=1, S=4096)
+    assert gpt2.at(B=1, S=17, S_max=17).flops.total > 0  # with a longer table it runs
+
+
+def test_heads_that_do_not_divide_the_width_are_refused(gpt2):
+    with pytest.raises(AssertionError):
+        GPT2(GPT2Config(**{**SMALL, "n_head": 5}))  # the model's own constructor refuses it
+    with pytest.raises(SymacctError, match=r"H divides D.*n_embd \(D\), n_head \(H\)"):
+        gpt2.at(B=1, S=8, H=5)
+    llama = symacct.derive(Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)))
+    with pytest.raises(SymacctError, match="H_kv divides H"):
+        llama.at(B=1, S=8, H_kv=3, H=4, D=48)
+    with pytest.raises(SymacctError, match="S <= S_max"):  # the rotary tables are sliced to S
+        llama.at(B=1, S=32)
+    kinds = {(c.kind, str(c.lhs), str(c.rhs)) for c in llama.constraints}
+    assert ("le", "S", "S_max") in kinds and ("integer", "H/H_kv", "None") in kinds
+
+
+def test_cli_derive_beyond_s_max_is_one_line():
+    one_line(cli("derive", "gpt2", "--config", "n_layer=2", "--seq", "2048"), "S <= S_max")
+
+
+def test_fit_seq_says_it_raised_s_max():
+    with torch.device("meta"):
+        acct = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=4, block_size=64)), optimizer="adamw")
+    res = symacct.fit(acct, "S", hardware="H100-SXM", B=1)
+    assert res.value > 64 and res.notes and "S_max raised from 64" in res.notes[0] and "block_size" in res.notes[0]
+    assert res.peak_bytes == acct.peak(B=1, S=res.value, S_max=res.value)
+
+
+# ---- --config parsed by the field's type ---------------------------------------------------------
+
+
+def test_config_bools_parse_by_type():
+    from symacct.cli import load_model
+
+    for text, tied in (("no", False), ("off", False), ("0", False), ("false", False), ("yes", True), ("1", True)):
+        model = load_model("gpt2", {"tie_weights": text, "n_layer": "1"})
+        assert (model.lm_head.weight is model.wte.weight) is tied, text
+    one_line(cli("derive", "gpt2", "--config", "tie_weights=maybe"), "tie_weights is a bool")
+
+
+@pytest.mark.parametrize(
+    "item, needle",
+    [
+        ("n_layer=abc", "n_layer is an integer"),
+        ("n_layer=2.5", "n_layer is an integer"),
+        ("n_embd=1e3", "n_embd is an integer"),
+        ("dropout=abc", "dropout is a number"),
+        ("dropout=nan", "dropout must be finite"),
+        ("n_head=5", "building gpt2 with n_head=5 failed: AssertionError: assert config.n_embd % config.n_head"),
+    ],
+)
+def test_cli_bad_config_values_are_one_line(item, needle):
+    one_line(cli("derive", "gpt2", "--config", item), needle)
+
+
+def test_cli_factories_that_fail_are_one_line(tmp_path, monkeypatch):
+    (tmp_path / "facts.py").write_text(
+        "def needs_args(width):\n    raise AssertionError\n"
+        "def raises():\n    raise RuntimeError('no GPU here')\n"
+        "def not_a_module():\n    return 3\n"
+    )
+    env_path = str(tmp_path)
+    for name, needle in (
+        ("facts:needs_args", "TypeError"),
+        ("facts:raises", "RuntimeError: no GPU here"),
+        ("facts:not_a_module", "not an nn.Module"),
+        ("facts:missing", "cannot import"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "symacct.cli", "derive", name],
+            capture_output=True,
+            text=True,
+            env={**__import__("os").environ, "PYTHONPATH": env_path},
+        )
+        one_line(proc, needle)
+
+
+# ---- time: non-finite inputs, GPUs, MFU ------------------------------------------------------------
+
+
+def test_estimate_refuses_non_finite_and_fractional_gpus():
+    base = dict(params=1e9, tokens=1e9, hardware="H100")
+    for kw in ({"tokens": math.nan}, {"tokens": math.inf}, {"params": math.inf}, {"mfu": math.nan}):
+        with pytest.raises(SymacctError):
+            symacct.estimate(**{**base, **kw})
+    for gpus in (1.5, 0, -8, True):
+        with pytest.raises(SymacctError, match="gpus must be a positive whole number"):
+            symacct.estimate(**base, gpus=gpus)
+    assert symacct.estimate(**base, gpus=8.0).inputs["gpus"] == 8  # a whole float is a count
+    one_line(cli("estimate", "--params", "inf", "--tokens", "1e9", "--hardware", "H100", "--json"), "finite")
+    one_line(cli("estimate", "--params", "1e9", "--tokens", "1e9", "--hardware", "H100", "--gpus", "1.5"), "whole")
+
+
+def test_mfu_above_one_is_an_error_naming_the_cause():
+    assert symacct.mfu(989e12 * 0.5, 1.0, "H100") == pytest.approx(0.5)
+    with pytest.raises(SymacctError, match=r"above 1.*per step for all gpus"):
+        symacct.mfu(1e18, 1.0, "H100")
+
+
+def test_json_never_holds_a_bare_infinity():
+    from symacct.cli import _json
+
+    with pytest.raises(SymacctError, match="not finite"):
+        _json({"days": math.inf})
+    assert json.loads(_json({"days": 1.5})) == {"days": 1.5}
+
+
+def test_fit_gpus_are_data_parallel_replicas(gpt2):
+    one = symacct.fit(gpt2, "B", hardware="H100-SXM", S=16)
+    eight = symacct.fit(gpt2, "B", hardware="H100-SXM", S=16, gpus=8)
+    assert one.value == eight.value and eight.global_batch == 8 * eight.value and eight.replicas == 8
+    for bad in (0, -8, 1.5):
+        with pytest.raises(SymacctError, match="gpus"):
+            symacct.fit(gpt2, "B", hardware="H100-SXM", S=16, gpus=bad)
+
+
+# ---- model FLOPs, hardware FLOPs, the roofline's peaks ------------------------------------------------
+
+
+def test_model_flops_leave_out_the_flash_kernels_recompute():
+    cfg = GPT2Config(**{**SMALL, "sdpa": True, "dropout": 0.0})
+    acct = symacct.derive(GPT2(cfg))
+    B, S = 2, 8
+    at = acct.at(B=B, S=S)
+    one = 2 * B * cfg.n_head * S * S * (cfg.n_embd // cfg.n_head)  # one (S x Dh) @ (Dh x S) product per layer
+    assert at.flops.recompute == cfg.n_layer * one  # the backward's recomputed scores
+    assert at.flops.backward == 2 * at.flops.forward and at.flops.hardware == at.flops.total + at.flops.recompute
+    roof = symacct.roofline(acct, "H100-SXM", B=B, S=S)
+    assert roof.hfu / roof.mfu == pytest.approx(at.flops.hardware / at.flops.total)
+
+
+def test_roofline_refuses_a_missing_peak_and_uses_the_steps_dtype():
+    from symacct.hardware import Accelerator
+
+    fp32 = symacct.derive(Cruncher(CruncherConfig(dim=64, n_layers=2)))
+    no_fp32 = Accelerator("X", {"bf16": 100.0}, 10, 1.0, 1.0, "test")
+    with pytest.raises(SymacctError, match="X has no fp32 peak"):
+        symacct.roofline(fp32, no_fp32, B=8)
+    bf16 = symacct.derive(Cruncher(CruncherConfig(dim=64, n_layers=2)), autocast="bf16")
+    no_bf16 = Accelerator("Y", {"fp32": 10.0}, 10, 1.0, 1.0, "test")
+    with pytest.raises(SymacctError, match="Y has no bf16 peak"):
+        symacct.roofline(bf16, no_bf16, B=8)
+    roof = symacct.roofline(fp32, "H100-SXM", B=8)
+    at = fp32.at(B=8)
+    assert roof.dtype == "fp32" and roof.mfu == pytest.approx(at.flops.total / (roof.seconds * 67e12))
+    assert symacct.roofline(bf16, "H100-SXM", B=8).dtype == "bf16"
+
+
+# ---- embedding_flops="matmul" ------------------------------------------------------------------------
+
+
+def test_embedding_as_matmul_counts_the_one_hot_products():
+    model = GPT2(GPT2Config(**SMALL))
+    lookup = symacct.derive(model)
+    matmul = symacct.derive(model, embedding_flops="matmul")
+    B, S = 2, 8
+    # the independent count: FlopCounterMode on the one-hot products the lookups stand for
+    idx, pos = torch.randint(0, SMALL["vocab_size"], (B, S)), torch.arange(S)
+    with FlopCounterMode(display=False) as fc:
+        nn.functional.one_hot(idx, SMALL["vocab_size"]).float() @ model.wte.weight
+        nn.functional.one_hot(pos, SMALL["block_size"]).float() @ model.wpe.weight
+    a, b = lookup.at(B=B, S=S), matmul.at(B=B, S=S)
+    assert b.flops.forward - a.flops.forward == fc.get_total_flops() == b.flops.embedding / 3
+    assert b.flops.backward - a.flops.backward == 2 * fc.get_total_flops()
+    assert a.flops.embedding == 0 and matmul.options["embedding_flops"] == "matmul"
+
+
+# ---- optimizers: one answer per optimizer, a recipe that trains right, bytes per parameter ---------------
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [("adamw", {}), ("adam", {}), ("adamw", {"weight_decay": 0.0}), ("adam", {"amsgrad": True}), ("adagrad", {})],
+)
+def test_fused_kernels_cost_what_the_single_tensor_path_costs(name, options):
+    model = Cruncher(CruncherConfig(dim=16, n_layers=2))
+    got = {
+        path: symacct.derive(model, optimizer=name, optimizer_options={**options, path: True}).flops.other_optimizer
+        for path in ("fused", "foreach")
+    }
+    single = symacct.derive(model, optimizer=name, optimizer_options={**options, "foreach": False})
+    assert got["fused"] == single.flops.other_optimizer
+    if name != "adagrad" and not options.get("amsgrad"):  # foreach runs other ops there (docs/conventions.md)
+        assert got["foreach"] == got["fused"]
+
+
+def test_sgd_momentum_fused_matches_single_tensor():
+    model = Cruncher(CruncherConfig(dim=16, n_layers=2))
+    opts = {"momentum": 0.9, "nesterov": True}
+    fused = symacct.derive(model, optimizer="sgd", optimizer_options={**opts, "fused": True})
+    single = symacct.derive(model, optimizer="sgd", optimizer_options={**opts, "foreach": False})
+    assert fused.flops.other_optimizer == single.flops.other_optimizer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_recipe_with_fp32_grads_trains_like_adamw(dtype):
+    """Three steps with lr > 0: the recipe's fp32 master weights follow AdamW fed the same gradients."""
+    torch.manual_seed(1)
+    xs = [torch.randn(4, 8, dtype=dtype) for _ in range(3)]
+    torch.manual_seed(0)
+    model = Cruncher(CruncherConfig(dim=8, n_layers=2)).to(dtype)
+    opt = MixedPrecisionAdamW(model.parameters(), lr=0.1, fp32_grads=True)
+    ref = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(ref, lr=0.1)
+    for x in xs:
+        twin = Cruncher(CruncherConfig(dim=8, n_layers=2)).to(dtype)  # this step's gradients alone, apart
+        twin.load_state_dict(model.state_dict())
+        twin(x).backward()
+        for r, t in zip(ref, twin.parameters()):
+            r.grad = t.grad.float()
+        model(x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.step()
+        for r, p in zip(ref, model.parameters()):
+            assert torch.equal(opt.state[p]["master"], r.detach())
+            assert torch.equal(p.detach(), r.detach().to(dtype))
+    if dtype is torch.float32:  # and equal to a plain AdamW on the same model
+        torch.manual_seed(0)
+        plain = Cruncher(CruncherConfig(dim=8, n_layers=2))
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.1)
+        for x in xs:
+            plain(x).backward()
+            plain_opt.step()
+            plain_opt.zero_grad(set_to_none=True)
+        for a, b in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_bytes_per_param_between_steps_and_at_the_step_peak():
+    from symacct.measure import StorageTracker
+
+    model = GPT2(GPT2Config(**SMALL))
+    mixed = symacct.derive(model, optimizer="mixed_adamw", params_dtype="bf16")
+    assert mixed.bytes_per_param() == 16 and mixed.bytes_per_param_peak() == 20
+    # measured: a real step's live bytes at the optimizer's peak, per parameter (step 2: states exist)
+    torch.manual_seed(0)
+    real = GPT2(GPT2Config(**{**SMALL, "n_embd": 64, "vocab_size": 64})).to(torch.bfloat16)
+    opt = MixedPrecisionAdamW(real.parameters())
+    n = sum(p.numel() for p in real.parameters())
+    for _ in range(2):
+        real(*real.example_inputs(1, 2)).backward()
+        tensors = [*real.parameters(), *(p.grad for p in real.parameters() if p.grad is not None)]
+        tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        with StorageTracker(tensors) as tracker:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    # leading terms 20 bytes per parameter; on top, AdamW's single-tensor path keeps two fp32 temporaries of
+    # the parameter it is at (sqrt(v), then the quotient) and the scalar step counters
+    largest = max(p.numel() for p in real.parameters())
+    assert 20 * n <= tracker.peak <= 20 * n + 2 * 4 * largest + 4096
+    fp32 = symacct.derive(model, optimizer="adamw")
+    assert fp32.bytes_per_param() == fp32.bytes_per_param_peak() == 16
+
+
+# ---- inputs and options that escaped as tracebacks or were silently ignored ---------------------------
+
+
+class DictConfig(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.config = config
+        self.lin = nn.Linear(config["n_embd"], config["n_embd"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, self.config["n_embd"]),)
+
+
+def test_plain_dict_config_is_read():
+    acct = symacct.derive(DictConfig({"n_embd": 8}))
+    assert acct.symbols == {"D": 8} and acct.at(B=3).flops.forward == 2 * 3 * 8 * 8  # 2*B*D*D
+
+
+def test_bad_options_are_refused_in_one_error():
+    model = GPT2(GPT2Config(**SMALL))
+    with pytest.raises(SymacctError, match="inputs= returned a dict"):
+        symacct.derive(model, inputs=lambda m, B, S: {"idx": torch.zeros(B, S, dtype=torch.long)})
+    with pytest.raises(SymacctError, match="fixed= names n_layr.*did you mean n_layer"):
+        symacct.derive(model, fixed=["n_layr"])
+    for dims in ({"D": 0}, {"D": -4}, {"D": 2.5}, {"D": True}):
+        with pytest.raises(SymacctError, match="positive integer"):
+            symacct.derive(lambda D: nn.Linear(D, D), dims=dims, inputs=lambda B, S: (torch.randn(B, 4),))
+    opt = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(model, optimizer=opt)
+    assert "\n" not in str(e.value) and "optimizer=AdamW" in str(e.value)
+    compiled = torch.compile(model)
+    with pytest.raises(SymacctError, match="_orig_mod"):
+        symacct.derive(compiled)
+
+
+def test_derive_inside_no_grad_is_the_same_step():
+    model = GPT2(GPT2Config(**SMALL))
+    plain = symacct.derive(model, optimizer="adamw")
+    with torch.no_grad():
+        inside = symacct.derive(model, optimizer="adamw")
+    assert inside.flops.total == plain.flops.total and inside.memory.peak == plain.memory.peak
+
+
+def test_inputs_that_ignore_b_are_noted():
+    def linear(D: int) -> nn.Module:
+        return nn.Linear(D, D)
+
+    acct = symacct.derive(linear, dims={"D": 8}, inputs=lambda m, B, S: (torch.randn(3, m.in_features),),
+                          loss=lambda y: y.sum())  # fmt: skip
+    assert any("B reaches no tensor shape" in n for n in acct.notes)
+    ok = symacct.derive(linear, dims={"D": 8}, inputs=lambda m, B, S: (torch.randn(B, m.in_features),),
+                        loss=lambda y: y.sum())  # fmt: skip
+    assert not any("B reaches" in n for n in ok.notes)
+
+
+def test_track_refuses_an_unwritable_path_before_the_step(tmp_path):
+    model = Cruncher(CruncherConfig(dim=8, n_layers=1))
+    ran = []
+    with pytest.raises(SymacctError, match="cannot write the log"):
+        with symacct.track("a", tmp_path / "no" / "such" / "dir" / "log.jsonl", model=model):
+            ran.append(1)
+    assert ran == []
+    with pytest.raises(SymacctError, match="cannot write the log"):
+        with symacct.track("a", tmp_path, model=model):
+            ran.append(1)
+    assert ran == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "not UTF-8"),
+        ('{"header": true, "run": "a", "model": "M"}\n'.encode("utf-16"), "not UTF-8"),
+        (b'{"header": true, "run": "a"}\n', "has no 'model'"),
+        (b'{"header": true, "run": "a", "model": "M"}\n{"allocated": 1, "peak": 1}\n', "has no 'phase'"),
+        (b'{"header": true, "run": "a", "model": "M"}\n{"phase": "p", "peak": 1}\n', "has no 'allocated'"),
+        (b'{"header": true, "run": "a", "model": "M"}\n{"phase": "p", "allocated": "1", "peak": 1}\n', "not int"),
+        (b'{"header": true, "run": "a", "model": "M", "predicted": {"phases": {}}}\n', "lacks its phases, parts"),
+    ],
+)
+def test_diff_of_bad_logs_is_one_line(tmp_path, content, needle):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"header": true, "run": "b", "model": "M"}\n{"phase": "p", "allocated": 1, "peak": 1}\n')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(content)
+    one_line(cli("diff", str(bad), str(good)), needle)
+
+
+def test_a_full_stdout_is_one_line():
+    with open("/dev/full", "w") as full:
+        proc = cli("list", stdout=full)
+    one_line(proc, "No space left on device")
+
+
+def test_derive_from_two_threads_at_once():
+    """PyTorch's module tracking is global: derive holds a lock, and both threads get the right answer."""
+    model = GPT2(GPT2Config(**SMALL))
+    want = symacct.derive(model).flops.total
+    results, errors = [], []
+
+    def run() -> None:
+        try:
+            results.append(symacct.derive(model).flops.total)
+        except Exception as e:  # any failure is the test's failure, reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and results == [want] * 4
+
+
+def test_internal_failures_are_marked_as_such(monkeypatch):
+    from symacct.rules import registry
+
+    def broken(call):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(registry, "_BY_OP", {**registry._BY_OP, torch.ops.aten.mm: broken})
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(Cruncher(CruncherConfig(dim=8, n_layers=1)))
+    assert e.value.internal and "ZeroDivisionError: a bug" in str(e.value)
