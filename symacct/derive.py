@@ -424,8 +424,10 @@ def _locked(fn: Callable[..., Accounting]) -> Callable[..., Accounting]:
             except SymacctError:
                 raise
             except TypeError as e:
-                if "unexpected keyword argument" in str(e) and "derive()" in str(e):
-                    raise SymacctError(str(e), hint="see help(symacct.derive) for the options") from e
+                if "unexpected keyword argument" in str(e) and "_derive()" in str(e):
+                    raise SymacctError(
+                        str(e).replace("_derive()", "derive()"), hint="see help(symacct.derive) for the options"
+                    ) from e
                 raise _internal(e) from e
             except Exception as e:  # an exception symacct did not expect: its own defect, with the full cause
                 raise _internal(e) from e

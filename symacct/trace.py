@@ -427,6 +427,8 @@ def record_step(
                 args = tuple(
                     a.to(params_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
                 )
+        except SymacctError:
+            raise
         except Exception as e:
             raise SymacctError(
                 f"could not build the inputs: {type(e).__name__}: {e}",
