@@ -482,9 +482,11 @@ def record_step(
 
         with tracker, recorder, _removing(hooks), _quiet("torch._subclasses.fake_tensor"):
             if step == "train":
+                # the loss is part of the step: what it saves for backward is activations too, and it runs
+                # under autocast as the forward does (as PyTorch's AMP recipe has it)
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast, device):
                     out = model(*args)
-                value = loss(out) if loss is not None else out
+                    value = _call_loss(loss, out) if loss is not None else out
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     raise SymacctError(
                         "the step's output is not a scalar loss",
@@ -538,6 +540,19 @@ def record_step(
                         trace.held_storages.add(ids.storage(t))
                 recorder.mark("after_forward")
     return trace
+
+
+def _call_loss(loss: Callable[[Any], torch.Tensor], out: Any) -> Any:
+    """``loss(out)``; a Python error in the user's loss function is named as such, not as symacct's."""
+    try:
+        return loss(out)
+    except SymacctError:
+        raise
+    except Exception as e:
+        raise SymacctError(
+            f"the loss= function failed on the model's output: {type(e).__name__}: {' '.join(str(e).split())}",
+            hint=f"the output is a {type(out).__name__}; loss= receives exactly what forward returns",
+        ) from e
 
 
 @contextlib.contextmanager

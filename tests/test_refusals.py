@@ -459,3 +459,39 @@ def test_internal_failures_are_marked_as_such(monkeypatch):
     with pytest.raises(SymacctError) as e:
         symacct.derive(Cruncher(CruncherConfig(dim=8, n_layers=1)))
     assert e.value.internal and "ZeroDivisionError: a bug" in str(e.value)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_what_the_loss_function_saves_is_counted(autocast):
+    """loss= runs inside the step: its saved tensors (cross-entropy's log-softmax, 4*B*S*V bytes) are
+    activations, and it runs under autocast as the forward does. Before, they were left out."""
+    import torch.nn.functional as F
+
+    from symacct.measure import measure_memory, measure_step
+
+    model = GPT2(GPT2Config(**SMALL))
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:  # (B, S, V) -> scalar, next-token targets all 0
+        return F.cross_entropy(logits.flatten(0, 1), torch.zeros(logits.shape[0] * logits.shape[1], dtype=torch.long))
+
+    acct = symacct.derive(
+        model, inputs=lambda m, B, S: (torch.randint(0, SMALL["vocab_size"], (B, S)),), loss=loss, autocast=autocast,
+        optimizer="sgd",
+    )  # fmt: skip
+    for B, S in ((2, 5), (3, 8)):
+        torch.manual_seed(0)
+        args = (torch.randint(0, SMALL["vocab_size"], (B, S)),)
+        at = acct.at(B=B, S=S)
+        counted = measure_step(model, args, loss=loss, autocast=autocast)
+        assert at.memory.activations == counted.saved_bytes and at.flops.total == counted.flops_total
+        model.zero_grad(set_to_none=True)
+        real = measure_memory(model, args, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), loss=loss,
+                              autocast=autocast)  # fmt: skip
+        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+
+
+def test_a_failing_loss_function_is_named():
+    model = GPT2(GPT2Config(**SMALL))
+    with pytest.raises(SymacctError, match=r"the loss= function failed.*AttributeError.*'loss'") as e:
+        symacct.derive(model, inputs=lambda m, B, S: (torch.zeros(B, S, dtype=torch.long),), loss=lambda o: o.loss)
+    assert not e.value.internal
