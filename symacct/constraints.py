@@ -12,6 +12,9 @@ that breaks one:
 - **slice within the tensor**: ``x[:S]`` of a dimension of size ``S_max``
   (a causal mask, a rotary table) needs ``S <= S_max``; beyond it PyTorch
   clamps the slice and the shapes no longer match.
+- **grouped-query attention**: SDPA with fewer key/value heads than query
+  heads (``enable_gqa=True``) needs the key/value heads to divide the
+  query heads, which no traced shape shows.
 - **index within the table**: an embedding (or ``index_select`` / ``index``)
   whose indices come from ``arange(n)`` (position ids) needs ``n`` at most the
   table's rows; beyond it the real step raises ``IndexError``.
@@ -139,6 +142,12 @@ def learn(trace: StepTrace, to_expr: Callable[[int], Any]) -> list[Constraint]:
                 add("le", to_expr(end), to_expr(size), where)
             if isinstance(start, int) and 0 < start < size:
                 add("le", to_expr(start), to_expr(size), where)
+        elif "scaled_dot_product" in name and not name.endswith("_backward") and len(rec.inputs) >= 3:
+            q, k = rec.inputs[0], rec.inputs[1]  # q: [b, h, s, d], k: [b, h_kv, s, d] (GQA: h_kv | h)
+            if len(q.shape) == 4 and len(k.shape) == 4 and q.shape[1] != k.shape[1]:
+                hq, hkv = to_expr(q.shape[1]), to_expr(k.shape[1])
+                if hq is not None and hkv is not None:
+                    add("integer", hq / hkv, None, where)
         elif name in ("embedding", "index_select", "index") and len(rec.inputs) >= 2:
             table = rec.inputs[0]
             dim = rec.args[1] if name == "index_select" else 0

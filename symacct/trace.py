@@ -485,7 +485,7 @@ def record_step(
                 # the loss is part of the step: what it saves for backward is activations too, and it runs
                 # under autocast as the forward does (as PyTorch's AMP recipe has it)
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast, device):
-                    out = model(*args)
+                    out = _call_model(model, args, recorder)
                     value = _call_loss(loss, out) if loss is not None else out
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     raise SymacctError(
@@ -534,12 +534,29 @@ def record_step(
                 trace.marks["after_optimizer"] = len(trace.ops)
             else:
                 with torch.no_grad(), _autocast(autocast, device):
-                    out = model(*args)
+                    out = _call_model(model, args, recorder)
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         trace.held_storages.add(ids.storage(t))
                 recorder.mark("after_forward")
     return trace
+
+
+def _call_model(model: nn.Module, args: tuple[Any, ...], recorder: Any) -> Any:
+    """``model(*args)``; an error raised above dispatch (an argument check in Python or C++) is named with
+    the module it happened in and its full text, as a refusal at probe sizes, not as symacct's defect."""
+    try:
+        return model(*args)
+    except SymacctError:
+        raise
+    except Exception as e:
+        raise SymacctError(
+            f"the model's forward failed at probe sizes: {type(e).__name__}: {' '.join(str(e).split())}",
+            module=recorder.module(),
+            hint="the step runs at sizes of symacct's choosing (distinct primes per symbol): a size relation "
+            "the model needs (heads dividing the width, key/value heads dividing the heads) must come from "
+            "fields symacct knows (n_head, n_kv_heads, ...), or keep those fields at their values with fixed=[...]",
+        ) from e
 
 
 def _call_loss(loss: Callable[[Any], torch.Tensor], out: Any) -> Any:

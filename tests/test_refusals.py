@@ -495,3 +495,57 @@ def test_a_failing_loss_function_is_named():
     with pytest.raises(SymacctError, match=r"the loss= function failed.*AttributeError.*'loss'") as e:
         symacct.derive(model, inputs=lambda m, B, S: (torch.zeros(B, S, dtype=torch.long),), loss=lambda o: o.loss)
     assert not e.value.internal
+
+
+class GQA(nn.Module):
+    """Grouped-query attention through SDPA's enable_gqa=True (Llama's, Qwen2's and Mistral's default path)."""
+
+    def __init__(self, D: int, H: int, H_kv: int) -> None:
+        super().__init__()
+        self.H, self.H_kv = H, H_kv
+        self.q = nn.Linear(D, D, bias=False)
+        self.kv = nn.Linear(D, 2 * D // H * H_kv, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        q = self.q(x).view(B, S, self.H, D // self.H).transpose(1, 2)  # (B, H, S, Dh)
+        k, v = self.kv(x).view(B, S, 2, self.H_kv, D // self.H).unbind(2)  # 2 x (B, S, H_kv, Dh)
+        y = nn.functional.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                                       enable_gqa=True)  # fmt: skip
+        return y.sum()  # (B, H, S, Dh) -> scalar
+
+
+def test_sdpa_with_enable_gqa_is_costed_and_its_head_ratio_kept():
+    """The rule crashed on symbolic heads (H < H_kv has no truth value). Now exact: FlopCounterMode counts
+    the projections; the CPU flash kernel (which it counts 0) is 4*B*H*S*S*Dh forward, 10*B*H*S*S*Dh backward
+    with query heads, one fifth of the backward being the recomputed scores."""
+    from symacct.measure import measure_step
+
+    acct = symacct.derive(
+        GQA, dims={"D": 32, "H": 4, "H_kv": 2}, inputs=lambda m, B, S: (torch.randn(B, S, m.q.in_features),)
+    )
+    for B, S, D, H, H_kv in ((2, 5, 32, 4, 2), (3, 7, 48, 6, 3)):
+        torch.manual_seed(0)
+        model = GQA(D, H, H_kv)
+        counted = measure_step(model, (torch.randn(B, S, D),))
+        one = 2 * B * H * S * S * (D // H)
+        at = acct.at(B=B, S=S, D=D, H=H, H_kv=H_kv)
+        assert at.flops.forward == counted.flops_forward + 2 * one
+        assert at.flops.backward + at.flops.recompute == counted.flops_backward + 5 * one
+        assert at.flops.recompute == one and at.memory.activations == counted.saved_bytes
+    with pytest.raises(SymacctError, match="H_kv divides H"):
+        acct.at(B=1, S=4, D=48, H=4, H_kv=3)
+
+
+def test_a_forward_that_fails_at_probe_sizes_is_a_refusal_with_the_full_cause():
+    """With the key/value heads under a name symacct does not know ('Hkv'), the probe does not keep them a
+    divisor of H; SDPA's own check fails above dispatch. Refused, with PyTorch's whole message, not blamed
+    on symacct."""
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(
+            lambda D, H, Hkv: GQA(D, H, Hkv),
+            dims={"D": 32, "H": 4, "Hkv": 2},
+            inputs=lambda m, B, S: (torch.randn(B, S, m.q.in_features),),
+        )
+    assert not e.value.internal
+    assert "forward failed at probe sizes: RuntimeError: Number of heads in key and value must divide" in str(e.value)

@@ -31,6 +31,21 @@ _CUDA_SDPA = (
 )
 
 
+def _as_mha(shapes: list, q: int) -> list:
+    """Key and value shapes with the query's head count (GQA, ``enable_gqa=True``).
+
+    flop_counter's SDPA formulas count every product with the query's heads
+    (key/value heads are broadcast); they only compare the head counts, which
+    symbolic shapes cannot do (H < H_kv has no truth value). Giving key and
+    value the query's heads leaves the count unchanged and the check trivial.
+    """
+    out = list(shapes)
+    h = out[q][1]
+    for i in (q + 1, q + 2):
+        out[i] = (out[i][0], h, *out[i][2:])
+    return out
+
+
 def _scores(q: tuple, k: tuple) -> object:
     """FLOPs of Q K^T for q: [b, h, s_q, d], k: [b, h, s_k, d] (what a backward kernel recomputes)."""
     b, h, s_q, d = q
@@ -46,22 +61,23 @@ def _backward(total: object, q: tuple, k: tuple) -> Cost:
 @rule(*_CUDA_SDPA)
 def sdpa_cuda(call: Call) -> Cost:
     formula = flop_registry[call.op.overloadpacket]
-    total = formula(*shapes_of(call.args), **shapes_of(call.kwargs), out_val=shapes_of(call.out))
-    if call.op.overloadpacket.__name__.endswith("_backward"):
-        # grad_out, query, key, value, ... as in the CPU kernel
-        return _backward(total, shapes_of(call.args[1]), shapes_of(call.args[2]))
+    backward = call.op.overloadpacket.__name__.endswith("_backward")
+    args = _as_mha(list(shapes_of(call.args)), 1 if backward else 0)  # grad_out first in backward
+    total = formula(*args, **shapes_of(call.kwargs), out_val=shapes_of(call.out))
+    if backward:
+        return _backward(total, args[1], args[2])
     return Cost(flops=total)
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu)
 def sdpa_cpu(call: Call) -> Cost:
     # q: [b, h, s_q, d], k: [b, h_kv, s_k, d], v: [b, h_kv, s_k, d_v]
-    q, k, v = (shapes_of(a) for a in call.args[:3])
+    q, k, v = _as_mha([shapes_of(a) for a in call.args[:3]], 0)
     return Cost(flops=sdpa_flop_count(q, k, v))
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)
 def sdpa_cpu_backward(call: Call) -> Cost:
     # grad_out: [b, h, s_q, d_v], then q, k, v as in the forward
-    grad_out, q, k, v = (shapes_of(a) for a in call.args[:4])
+    grad_out, q, k, v = _as_mha([shapes_of(a) for a in call.args[:4]], 1)
     return _backward(sdpa_backward_flop_count(grad_out, q, k, v), q, k)
