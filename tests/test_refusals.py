@@ -7,6 +7,7 @@ constraint is the model's, not symacct's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -549,3 +550,29 @@ def test_a_forward_that_fails_at_probe_sizes_is_a_refusal_with_the_full_cause():
         )
     assert not e.value.internal
     assert "forward failed at probe sizes: RuntimeError: Number of heads in key and value must divide" in str(e.value)
+
+
+@dataclasses.dataclass
+class PadConfig:
+    n_embd: int = 8
+    pad_token_id: int = 0  # an id, not a size
+    ignore_index: int = -100
+
+
+class Padded(nn.Module):
+    def __init__(self, config: PadConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.lin = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, self.config.n_embd),)
+
+
+def test_fixed_fields_of_zero_or_negative_value():
+    """fixed= on an id of 0 raised ZeroDivisionError and on -100 hung (factoring the value for the probe)."""
+    acct = symacct.derive(Padded(PadConfig()), fixed=["pad_token_id", "ignore_index"])
+    assert acct.symbols == {"D": 8} and acct.at(B=2).flops.forward == 2 * 2 * 8 * 8  # 2*B*D*D
