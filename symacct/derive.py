@@ -52,6 +52,10 @@ class _Source:
     build: Callable[[dict[str, int]], nn.Module]  # field values -> model (called inside fake mode)
     inputs: Callable[[nn.Module, int, int], tuple[Any, ...]]
     configless: bool = False
+    lists: dict[str, Any] = dataclasses.field(default_factory=dict)  # list/tuple config fields (per-layer lists)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    # while the layer count is looked for: the candidate field, whose per-layer lists follow it in build()
+    candidate: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _int_fields(config: Any) -> dict[str, int]:
@@ -141,12 +145,92 @@ def _source(
     _check_fixed(fixed, set(ints), "config")
     fields = {k: letter_for_field(k) for k in ints if k not in fixed}
     cls = type(model)
+    lists = _list_fields(config)
+    candidate: dict[str, str] = {}
+
+    def build(vals: dict[str, int]) -> nn.Module:
+        # a per-layer list (one entry per layer) follows the layer count: all alike, it is resized; while the
+        # layer count is looked for (candidate), a mixed one is repeated cyclically, only to count the repeats
+        lfield = candidate.get("field") or next((f for f, letter in fields.items() if letter == "L"), None)
+        extra = {}
+        if lfield is not None and lfield in vals:
+            for name, seq in lists.items():
+                if len(seq) == ints[lfield] and (_uniform(seq) or candidate):
+                    extra[name] = type(seq)(seq[i % len(seq)] for i in range(vals[lfield]))
+        return cls(_with_fields(config, {**vals, **extra}))
+
     return _Source(
         fields=fields,
         values=ints,
-        build=lambda vals: cls(_with_fields(config, vals)),
+        build=build,
         inputs=make_inputs_fn(has_example),
+        lists=lists,
+        candidate=candidate,
     )
+
+
+def _list_fields(config: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(config):
+        items = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    elif isinstance(config, Mapping):
+        items = list(config.items())
+    else:
+        items = list(vars(config).items())
+    return {k: v for k, v in items if isinstance(v, (list, tuple)) and v}
+
+
+def _uniform(seq: Any) -> bool:
+    return all(x == seq[0] for x in seq)
+
+
+def _repeats(src: _Source, overrides: dict[str, int]) -> dict[str, int]:
+    """Module path -> number of numbered children (0..n-1) of the model built with ``overrides``, on fake tensors."""
+    try:
+        with FakeTensorMode(), torch.device("cpu"):
+            model = src.build(overrides)
+    except Exception:  # a size it cannot be built at: no evidence either way
+        return {}
+    children: dict[str, set[int]] = defaultdict(set)
+    for name, _ in model.named_modules():
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            children[parent].add(int(last))
+    return {p: len(idx) for p, idx in children.items() if idx == set(range(len(idx)))}
+
+
+def _layer_field(src: _Source) -> tuple[str, str] | None:
+    """The field that sets how many times a module repeats (the layer count), whatever its name.
+
+    Used when no field has a layer-count name (n_layer, num_hidden_layers, ...).
+    Candidates are integer fields equal to the length of a repeated module list;
+    the model is built again (on fake tensors) with each one increased by 1, and
+    the field whose list grows by one is the layer count. When several do, the
+    outermost list wins (the layer stack, not the experts inside a layer); a tie
+    finds none. Returns (field, module path).
+    """
+    if src.configless or "L" in src.fields.values():
+        return None
+    base = _repeats(src, {})
+    found: list[tuple[int, str, str]] = []
+    for f in sorted(src.fields):
+        n = src.values[f]
+        if not any(length == n for length in base.values()) or n < 1:
+            continue
+        src.candidate["field"] = f
+        try:
+            grown = _repeats(src, {f: n + 1})
+        finally:
+            src.candidate.clear()
+        paths = [p for p, length in base.items() if length == n and grown.get(p) == n + 1]
+        if paths:
+            path = min(paths, key=lambda p: (p.count(".") if p else -1, p))
+            found.append((path.count(".") if path else -1, f, path))
+    if not found:
+        return None
+    found.sort()
+    if len(found) > 1 and found[0][0] == found[1][0]:
+        return None
+    return found[0][1], found[0][2]
 
 
 def _check_fixed(fixed: set[str], known: set[str], where: str) -> None:
@@ -534,6 +618,18 @@ def _derive(
             hint="pass the eager module, model._orig_mod (the figures are then those of eager execution)",
         )
     src = _source(model, inputs, dims, fixed)
+    layer = _layer_field(src)
+    if layer is not None:
+        field_name, path = layer
+        src.fields[field_name] = "L"
+        src.notes.append(f"{field_name} counts the layers ('{path or '<root>'}' repeats {field_name} times): L")
+    lfield = next((f for f, letter in src.fields.items() if letter == "L"), None)
+    if lfield is not None:
+        for name, seq in src.lists.items():
+            if len(seq) == src.values[lfield] and not _uniform(seq):
+                return _with_fixed_layers(
+                    model, src, kwargs, f"the per-layer list {name} differs between layers (it has one entry a layer)"
+                )
     # a fixed field's value is a constant; its prime factors may appear in sizes
     avoid = set()
     for f in fixed:
@@ -610,6 +706,7 @@ def _derive(
     acct.memory = memory
     acct.liveness = live
     acct.constraints = learn_constraints(trace1, probe1.to_expr)
+    acct.notes[:0] = src.notes
     if "B" not in acct.free_symbols():
         acct.notes.append(
             "B reaches no tensor shape: the inputs do not use their B argument, so every figure is per call "

@@ -1,0 +1,89 @@
+"""The layer count is found by structure, whatever the config calls it, and per-layer lists follow it.
+
+Before: a field such as `depth` (T5's `num_layers`, `n_blocks`, ...) was probed as a size of its own, a
+prime number of blocks was traced, and the model was refused as size-dependent control flow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import sympy
+import torch
+from torch import nn
+
+import symacct
+from symacct.measure import measure_step
+from symacct.symbols import sym
+
+
+@dataclasses.dataclass
+class Cfg:
+    width: int = 12
+    depth: int = 3  # the layer count, under a name symacct has no alias for
+    n_heads: int = 3  # equal to depth on purpose: only depth makes the blocks repeat
+    kinds: tuple = ("relu", "relu", "relu")  # one entry per layer
+
+
+class Net(nn.Module):
+    def __init__(self, c: Cfg) -> None:
+        super().__init__()
+        self.config = c
+        assert len(c.kinds) == c.depth
+        self.blocks = nn.ModuleList(nn.Linear(c.width, c.width) for _ in range(c.depth))
+        self.head = nn.Linear(c.width, c.n_heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, kind in zip(self.blocks, self.config.kinds):
+            x = block(x)  # (B, width)
+            x = torch.relu(x) if kind == "relu" else torch.nn.functional.gelu(x)
+        return self.head(x).sum()  # (B, n_heads) -> scalar
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, self.config.width),)
+
+
+def test_layer_count_found_by_structure():
+    acct = symacct.derive(Net(Cfg()))
+    assert acct.fields["L"] == "depth" and acct.fields["H"] == "n_heads"
+    assert any("depth counts the layers" in n for n in acct.notes)
+    for depth in (2, 5):
+        torch.manual_seed(0)
+        model = Net(Cfg(depth=depth, kinds=("relu",) * depth))
+        counted = measure_step(model, model.example_inputs(3, 1))
+        at = acct.at(B=3, L=depth)
+        assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
+def test_a_per_layer_list_that_differs_fixes_the_layer_count():
+    """Layers of two kinds cannot be one repeated block: derived with L fixed (exact at this depth), said so."""
+    cfg = Cfg(kinds=("relu", "gelu", "relu"))
+    acct = symacct.derive(Net(cfg))
+    assert "L" not in acct.free_symbols() and any("kinds differs between layers" in n for n in acct.notes)
+    torch.manual_seed(0)
+    model = Net(cfg)
+    counted = measure_step(model, model.example_inputs(3, 1))
+    assert acct.at(B=3).flops.total == counted.flops_total and acct.at(B=3).memory.activations == counted.saved_bytes
+
+
+@pytest.mark.parametrize("name", ["n_layer", "depth"])
+def test_a_known_name_and_a_found_one_give_the_same_formulas(name):
+    class M(nn.Module):
+        def __init__(self, c: object) -> None:
+            super().__init__()
+            self.config = c
+            self.blocks = nn.ModuleList(nn.Linear(c.width, c.width) for _ in range(getattr(c, name)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x.sum()
+
+        def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+            return (torch.randn(B, self.config.width),)
+
+    C2 = dataclasses.make_dataclass("C2", [("width", int, 8), (name, int, 4)])
+    acct = symacct.derive(M(C2()))
+    B, L, W = sym("B"), sym("L"), sym("width")
+    assert sympy.expand(acct.flops.total - (6 * B * L * W**2 - 2 * B * W**2)) == 0  # the first block skips dL/dx
