@@ -74,8 +74,28 @@ def _int_fields(config: Any) -> dict[str, int]:
 
 
 def _with_fields(config: Any, values: Mapping[str, int]) -> Any:
+    """The config with ``values`` replaced and every other setting carried over.
+
+    ``dataclasses.replace`` builds a new object through ``__init__``: an
+    attribute set after construction (an attention implementation chosen on the
+    config, a flag) would be lost or reset, and the probe model would silently
+    be another model. Such attributes are copied over unless they are integers
+    (sizes ``__post_init__`` derives from the new values).
+    """
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.replace(config, **values)
+        new = dataclasses.replace(config, **values)
+        for k, v in vars(config).items():
+            if k in values or (isinstance(v, int) and not isinstance(v, bool)):
+                continue
+            if k not in vars(new) or vars(new)[k] is not v and vars(new)[k] != v:
+                try:
+                    setattr(new, k, v)
+                except (AttributeError, TypeError) as e:  # frozen: refuse rather than trace another model
+                    raise SymacctError(
+                        f"the config's setting {k}={v!r} is lost when it is rebuilt at other sizes",
+                        hint="make it a field of the config dataclass, so that dataclasses.replace keeps it",
+                    ) from e
+        return new
     if isinstance(config, Mapping):
         return type(config)({**config, **values}) if not isinstance(config, type) else config
     new = copy.copy(config)

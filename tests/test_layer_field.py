@@ -87,3 +87,45 @@ def test_a_known_name_and_a_found_one_give_the_same_formulas(name):
     acct = symacct.derive(M(C2()))
     B, L, W = sym("B"), sym("L"), sym("width")
     assert sympy.expand(acct.flops.total - (6 * B * L * W**2 - 2 * B * W**2)) == 0  # the first block skips dL/dx
+
+
+@dataclasses.dataclass
+class AttnCfg:
+    width: int = 8
+    n_layer: int = 2
+
+    def __post_init__(self) -> None:
+        self.attn_impl = "sdpa"  # the default; users set it after construction (as transformers' configs do)
+
+
+class Attn(nn.Module):
+    def __init__(self, c: AttnCfg) -> None:
+        super().__init__()
+        self.config = c
+        self.blocks = nn.ModuleList(nn.Linear(c.width, c.width) for _ in range(c.n_layer))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, width)
+        for b in self.blocks:
+            x = b(x)
+            if self.config.attn_impl == "eager":  # an explicit softmax(x x^T) x: S^2 matmuls, saved probabilities
+                x = torch.softmax(x @ x.transpose(1, 2), dim=-1) @ x
+            else:
+                x = nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None])[:, 0]
+        return x.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, self.config.width),)
+
+
+def test_settings_set_after_construction_are_carried_to_the_probe_model():
+    """The probe config is rebuilt with dataclasses.replace, which resets what __init__ sets: the eager
+    model was traced as SDPA (another model, other figures, no word). Now the setting is carried over."""
+    cfg = AttnCfg()
+    cfg.attn_impl = "eager"
+    acct = symacct.derive(Attn(cfg))
+    for B, S in ((2, 5), (3, 11)):
+        torch.manual_seed(0)
+        model = Attn(cfg)
+        counted = measure_step(model, model.example_inputs(B, S))  # eager: FlopCounterMode sees every matmul
+        at = acct.at(B=B, S=S)
+        assert at.flops.hardware == counted.flops_total and at.memory.activations == counted.saved_bytes
