@@ -203,6 +203,45 @@ def _uniform(seq: Any) -> bool:
     return all(x == seq[0] for x in seq)
 
 
+def _shapes(src: _Source, overrides: dict[str, int]) -> tuple[Any, ...] | None:
+    """Every parameter's and buffer's shape and the module count of the model built with ``overrides``
+    (on fake tensors); None when it cannot be built so."""
+    try:
+        with FakeTensorMode(), torch.device("cpu"):
+            model = src.build(overrides)
+    except Exception:  # no evidence either way
+        return None
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return (sum(1 for _ in model.modules()), *sorted((n, tuple(t.shape)) for n, t in tensors))
+
+
+def _not_sizes(src: _Source) -> list[str]:
+    """Integer fields without a size name that change no tensor of the model: ids, flags, chunk sizes.
+
+    A field such as ``pad_token_id`` or ``bos_token_id`` is not a size: probed
+    as one, it would take a value the model rejects (a padding index beyond the
+    vocabulary) or another meaning. Each integer field with no known name (not
+    an alias, not the layer count) is increased by one in a model built on fake
+    tensors (with at most 2 layers, to stay cheap); when no parameter or buffer
+    shape and no module count changes, it stays at the user's value.
+    """
+    if src.configless:
+        return []
+    lfield = next((f for f, letter in src.fields.items() if letter == "L"), None)
+    small = {lfield: 2} if lfield is not None and src.values[lfield] > 2 else {}
+    base = _shapes(src, small)
+    if base is None:
+        return []
+    out = []
+    for f, letter in sorted(src.fields.items()):
+        if letter != f or letter == "L":
+            continue  # a known size name, or the layer count
+        v = src.values[f]
+        if _shapes(src, {**small, f: v + 1 if v != -1 else v + 2}) == base:
+            out.append(f)
+    return out
+
+
 def _repeats(src: _Source, overrides: dict[str, int]) -> dict[str, int]:
     """Module path -> number of numbered children (0..n-1) of the model built with ``overrides``, on fake tensors."""
     try:
@@ -650,9 +689,14 @@ def _derive(
                 return _with_fixed_layers(
                     model, src, kwargs, f"the per-layer list {name} differs between layers (it has one entry a layer)"
                 )
+    constants = _not_sizes(src)
+    for f in constants:
+        del src.fields[f]
+    if constants:
+        src.notes.append(f"{', '.join(constants)} set no tensor size (ids, flags, chunk sizes): kept at their values")
     # a fixed field's value is a constant; its prime factors may appear in sizes
     avoid = set()
-    for f in fixed:
+    for f in [*fixed, *constants]:
         if f in src.values and abs(src.values[f]) > 1:  # 0, 1, -1 carry no prime
             avoid |= set(sympy.factorint(abs(src.values[f])))
     if src.configless:  # every size of the module is a constant: no probe may collide with one

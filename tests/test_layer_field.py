@@ -129,3 +129,41 @@ def test_settings_set_after_construction_are_carried_to_the_probe_model():
         counted = measure_step(model, model.example_inputs(B, S))  # eager: FlopCounterMode sees every matmul
         at = acct.at(B=B, S=S)
         assert at.flops.hardware == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
+@dataclasses.dataclass
+class IdsCfg:
+    vocab_size: int = 50
+    n_embd: int = 16
+    head_dim: int = 4  # a size without a letter: it sets a weight's shape, so it is a symbol
+    pad_token_id: int = 0  # ids and a chunk size: no tensor depends on them
+    bos_token_id: int = 1
+    chunk_size_feed_forward: int = 0
+
+
+class WithIds(nn.Module):
+    def __init__(self, c: IdsCfg) -> None:
+        super().__init__()
+        self.config = c
+        self.emb = nn.Embedding(c.vocab_size, c.n_embd, padding_idx=c.pad_token_id)  # (V, D)
+        self.q = nn.Linear(c.n_embd, c.head_dim)  # (D, head_dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.q(self.emb(idx)).sum()  # (B, S, head_dim) -> scalar
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab_size, (B, S)),)
+
+
+def test_ids_and_flags_are_not_probed_as_sizes():
+    """pad_token_id probed as a size became a padding index beyond the vocabulary and the model was refused;
+    now the fields that set no tensor's shape keep the user's values (and say so)."""
+    acct = symacct.derive(WithIds(IdsCfg()))
+    assert set(acct.symbols) == {"V", "D", "head_dim"}
+    assert any("pad_token_id" in n and "kept at their values" in n for n in acct.notes)
+    for B, S in ((2, 3), (3, 7)):
+        torch.manual_seed(0)
+        model = WithIds(IdsCfg())
+        counted = measure_step(model, model.example_inputs(B, S))
+        at = acct.at(B=B, S=S)
+        assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
