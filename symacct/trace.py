@@ -209,6 +209,11 @@ def _mutated_args(op: torch._ops.OpOverload) -> list[int]:
     return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
+def _text(e: BaseException) -> str:
+    """An exception's whole message on one line (the CLI prints errors as one line; nothing is cut)."""
+    return " ".join(str(e).split())
+
+
 def _failure(func: Any, e: Exception) -> tuple[str, str]:
     """What went wrong when an op failed on fake tensors, and what the user can do about it."""
     if "convert all Tensors to FakeTensors" in str(e):
@@ -225,7 +230,7 @@ def _failure(func: Any, e: Exception) -> tuple[str, str]:
             "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops",
         )
     return (
-        f"the op failed on fake tensors: {name}: {str(e).splitlines()[0][:200]}",
+        f"the op failed on fake tensors: {name}: {_text(e)}",
         "the step runs at probe sizes of symacct's choosing (distinct primes): a size typed in rather than "
         "taken from the config or the inputs (an input of fixed width, a view to a literal size) breaks there; "
         "derive every size from the model's fields",
@@ -411,7 +416,7 @@ def record_step(
         raise
     except Exception as e:
         raise SymacctError(
-            f"could not build the model at probe sizes: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+            f"could not build the model at probe sizes: {type(e).__name__}: {_text(e)}",
             hint="the model must be rebuildable as type(model)(config) with other sizes; "
             "keep fields it cannot vary fixed with derive(..., fixed=[...])",
         ) from e
@@ -522,7 +527,7 @@ def record_step(
                     except Exception as e:
                         raise SymacctError(
                             f"the optimizer step failed on fake tensors: {type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200]}",
+                            f"{_text(e)}",
                             op=type(opt).__name__,
                             hint="use an optimizer whose step() runs without a closure and without reading "
                             "tensor values (SGD, Adam, AdamW, Adagrad, ...)",
@@ -551,7 +556,7 @@ def _call_model(model: nn.Module, args: tuple[Any, ...], recorder: Any) -> Any:
         raise
     except Exception as e:
         raise SymacctError(
-            f"the model's forward failed at probe sizes: {type(e).__name__}: {' '.join(str(e).split())}",
+            f"the model's forward failed at probe sizes: {type(e).__name__}: {_text(e)}",
             module=recorder.module(),
             hint="the step runs at sizes of symacct's choosing (distinct primes per symbol): a size relation "
             "the model needs (heads dividing the width, key/value heads dividing the heads) must come from "
@@ -567,7 +572,7 @@ def _call_loss(loss: Callable[[Any], torch.Tensor], out: Any) -> Any:
         raise
     except Exception as e:
         raise SymacctError(
-            f"the loss= function failed on the model's output: {type(e).__name__}: {' '.join(str(e).split())}",
+            f"the loss= function failed on the model's output: {type(e).__name__}: {_text(e)}",
             hint=f"the output is a {type(out).__name__}; loss= receives exactly what forward returns",
         ) from e
 

@@ -576,3 +576,27 @@ def test_fixed_fields_of_zero_or_negative_value():
     """fixed= on an id of 0 raised ZeroDivisionError and on -100 hung (factoring the value for the probe)."""
     acct = symacct.derive(Padded(PadConfig()), fixed=["pad_token_id", "ignore_index"])
     assert acct.symbols == {"D": 8} and acct.at(B=2).flops.forward == 2 * 2 * 8 * 8  # 2*B*D*D
+
+
+class LongError(nn.Module):
+    """A constructor that fails with a message of several lines (as transformers' validators do)."""
+
+    def __init__(self, config: PadConfig) -> None:
+        super().__init__()
+        self.config = config
+        if config.n_embd != 8:
+            raise ValueError("the width is not supported.\nSupported widths: 8.\nSee the model card.")
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, 8),)
+
+
+def test_the_cause_is_kept_whole_on_one_line():
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(LongError(PadConfig()), fixed=["pad_token_id", "ignore_index"])
+    msg = str(e.value)
+    assert "Supported widths: 8. See the model card." in msg and "\n" not in msg
