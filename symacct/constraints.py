@@ -15,6 +15,8 @@ that breaks one:
 - **grouped-query attention**: SDPA with fewer key/value heads than query
   heads (``enable_gqa=True``) needs the key/value heads to divide the
   query heads, which no traced shape shows.
+- **a shifted size stays a size**: a dimension such as ``S - 1`` (a shifted
+  causal-LM loss) must be at least 1.
 - **index within the table**: an embedding (or ``index_select`` / ``index``)
   whose indices come from ``arange(n)`` (position ids) needs ``n`` at most the
   table's rows; beyond it the real step raises ``IndexError``.
@@ -129,6 +131,8 @@ def learn(trace: StepTrace, to_expr: Callable[[int], Any]) -> list[Constraint]:
                 e = to_expr(s)
                 if e is not None:
                     add("integer", e, None, where)
+                    if isinstance(e, sympy.Add):  # a shifted size (S - 1) must stay a size
+                        add("le", sympy.Integer(1), e, where)
         name = rec.op.overloadpacket.__name__
         if name == "arange" and rec.outputs:
             ints = [a for a in rec.args if isinstance(a, int) and not isinstance(a, bool)]
@@ -154,6 +158,11 @@ def learn(trace: StepTrace, to_expr: Callable[[int], Any]) -> list[Constraint]:
             idx = rec.inputs[-1] if name == "index_select" else rec.inputs[1]
             if idx.vid in bound and bound[idx.vid] is not None:
                 add("le", bound[idx.vid], to_expr(table.shape[dim]), where)
+        elif name in ("add", "sub") and rec.inputs and rec.inputs[0].vid in bound and len(rec.args) > 1:
+            shift = rec.args[1]  # positions + 2 (OPT's offset): the bound moves with them
+            if isinstance(shift, int) and not isinstance(shift, bool) and bound[rec.inputs[0].vid] is not None:
+                for t in rec.outputs:
+                    bound[t.vid] = bound[rec.inputs[0].vid] + (shift if name == "add" else -shift)
         elif name in _VALUE_KEEPING or rec.is_view:
             src = next((bound[t.vid] for t in rec.inputs if t.vid in bound), None)
             if src is not None:

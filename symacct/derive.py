@@ -307,10 +307,10 @@ def _check_fixed(fixed: set[str], known: set[str], where: str) -> None:
         )
 
 
-def _probe_for(src: _Source, primes: tuple[int, ...], layers: int, avoid: set[int]) -> Probe:
+def _probe_for(src: _Source, primes: tuple[int, ...], layers: int, avoid: set[int], offsets: bool = False) -> Probe:
     letters = sorted({letter for letter in src.fields.values() if letter != "L"} | {"B", "S"})
     layers_or_none = layers if "L" in src.fields.values() else None
-    return make_probe(letters, primes, layers_or_none, strict=not src.configless, avoid=avoid)
+    return make_probe(letters, primes, layers_or_none, strict=not src.configless, avoid=avoid, offsets=offsets)
 
 
 def _field_values(src: _Source, probe: Probe) -> dict[str, int]:
@@ -703,7 +703,7 @@ def _derive(
         for t in [*model.parameters(), *model.buffers()]:
             for d in t.shape:
                 avoid |= set(sympy.factorint(int(d))) if d > 1 else set()
-    probe1 = _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid)
+    probe1 = _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, offsets=True)
     probe2 = _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid)
     trace1 = _record(src, probe1, step, loss, make_opt, precision)
     stacks = _stacks(trace1, LAYERS[0]) if probe1.layers is not None else []

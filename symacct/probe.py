@@ -21,7 +21,31 @@ import sympy
 from symacct.symbols import sym
 
 SMALL_PRIMES = (2, 3, 5, 7)
-FIRST_PRIMES = (11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)
+OFFSETS = (-4, -3, -2, -1, 1, 2, 3, 4)  # a size may be a symbol plus one of these (S - 1, S_max + 2)
+
+
+def _offset_safe(p: int, others: set[int]) -> bool:
+    """Whether every p + c (c in OFFSETS) has a prime factor above 7 that is neither p nor in ``others``."""
+    return all(
+        any(q > SMALL_PRIMES[-1] and q != p and q not in others for q in sympy.factorint(p + c)) for c in OFFSETS
+    )
+
+
+def offset_safe_primes(n: int, start: int = 11) -> tuple[int, ...]:
+    """The first ``n`` primes from ``start`` whose neighbours p + c all carry a foreign prime (see Probe.to_expr)."""
+    out: list[int] = []
+    p = start - 1
+    while len(out) < n:
+        p = int(sympy.nextprime(p))
+        if _offset_safe(p, set(out)):
+            out.append(p)
+    assert all(_offset_safe(p, set(out) - {p}) for p in out)
+    return tuple(out)
+
+
+# first probe: primes whose neighbours p + c are never products of symbols and small constants, so that
+# S - 1 or S_max + 2 cannot be read as a constant by accident (see Probe.to_expr)
+FIRST_PRIMES = offset_safe_primes(11)  # 233, 263, 307, ...
 SECOND_PRIMES = (53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 101)
 LAYERS = (4, 5)  # probe values of L in the first and second trace
 
@@ -48,10 +72,52 @@ class Probe:
     constants: tuple[int, ...] = SMALL_PRIMES  # primes that constants may carry
     _cache: dict[int, sympy.Expr | None] = field(default_factory=dict)
 
+    offsets: bool = False  # read m * (X + c) too (the first probe's primes are chosen for it)
+
     def to_expr(self, v: int) -> sympy.Expr | None:
-        """The monomial (rational constant times symbol powers) equal to ``v``, or None."""
+        """The monomial (rational constant times symbol powers) equal to ``v``, else ``m * (X + c)``, else None.
+
+        ``m * (X + c)``: a monomial times one symbol shifted by a small constant
+        (``B*(S - 1)`` from a shifted causal-LM loss, ``S_max + 2`` from OPT's
+        position table). The first probe's primes are chosen so that every
+        ``p + c`` carries a prime of no symbol: such a value never factors as a
+        plain monomial, and a plain monomial never as a shifted one. When more
+        than one reading fits, none is taken. The second trace checks every
+        reading either way.
+        """
         if v in self._cache:
             return self._cache[v]
+        expr = self._monomial(v)
+        if expr is None and self.offsets:
+            expr = self._shifted(v)
+        self._cache[v] = expr
+        return expr
+
+    def _shifted(self, v: int) -> sympy.Expr | None:
+        """``m * (X + c)`` equal to ``v``: the reading whose monomial ``m`` has the smallest constant.
+
+        Neighbours of two probe primes can share a prime (262 = 2*131 and
+        655 = 5*131), so a value may divide by a wrong ``X + c`` and leave small
+        constants behind (10*D*(X - 1) for 4*D*(S_max + 2)): the reading that
+        leaves the least constant is taken, none on a tie; the second trace
+        refuses a wrong one.
+        """
+        found: dict[sympy.Expr, sympy.Rational] = {}
+        for name in self.order:
+            for c in OFFSETS:
+                q = self.values[name] + c
+                if q > 1 and v % q == 0:
+                    m = self._monomial(v // q)
+                    if m is not None and m != 0:
+                        const = sympy.Abs(m.as_coeff_Mul()[0])
+                        found[sympy.expand(m * (sym(name) + c))] = const
+        if not found:
+            return None
+        best = min(found.values())
+        top = [e for e, k in found.items() if k == best]
+        return top[0] if len(top) == 1 else None
+
+    def _monomial(self, v: int) -> sympy.Expr | None:
         expr: sympy.Expr | None
         if v <= 0:
             expr = sympy.Integer(v)
@@ -77,7 +143,7 @@ class Probe:
                         raise AssertionError(f"probe factorisation left prime {p}")
                     const *= sympy.Rational(p) ** e
                 expr = const * rest * expr
-        self._cache[v] = expr
+        return expr
         return expr
 
 
@@ -87,17 +153,24 @@ def make_probe(
     layers: int | None,
     strict: bool = True,
     avoid: set[int] | None = None,
+    offsets: bool = False,
 ) -> Probe:
     """Probe values for ``names``; H_kv | H, 2H | D, S_max largest.
 
     ``avoid``: primes of constants (fixed fields' values) that no symbol may use.
+    ``offsets``: read shifted sizes (``S - 1``); every prime then keeps the
+    property of :func:`offset_safe_primes` against the constants' primes too.
     """
     avoid = avoid or set()
-    pool = [p for p in primes if p not in avoid]
-    extra = pool[-1]
+
+    def usable(p: int, taken: set[int]) -> bool:
+        return p not in avoid and (not offsets or _offset_safe(p, taken | avoid))
+
+    pool = [p for p in primes if usable(p, set(primes) - {p})]
+    extra = primes[-1]
     while len(pool) < len(names) + 1:
         extra = int(sympy.nextprime(extra))
-        if extra not in avoid:
+        if usable(extra, set(pool)):
             pool.append(extra)
     firsts = [n for n in ("H_kv", "H", "D") if n in names]
     middle = sorted(n for n in names if n not in firsts and n != "S_max")
@@ -120,4 +193,4 @@ def make_probe(
     if "S_max" in values and "S" in values and values["S_max"] <= values["S"]:
         raise AssertionError("probe: S_max must exceed S")
     constants = tuple(sorted(set(SMALL_PRIMES) | avoid))
-    return Probe(values, own, vectors, order, layers, strict, constants)
+    return Probe(values, own, vectors, order, layers, strict, constants, offsets=offsets and strict)

@@ -526,8 +526,7 @@ def record_step(
                         raise
                     except Exception as e:
                         raise SymacctError(
-                            f"the optimizer step failed on fake tensors: {type(e).__name__}: "
-                            f"{_text(e)}",
+                            f"the optimizer step failed on fake tensors: {type(e).__name__}: {_text(e)}",
                             op=type(opt).__name__,
                             hint="use an optimizer whose step() runs without a closure and without reading "
                             "tensor values (SGD, Adam, AdamW, Adagrad, ...)",
