@@ -94,23 +94,29 @@ class Probe:
         return expr
 
     def _shifted(self, v: int) -> sympy.Expr | None:
-        """``m * (X + c)`` equal to ``v``: the reading whose monomial ``m`` has the smallest constant.
+        """``m * (X + c)`` or ``m * (X + k*Y)`` equal to ``v``: the reading whose monomial ``m`` has the smallest
+        constant.
 
-        Neighbours of two probe primes can share a prime (262 = 2*131 and
-        655 = 5*131), so a value may divide by a wrong ``X + c`` and leave small
-        constants behind (10*D*(X - 1) for 4*D*(S_max + 2)): the reading that
-        leaves the least constant is taken, none on a tie; the second trace
+        ``X + c``: a symbol shifted by a small constant (S - 1). ``X + k*Y``: two
+        symbols (a fused QKV projection with grouped heads has (H + 2*H_kv)*D/H
+        outputs). Neighbours of two probe primes can share a prime (262 = 2*131
+        and 655 = 5*131), so a value may divide by a wrong ``X + c`` and leave
+        small constants behind (10*D*(X - 1) for 4*D*(S_max + 2)): the reading
+        that leaves the least constant is taken, none on a tie; the second trace
         refuses a wrong one.
         """
-        found: dict[sympy.Expr, sympy.Rational] = {}
+        shifts: list[tuple[int, sympy.Expr]] = []
         for name in self.order:
-            for c in OFFSETS:
-                q = self.values[name] + c
-                if q > 1 and v % q == 0:
-                    m = self._monomial(v // q)
-                    if m is not None and m != 0:
-                        const = sympy.Abs(m.as_coeff_Mul()[0])
-                        found[sympy.expand(m * (sym(name) + c))] = const
+            shifts += [(self.values[name] + c, sym(name) + c) for c in OFFSETS]
+            for other in self.order:
+                if other != name:
+                    shifts += [(self.values[name] + k * self.values[other], sym(name) + k * sym(other)) for k in (1, 2)]
+        found: dict[sympy.Expr, sympy.Expr] = {}
+        for q, form in shifts:
+            if q > 1 and v % q == 0:
+                m = self._monomial(v // q)
+                if m is not None and m != 0:
+                    found[sympy.expand(m * form)] = sympy.Abs(m.as_coeff_Mul()[0])
         if not found:
             return None
         best = min(found.values())

@@ -105,3 +105,65 @@ def test_the_probe_reads_shifted_sizes_and_nothing_else():
     for p in FIRST_PRIMES:
         for c in OFFSETS:
             assert any(q > 7 and q not in FIRST_PRIMES for q in sympy.factorint(p + c)), (p, c)
+
+
+@dataclass
+class FusedConfig:
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    num_hidden_layers: int = 2
+
+
+class FusedAttention(nn.Module):
+    """One projection for q, k and v with grouped heads (Phi-3, GPT-NeoX style): (H + 2*H_kv)*Dh outputs."""
+
+    def __init__(self, c: FusedConfig) -> None:
+        super().__init__()
+        self.H, self.H_kv = c.num_attention_heads, c.num_key_value_heads
+        self.dh = c.hidden_size // self.H
+        self.qkv = nn.Linear(c.hidden_size, (self.H + 2 * self.H_kv) * self.dh, bias=False)  # (D, (H+2H_kv)Dh)
+        self.o = nn.Linear(self.H * self.dh, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).split([self.H * self.dh, self.H_kv * self.dh, self.H_kv * self.dh], dim=-1)
+        q = q.view(B, S, self.H, self.dh).transpose(1, 2)  # (B, H, S, Dh)
+        k = k.view(B, S, self.H_kv, self.dh).transpose(1, 2)  # (B, H_kv, S, Dh)
+        v = v.view(B, S, self.H_kv, self.dh).transpose(1, 2)  # (B, H_kv, S, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, S, Dh)
+        return self.o(y.transpose(1, 2).reshape(B, S, D))  # (B, S, D)
+
+
+class Fused(nn.Module):
+    def __init__(self, config: FusedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(FusedAttention(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)  # (B, S, D)
+        return x.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, self.config.hidden_size),)
+
+
+def test_a_fused_qkv_projection_with_grouped_heads():
+    """(H + 2*H_kv)*D/H is not a product of symbols; read as D/H times (H + 2*H_kv). Exact: FlopCounterMode
+    plus the CPU flash kernel it counts 0 (4*B*H*S*S*Dh forward, 10*... backward), saved bytes, parameters."""
+    acct = symacct.derive(Fused(FusedConfig()))
+    D, H, H_kv, L = sym("D"), sym("H"), sym("H_kv"), sym("L")
+    assert sympy.expand(acct.params - L * (D * (H + 2 * H_kv) * D / H + D * D)) == 0
+    for cfg, b, s in ((FusedConfig(), 2, 5), (FusedConfig(48, 6, 3, 3), 3, 7)):
+        torch.manual_seed(0)
+        model = Fused(cfg)
+        counted = measure_step(model, model.example_inputs(b, s))
+        h, dh, n = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, cfg.num_hidden_layers
+        one = 2 * b * h * s * s * dh
+        at = acct.at(B=b, S=s, D=cfg.hidden_size, H=h, H_kv=cfg.num_key_value_heads, L=n)
+        assert at.params == sum(p.numel() for p in model.parameters())
+        assert at.flops.forward == counted.flops_forward + n * 2 * one
+        assert at.flops.hardware == counted.flops_total + n * 7 * one
+        assert at.memory.activations == counted.saved_bytes
