@@ -1,10 +1,11 @@
 """Probe sizes, and how a traced integer becomes a product of symbols.
 
-Each symbol gets a probe value that carries a prime of its own (>= 11), so a
+Each symbol gets a probe value that carries a prime of its own (233 and up in the first probe), so a
 traced dimension factors uniquely into symbols: 2*D/H, 3*D, B*S... The small
 primes 2, 3, 5, 7 are left for constants. Structure the models need is
-built in: H is a multiple of H_kv, D a multiple of 2*H (an even head width,
-as rotary embeddings need), S_max the largest value (positions >= S).
+built in: H is a multiple of H_kv, D a multiple of 8*H (a head width divisible
+by 4: rotary halves, and the quarter or half widths of partial rotary
+embeddings), S_max the largest value (positions >= S).
 
 A dimension that leaves a foreign prime after division by the symbols' own
 primes is not a product of the model's symbols; :func:`Probe.to_expr`
@@ -161,7 +162,7 @@ def make_probe(
     avoid: set[int] | None = None,
     offsets: bool = False,
 ) -> Probe:
-    """Probe values for ``names``; H_kv | H, 2H | D, S_max largest.
+    """Probe values for ``names``; H_kv | H, 8H | D, S_max largest.
 
     ``avoid``: primes of constants (fixed fields' values) that no symbol may use.
     ``offsets``: read shifted sizes (``S - 1``); every prime then keeps the
@@ -193,7 +194,7 @@ def make_probe(
             vec.update(vectors["H_kv"])
         if name == "D" and "H" in values:
             vec.update(vectors["H"])
-            vec[2] = vec.get(2, 0) + 1
+            vec[2] = vec.get(2, 0) + 3  # D/H a multiple of 8: rotary halves and quarter (partial) rotary widths
         vectors[name] = vec
         values[name] = int(sympy.prod(q**e for q, e in vec.items()))
     if "S_max" in values and "S" in values and values["S_max"] <= values["S"]:

@@ -167,3 +167,49 @@ def test_a_fused_qkv_projection_with_grouped_heads():
         assert at.flops.forward == counted.flops_forward + n * 2 * one
         assert at.flops.hardware == counted.flops_total + n * 7 * one
         assert at.memory.activations == counted.saved_bytes
+
+
+@dataclass
+class RotaryConfig:
+    n_embd: int = 32
+    n_head: int = 2
+    n_layer: int = 2
+
+
+class PartialRotary(nn.Module):
+    """GPT-NeoX's partial rotary embedding: a quarter of each head's width is rotated (rotary_pct = 0.25)."""
+
+    def __init__(self, config: RotaryConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.H, self.dh = config.n_head, config.n_embd // config.n_head
+        self.rot = int(self.dh * 0.25)  # Dh/4 rotated dimensions
+        self.layers = nn.ModuleList(nn.Linear(config.n_embd, config.n_embd, bias=False) for _ in range(config.n_layer))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        angle = torch.arange(S)[:, None] * torch.ones(self.rot // 2)  # (S, Dh/8)
+        cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()  # (S, Dh/4)
+        for layer in self.layers:
+            q = layer(x).view(B, S, self.H, self.dh)  # (B, S, H, Dh)
+            q_rot, q_pass = q[..., : self.rot], q[..., self.rot :]  # (B, S, H, Dh/4), (B, S, H, 3Dh/4)
+            half = torch.cat((-q_rot[..., self.rot // 2 :], q_rot[..., : self.rot // 2]), -1)
+            q_rot = q_rot * cos[:, None] + half * sin[:, None]
+            x = torch.cat((q_rot, q_pass), -1).reshape(B, S, D)  # (B, S, D)
+        return x.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, self.config.n_embd),)
+
+
+def test_partial_rotary_widths_are_read():
+    """A quarter of the head width (D/(4H)) and its half: the probe's head width is a multiple of 8."""
+    acct = symacct.derive(PartialRotary(RotaryConfig()))
+    for cfg, b, s in ((RotaryConfig(), 2, 5), (RotaryConfig(64, 4, 3), 3, 6)):
+        torch.manual_seed(0)
+        model = PartialRotary(cfg)
+        counted = measure_step(model, model.example_inputs(b, s))
+        at = acct.at(B=b, S=s, D=cfg.n_embd, H=cfg.n_head, L=cfg.n_layer)
+        assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+    with pytest.raises(SymacctError, match="divides D"):  # a head width of 12 has no whole eighth
+        acct.at(B=1, S=4, D=24, H=2)
