@@ -58,19 +58,22 @@ class _Source:
     candidate: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _int_fields(config: Any) -> dict[str, int]:
+def _config_items(config: Any) -> list[tuple[str, Any]]:
+    """(name, value) of every field of a dataclass, dict or plain-object config."""
     if dataclasses.is_dataclass(config):
-        items = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
-    elif isinstance(config, Mapping):
-        items = list(config.items())
-    elif hasattr(config, "__dict__"):
-        items = list(vars(config).items())
-    else:
-        raise SymacctError(
-            f"the model's config is a {type(config).__name__}, which symacct cannot read fields from",
-            hint="give the model a dataclass (or dict, or plain object) config, or pass a factory with dims={...}",
-        )
-    return {k: v for k, v in items if isinstance(v, int) and not isinstance(v, bool)}
+        return [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    if isinstance(config, Mapping):
+        return list(config.items())
+    if hasattr(config, "__dict__"):
+        return list(vars(config).items())
+    raise SymacctError(
+        f"the model's config is a {type(config).__name__}, which symacct cannot read fields from",
+        hint="give the model a dataclass (or dict, or plain object) config, or pass a factory with dims={...}",
+    )
+
+
+def _int_fields(config: Any) -> dict[str, int]:
+    return {k: v for k, v in _config_items(config) if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _with_fields(config: Any, values: Mapping[str, int]) -> Any:
@@ -190,13 +193,7 @@ def _source(
 
 
 def _list_fields(config: Any) -> dict[str, Any]:
-    if dataclasses.is_dataclass(config):
-        items = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
-    elif isinstance(config, Mapping):
-        items = list(config.items())
-    else:
-        items = list(vars(config).items())
-    return {k: v for k, v in items if isinstance(v, (list, tuple)) and v}
+    return {k: v for k, v in _config_items(config) if isinstance(v, (list, tuple)) and v}
 
 
 def _uniform(seq: Any) -> bool:
