@@ -200,13 +200,30 @@ def _uniform(seq: Any) -> bool:
     return all(x == seq[0] for x in seq)
 
 
+def _fake_build(src: _Source, overrides: dict[str, int]) -> nn.Module | None:
+    """The model built with ``overrides`` on fake tensors (nothing allocated); None when it cannot be built so."""
+    try:
+        with FakeTensorMode(), torch.device("cpu"):
+            return src.build(overrides)
+    except Exception:  # a size it cannot be built at: no evidence either way
+        return None
+
+
+def _repeated(names: Iterable[str]) -> dict[str, int]:
+    """Module path -> n for every module whose numbered children are exactly 0..n-1 (a ModuleList, a Sequential)."""
+    children: dict[str, set[int]] = defaultdict(set)
+    for name in names:
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            children[parent].add(int(last))
+    return {p: len(idx) for p, idx in children.items() if idx == set(range(len(idx)))}
+
+
 def _shapes(src: _Source, overrides: dict[str, int]) -> tuple[Any, ...] | None:
     """Every parameter's and buffer's shape and the module count of the model built with ``overrides``
     (on fake tensors); None when it cannot be built so."""
-    try:
-        with FakeTensorMode(), torch.device("cpu"):
-            model = src.build(overrides)
-    except Exception:  # no evidence either way
+    model = _fake_build(src, overrides)
+    if model is None:
         return None
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     return (sum(1 for _ in model.modules()), *sorted((n, tuple(t.shape)) for n, t in tensors))
@@ -241,17 +258,8 @@ def _not_sizes(src: _Source) -> list[str]:
 
 def _repeats(src: _Source, overrides: dict[str, int]) -> dict[str, int]:
     """Module path -> number of numbered children (0..n-1) of the model built with ``overrides``, on fake tensors."""
-    try:
-        with FakeTensorMode(), torch.device("cpu"):
-            model = src.build(overrides)
-    except Exception:  # a size it cannot be built at: no evidence either way
-        return {}
-    children: dict[str, set[int]] = defaultdict(set)
-    for name, _ in model.named_modules():
-        parent, _, last = name.rpartition(".")
-        if last.isdigit():
-            children[parent].add(int(last))
-    return {p: len(idx) for p, idx in children.items() if idx == set(range(len(idx)))}
+    model = _fake_build(src, overrides)
+    return {} if model is None else _repeated(name for name, _ in model.named_modules())
 
 
 def _layer_field(src: _Source) -> tuple[str, str] | None:
@@ -337,12 +345,7 @@ def _record(
 
 def _stacks(trace: StepTrace, n: int) -> list[str]:
     """Paths of ModuleLists with exactly ``n`` numbered children."""
-    children: dict[str, set[int]] = defaultdict(set)
-    for name in trace.module_names:
-        parent, _, last = name.rpartition(".")
-        if last.isdigit():
-            children[parent].add(int(last))
-    return sorted(p for p, idx in children.items() if idx == set(range(n)))
+    return sorted(p for p, count in _repeated(trace.module_names).items() if count == n)
 
 
 def _relative(module: str, stack: str, i: int) -> str:
