@@ -92,6 +92,8 @@ class Accounting:
     memory: Memory = field(default_factory=Memory)  # bytes: static, activations, phase points, peak
     liveness: Liveness | None = field(default=None, repr=False)  # for exact peaks in at()
     constraints: list[Constraint] = field(default_factory=list)  # sizes the model can run (symacct.constraints)
+    # sizes that are no symbol in this derivation: letter -> the letter it follows (H_kv = H) or its kept value
+    tied: dict[str, str | int] = field(default_factory=dict)
 
     @property
     def saved_bytes(self) -> Expr:
@@ -124,12 +126,31 @@ class Accounting:
         full = self._validate(values)
         return {sym(k): int(v) for k, v in full.items()}
 
+    def _untie(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Drop the sizes that are no symbol here (``tied``) when given at the value they have: H_kv equal to
+        H when it follows H, a kept size at its value; another value is refused (the derivation does not
+        cover it)."""
+        out = dict(values)
+        for k, target in self.tied.items():
+            if k not in out:
+                continue
+            v = out.pop(k)
+            want = out.get(target, self.symbols.get(target)) if isinstance(target, str) else target
+            if want is not None and not np.all(np.asarray(v) == np.asarray(want)):
+                raise SymacctError(
+                    f"{k}={v} is not a size of this derivation: {k} "
+                    + (f"follows {target} (= {want})" if isinstance(target, str) else f"is kept at {target}"),
+                    hint=f"derive a model whose {self.fields.get(k, k)} is {v} for figures at that size",
+                )
+        return out
+
     def _validate(self, values: Mapping[str, Any], *, arrays: bool = False) -> dict[str, Any]:
         """Every size checked, as ``at`` and ``sweep`` both need: names, positive integers, minimums, constraints.
 
         With ``arrays`` the values may be numpy arrays (broadcast together);
         the result maps every free symbol to an int64 array (or an int).
         """
+        values = self._untie(values)
         unknown = [k for k in values if k not in self.symbols and k not in ("B", "S")]
         if unknown:
             by_field = {f: letter for letter, f in self.fields.items()}
@@ -169,7 +190,12 @@ class Accounting:
             vals = ", ".join(f"{k}={v}" for k, v in sorted(at.items(), key=lambda kv: sort_key(kv[0])))
             fields = ", ".join(f"{self.fields[s]} ({s})" for s in sorted(c.symbols(), key=sort_key) if s in self.fields)
             raise SymacctError(
-                f"the model cannot run these sizes: {vals} breaks {c.describe()} (from {c.where})",
+                (
+                    f"the formulas hold on one side only: {vals} breaks {c.describe()} (from {c.where}); the model "
+                    "takes another path there than the one derived"
+                    if c.path
+                    else f"the model cannot run these sizes: {vals} breaks {c.describe()} (from {c.where})"
+                ),
                 hint="choose sizes the model runs"
                 + (f", or change the config fields they come from: {fields}" if fields else ""),
             )
@@ -199,6 +225,10 @@ class Accounting:
             f.name: ev(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in ("graph", "liveness")
         }
         kw["values"] = {s.name: v for s, v in subs.items()}
+        for k, target in self.tied.items():  # sizes that are no symbol here, at the value they have
+            value = kw["values"].get(target, self.symbols.get(target)) if isinstance(target, str) else target
+            if value is not None:
+                kw["values"].setdefault(k, value)
         kw["liveness"] = self.liveness
         if self.liveness is not None:
             # the exact peak at these sizes (every op of the step), not the sampled envelope

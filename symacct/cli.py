@@ -113,11 +113,16 @@ def _build(what: str, make: Any) -> Any:
 
 
 def load_model(name: str, overrides: dict[str, Any]) -> Any:
-    """Build a built-in model (on the meta device: nothing real is allocated) or import a factory."""
+    """Build a built-in model (on the meta device: nothing real is allocated), import a factory, or build a
+    transformers model from a ``config.json`` (or a folder holding one)."""
     import torch
 
+    from symacct.hf import config_field_types, is_config_file, model_from_config_file
     from symacct.models.presets import PRESETS
 
+    if is_config_file(name):  # a transformers config.json (or its folder): built on the meta device
+        kinds = config_field_types(name)
+        return model_from_config_file(name, {k: _parse_typed(k, v, kinds.get(k)) for k, v in overrides.items()})
     if ":" in name:
         mod_name, _, attr = name.partition(":")
         try:
@@ -384,10 +389,11 @@ def _fit(args: argparse.Namespace) -> dict[str, Any]:
 
 def _verify(args: argparse.Namespace) -> int:
     import torch
+    from torch.utils._pytree import tree_map
 
     import symacct
     from symacct.derive import _optimizer_factory
-    from symacct.verify import profile_match, render, verify
+    from symacct.verify import _step_of, profile_match, render, verify
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise _UsageError("--device cuda but CUDA is not available here; use --device cpu")
@@ -415,8 +421,9 @@ def _verify(args: argparse.Namespace) -> int:
     if args.profile:
         torch.manual_seed(0)
         real = type(meta)(meta.config).to(args.device)
-        inputs = tuple(a.to(args.device) for a in real.example_inputs(args.batch, S))
-        prof_rows, unmatched = profile_match(real, inputs, at, autocast=_dtype(args.autocast))
+        make, loss = _step_of(real, None, None)
+        inputs = tree_map(lambda a: a.to(args.device) if isinstance(a, torch.Tensor) else a, make(real, args.batch, S))
+        prof_rows, unmatched = profile_match(real, inputs, at, autocast=_dtype(args.autocast), loss=loss)
     if args.json:
         report = {"model": args.model, "B": args.batch, "S": S, "rows": [r.as_dict() for r in rows], "notes": notes}
         if args.profile:

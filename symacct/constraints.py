@@ -47,6 +47,8 @@ class Constraint:
     lhs: sympy.Expr
     rhs: sympy.Expr | None
     where: str  # the op and module it was read from
+    # True: the model runs beyond it, but takes another path there than the one derived (a sliding window)
+    path: bool = False
 
     def describe(self) -> str:
         if self.kind == "integer":

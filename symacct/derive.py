@@ -1,7 +1,7 @@
 """``derive``: trace a step twice at probe sizes, symbolise, factor the layer stack, verify.
 
 1. The model is rebuilt as ``type(model)(config)`` with every integer config
-   field replaced by a probe value (``symacct.probe``): L = 3 layers, the
+   field replaced by a probe value (``symacct.probe``): L = 4 layers, the
    other symbols primes. Nothing of real size is built, so the model's own
    size does not matter (a 405B config, or a model on the meta device).
 2. The step is recorded on fake tensors (``symacct.trace``) and every traced
@@ -10,16 +10,26 @@
    must be identical op for op; block 0 may differ (a first layer whose input
    needs no gradient), giving ``block0 + (L-1)*block`` instead of ``L*block``.
    Where blocks 1 and 2 differ, the stack is left unfactored (L fixed).
-4. A second trace with other primes and L = 4 is costed with plain integers,
+4. The user's own model (a fake copy; blocks 0, 1, 2 and the last when the
+   middle blocks are built alike) is traced at the probe's B and S and its
+   ops compared with the probe's (``symacct.sameness``): the probe model must
+   be the user's model at other sizes. A difference is refused, after one
+   more try with degenerate sizes tied or kept (H_kv = H, a size of 1).
+5. A second trace with other primes and L = 5 is costed with plain integers,
    and every total must equal the formulas evaluated at the second probe.
    A mismatch raises, naming the first node whose size the formulas miss.
+
+Transformers models get their task's step (``symacct.hf``); models with
+strided convolutions or pooling an image side S that halves (S = 64 * prime).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -28,15 +38,24 @@ from typing import Any
 import sympy
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeCopyMode,
+    FakeTensorMode,
+)
 
 from symacct.accounting import Accounting, aggregate, generic_path
 from symacct.constraints import learn as learn_constraints
 from symacct.errors import SymacctError
 from symacct.graph import CostedOp, build_graph, cost_ops
+from symacct.hf import carry_checkpointing, eager_paths, is_transformers_model, window_constraints
+from symacct.hf import task as task_for
 from symacct.memory import block_of, fill_phases, liveness, op_blocks, static_and_activations
-from symacct.probe import FIRST_PRIMES, LAYERS, SECOND_PRIMES, Probe, make_probe
+from symacct.probe import FIRST_PRIMES, HEAD_PRIMES, HEAD_WIDTHS, LAYERS, SECOND_PRIMES, Probe, make_probe
 from symacct.recipes import MixedPrecisionAdamW
+from symacct.sameness import compare as compare_ops
+from symacct.sameness import fake_copy, shorten
 from symacct.symbols import letter_for_field, sym
 from symacct.trace import StepTrace, call_inputs, record_step
 
@@ -56,6 +75,15 @@ class _Source:
     notes: list[str] = dataclasses.field(default_factory=list)
     # while the layer count is looked for: the candidate field, whose per-layer lists follow it in build()
     candidate: dict[str, str] = dataclasses.field(default_factory=dict)
+    # the model has strided convolutions or pooling: S (an image side) is probed as IMAGE_SCALE * prime
+    strided: bool = False
+    # fields that each count the blocks of one of several stacks at the same depth (encoder, decoder)
+    repeat_counts: list[str] = dataclasses.field(default_factory=list)
+    # the context every trace runs in (transformers: the eager paths, symacct.hf.eager_paths)
+    context: Callable[[], Any] = contextlib.nullcontext
+    # a field that is a quotient of two others at the user's values (head_dim = hidden_size / heads) and
+    # follows them at probe sizes: field -> (numerator field, denominator field or None for the numerator itself)
+    follow: dict[str, tuple[str, str | None]] = dataclasses.field(default_factory=dict)
 
 
 def _config_items(config: Any) -> list[tuple[str, Any]]:
@@ -88,7 +116,9 @@ def _with_fields(config: Any, values: Mapping[str, int]) -> Any:
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         new = dataclasses.replace(config, **values)
         for k, v in vars(config).items():
-            if k in values or (isinstance(v, int) and not isinstance(v, bool)):
+            # an integer the new config derived itself (a size __post_init__ computes) is its own; one it lacks
+            # (transformers keeps unknown keyword arguments such as decoder_start_token_id as attributes) is kept
+            if k in values or (isinstance(v, int) and not isinstance(v, bool) and k in vars(new)):
                 continue
             if k not in vars(new) or vars(new)[k] is not v and vars(new)[k] != v:
                 try:
@@ -170,6 +200,7 @@ def _source(
     cls = type(model)
     lists = _list_fields(config)
     candidate: dict[str, str] = {}
+    follow: dict[str, tuple[str, str | None]] = {}
 
     def build(vals: dict[str, int]) -> nn.Module:
         # a per-layer list (one entry per layer) follows the layer count: all alike, it is resized; while the
@@ -180,7 +211,15 @@ def _source(
             for name, seq in lists.items():
                 if len(seq) == ints[lfield] and (_uniform(seq) or candidate):
                     extra[name] = type(seq)(seq[i % len(seq)] for i in range(vals[lfield]))
-        return cls(_with_fields(config, {**vals, **extra}))
+        for name, (num, den) in follow.items():
+            if den is None and num in vals:
+                extra[name] = vals[num]
+            elif den is not None and (num in vals or den in vals):
+                extra[name] = vals.get(num, ints[num]) // vals.get(den, ints[den])
+        built = cls(_with_fields(config, {**vals, **extra}))
+        if is_transformers_model(model):
+            carry_checkpointing(model, built)
+        return built
 
     return _Source(
         fields=fields,
@@ -189,7 +228,90 @@ def _source(
         inputs=make_inputs_fn(has_example),
         lists=lists,
         candidate=candidate,
+        follow=follow,
     )
+
+
+IMAGE_SCALE = 64  # S = 64 * prime: six halvings of the image side stay whole (ResNet's stem and stages: five)
+
+
+def _strided(src: _Source) -> bool:
+    """Whether the model (built on fake tensors) has a convolution or pooling with a stride above 1: its
+    image side is then halved, and S is probed as a multiple of IMAGE_SCALE so that the halves are whole."""
+    model = _fake_build(src, {})
+    if model is None:
+        return False
+    for m in model.modules():
+        stride = getattr(m, "stride", None)
+        if isinstance(m, (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)):
+            strides = stride if isinstance(stride, tuple) else (stride,)
+            if any(isinstance(x, int) and x > 1 for x in strides):
+                return True
+    return False
+
+
+def _follow_heads(src: _Source, degenerate: bool) -> list[str]:
+    """Notes on fields that follow others at probe sizes instead of being symbols of their own, or stay fixed.
+
+    - a head width equal to D/H (``head_dim`` stored by transformers' configs): it follows D/H;
+    - with ``degenerate`` (derive's second try, when the model rebuilt at probe sizes ran other ops than the
+      user's): key/value heads equal to the heads follow H (code branches on H == H_kv: transformers'
+      ``repeat_kv`` returns at once), and sizes of 1 stay 1 (they broadcast and make transposes free).
+    """
+    by_letter = {letter: f for f, letter in src.fields.items()}
+    notes = []
+    h, kv = by_letter.get("H"), by_letter.get("H_kv")
+    if degenerate and h is not None and kv is not None and src.values[h] == src.values[kv]:
+        src.follow[kv] = (h, None)
+        del src.fields[kv]
+        notes.append(f"{kv} = {h} (no grouped heads): it follows H")
+    ones = sorted(f for f, letter in src.fields.items() if src.values[f] == 1 and letter != "L") if degenerate else []
+    for f in ones:
+        del src.fields[f]
+    if ones:
+        notes.append(f"{', '.join(ones)} = 1: kept at 1 (a size of 1 runs other ops: broadcasts, free transposes)")
+    for f in _follow_head_width(src):
+        notes.append(f"{f} = {src.values[f]} is the model width over the heads: it follows D/H")
+    return notes
+
+
+def _tied(src: _Source) -> dict[str, str | int]:
+    """Letters of size fields that are no symbol here: the letter they follow (H_kv follows H), or their kept
+    value (a size of 1). ``at(H_kv=...)`` accepts them at that value only."""
+    out: dict[str, str | int] = {}
+    for f, v in src.values.items():
+        letter = letter_for_field(f)
+        if f in src.fields or letter == f or letter in src.fields.values():
+            continue
+        follow = src.follow.get(f)
+        if follow is not None and follow[1] is None and follow[0] in src.fields:
+            out[letter] = src.fields[follow[0]]
+        else:
+            out[letter] = v
+    return out
+
+
+def _degenerate_sizes(src: _Source) -> bool:
+    """Whether the config has sizes that a second try ties or fixes (see _follow_heads)."""
+    by_letter = {letter: f for f, letter in src.fields.items()}
+    h, kv = by_letter.get("H"), by_letter.get("H_kv")
+    tie = h is not None and kv is not None and src.values[h] == src.values[kv]
+    return tie or any(src.values[f] == 1 and letter != "L" for f, letter in src.fields.items())
+
+
+def _follow_head_width(src: _Source) -> list[str]:
+    """Head-width fields equal to D/H at the user's values: they follow D/H instead of being symbols."""
+    by_letter = {letter: f for f, letter in src.fields.items()}
+    d, h = by_letter.get("D"), by_letter.get("H")
+    out = []
+    if d is None or h is None or src.values[h] <= 0:
+        return out
+    for f in HEAD_WIDTHS:
+        if f in src.fields and src.fields[f] == f and src.values[f] * src.values[h] == src.values[d]:
+            src.follow[f] = (d, h)
+            del src.fields[f]
+            out.append(f)
+    return out
 
 
 def _list_fields(config: Any) -> dict[str, Any]:
@@ -200,11 +322,24 @@ def _uniform(seq: Any) -> bool:
     return all(x == seq[0] for x in seq)
 
 
+def _build_fake(make: Callable[[], nn.Module], fake: FakeTensorMode, device: str = "cpu") -> nn.Module:
+    """``make()`` inside ``fake``; a constructor that reads values while initialising weights (transformers'
+    ViT: a data-dependent op, which fake tensors cannot answer) is built on the meta device instead, where
+    initialisation runs nothing, and copied to fake tensors."""
+    try:
+        with fake:
+            return make()
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        with torch.device("meta"):
+            model = make()
+        return fake_copy(model, fake, device)
+
+
 def _fake_build(src: _Source, overrides: dict[str, int]) -> nn.Module | None:
     """The model built with ``overrides`` on fake tensors (nothing allocated); None when it cannot be built so."""
     try:
-        with FakeTensorMode(), torch.device("cpu"):
-            return src.build(overrides)
+        with torch.device("cpu"):
+            return _build_fake(lambda: src.build(overrides), FakeTensorMode())
     except Exception:  # a size it cannot be built at: no evidence either way
         return None
 
@@ -251,7 +386,8 @@ def _not_sizes(src: _Source) -> list[str]:
         if letter != f or letter == "L":
             continue  # a known size name, or the layer count
         v = src.values[f]
-        if _shapes(src, {**small, f: v + 1 if v != -1 else v + 2}) == base:
+        # 2v + 1, not v + 1: a size read through a floor (image_size // patch_size) may not move by one
+        if _shapes(src, {**small, f: 2 * v + 1 if v != -1 else v + 2}) == base:
             out.append(f)
     return out
 
@@ -280,11 +416,15 @@ def _layer_field(src: _Source) -> tuple[str, str] | None:
         n = src.values[f]
         if not any(length == n for length in base.values()) or n < 1:
             continue
+        alone = _fake_build(src, {f: n + 1})  # the field grown alone: a width equal to a list's length stays put
         src.candidate["field"] = f
         try:
             grown = _repeats(src, {f: n + 1})
         finally:
             src.candidate.clear()
+        if alone is not None:  # it builds without its per-layer lists following: it must grow a list itself
+            alone_counts = _repeated(name for name, _ in alone.named_modules())
+            grown = {p: c for p, c in grown.items() if alone_counts.get(p) == c}
         paths = [p for p, length in base.items() if length == n and grown.get(p) == n + 1]
         if paths:
             path = min(paths, key=lambda p: (p.count(".") if p else -1, p))
@@ -292,7 +432,8 @@ def _layer_field(src: _Source) -> tuple[str, str] | None:
     if not found:
         return None
     found.sort()
-    if len(found) > 1 and found[0][0] == found[1][0]:
+    if len(found) > 1 and found[0][0] == found[1][0]:  # stacks side by side (an encoder and a decoder)
+        src.repeat_counts = [f for depth, f, _ in found if depth == found[0][0]]
         return None
     return found[0][1], found[0][2]
 
@@ -312,10 +453,30 @@ def _check_fixed(fixed: set[str], known: set[str], where: str) -> None:
         )
 
 
-def _probe_for(src: _Source, primes: tuple[int, ...], layers: int, avoid: set[int], offsets: bool = False) -> Probe:
+def _probe_for(
+    src: _Source,
+    primes: tuple[int, ...],
+    layers: int,
+    avoid: set[int],
+    head_primes: tuple[int, ...],
+    offsets: bool = False,
+) -> Probe:
     letters = sorted({letter for letter in src.fields.values() if letter != "L"} | {"B", "S"})
     layers_or_none = layers if "L" in src.fields.values() else None
-    return make_probe(letters, primes, layers_or_none, strict=not src.configless, avoid=avoid, offsets=offsets)
+    kept = [v for f, v in src.values.items() if letter_for_field(f) == "H" and f not in src.fields]
+    scale = {"S": IMAGE_SCALE} if src.strided else None
+    heads = kept[0] if len(kept) == 1 and isinstance(kept[0], int) and kept[0] > 0 else 1
+    return make_probe(
+        letters,
+        primes,
+        layers_or_none,
+        strict=not src.configless,
+        avoid=avoid,
+        offsets=offsets,
+        head_primes=head_primes,
+        heads=heads,
+        scale=scale,
+    )
 
 
 def _field_values(src: _Source, probe: Probe) -> dict[str, int]:
@@ -335,12 +496,55 @@ def _record(
         if src.configless:
             with FakeCopyMode(fake):  # parameters copied as fake tensors, nothing real allocated
                 return src.build(vals)
-        with fake:
-            return src.build(vals)
+        return _build_fake(lambda: src.build(vals), fake, (precision or {}).get("device", "cpu"))
 
-    return record_step(
-        build, lambda m: src.inputs(m, B, S), loss=loss, step=step, optimizer=optimizer, **(precision or {})
-    )
+    with src.context():
+        return record_step(
+            build, lambda m: src.inputs(m, B, S), loss=loss, step=step, optimizer=optimizer, **(precision or {})
+        )
+
+
+def _same_model(
+    model: nn.Module,
+    src: _Source,
+    probe: Probe,
+    trace: StepTrace,
+    stacks: list[str],
+    step: str,
+    loss: Any,
+    precision: dict[str, Any],
+    optimizer: Any = None,
+) -> None:
+    """Trace the user's own model (a fake copy) at the probe's B and S and compare its ops with the probe's.
+
+    The optimizer is built on it too (hooks it registers, such as the mixed recipe's fp32 gradient casts, run
+    in the backward), though its own phase is not compared.
+
+    S is kept below the user's position table (S_max) when the model has one, as the probe's S is below its
+    S_max (``x[:, :S]`` of a whole table runs no slice op).
+    """
+    B, S = probe.values["B"], probe.values["S"]
+    for f, letter in src.fields.items():
+        if letter == "S_max":
+            S = max(1, min(S, src.values[f] - 1))
+    device = precision.get("device", "cpu")
+
+    def user_trace(short: bool) -> StepTrace:
+        def build(fake: FakeTensorMode) -> nn.Module:
+            copied = fake_copy(model, fake, device)
+            if short:
+                shorten(copied, stacks)
+            return copied
+
+        with src.context():
+            return record_step(
+                build, lambda m: src.inputs(m, B, S), loss=loss, step=step, optimizer=optimizer, **precision
+            )
+
+    try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
+        compare_ops(user_trace(True), trace, stacks, probe.layers or 1)
+    except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
+        compare_ops(user_trace(False), trace, stacks, probe.layers or 1)
 
 
 def _stacks(trace: StepTrace, n: int) -> list[str]:
@@ -594,18 +798,24 @@ def _derive(
     autocast: torch.dtype | str | None = None,
     params_dtype: torch.dtype | str | None = None,
     device: str = "cpu",
+    _degenerate: bool = False,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
+
+    The model rebuilt at probe sizes is compared op by op with a trace of
+    ``model`` itself (``symacct.sameness``); a difference is refused.
 
     Args:
         model: an ``nn.Module`` whose ``config`` (a dataclass) rebuilds it as
             ``type(model)(config)``; or, with ``dims``, a factory called as
             ``model(**dims)``; or a module without config (only B and S are
             symbols then).
-        inputs: ``(B, S) -> args`` or ``(model, B, S) -> args``; default
-            ``model.example_inputs``.
+        inputs: ``(B, S) -> args`` or ``(model, B, S) -> args``: a tuple of
+            positional inputs or a dict of keyword inputs; default
+            ``model.example_inputs``, or for a transformers model its task's
+            step (``symacct.hf.task``).
         loss: turns the model's output into the scalar loss (default: the
-            output must be the loss).
+            output must be the loss; a transformers model: ``output.loss``).
         step: ``"train"`` (forward + backward [+ optimizer]) or ``"forward"``
             (inference under ``torch.no_grad()``).
         optimizer: a name (``"adamw"``, ``"sgd"``, ...) or a
@@ -652,6 +862,7 @@ def _derive(
         strict=strict,
         causal_discount=causal_discount,
         embedding_flops=embedding_flops,
+        _degenerate=_degenerate,
     )
     if step not in ("train", "forward"):
         raise SymacctError(f"unknown step {step!r}", hint="use step='train' or step='forward'")
@@ -676,12 +887,32 @@ def _derive(
             "ops and keep other tensors",
             hint="pass the eager module, model._orig_mod (the figures are then those of eager execution)",
         )
+    hf_task = None
+    if dims is None and is_transformers_model(model):
+        if inputs is None or loss is None:
+            hf_task = task_for(model)
+        if inputs is None:
+            inputs = _drop_labels(hf_task.inputs) if step == "forward" else hf_task.inputs
+        if loss is None and step == "train":
+            loss = hf_task.loss
     src = _source(model, inputs, dims, fixed)
+    src.strided = _strided(src)
+    if hf_task is not None:
+        src.notes.append(hf_task.note)
+    if dims is None and is_transformers_model(model):
+        _eager_transformers(src)
     layer = _layer_field(src)
     if layer is not None:
         field_name, path = layer
         src.fields[field_name] = "L"
         src.notes.append(f"{field_name} counts the layers ('{path or '<root>'}' repeats {field_name} times): L")
+    for f in src.repeat_counts:  # never probed as a size: a prime number of blocks, traced, would take minutes
+        del src.fields[f]
+    if src.repeat_counts:
+        src.notes.append(
+            f"{', '.join(src.repeat_counts)} each count the blocks of a stack side by side with another: "
+            "kept at their values (the stacks are not factored by L)"
+        )
     lfield = next((f for f, letter in src.fields.items() if letter == "L"), None)
     if lfield is not None:
         for name, seq in src.lists.items():
@@ -689,6 +920,7 @@ def _derive(
                 return _with_fixed_layers(
                     model, src, kwargs, f"the per-layer list {name} differs between layers (it has one entry a layer)"
                 )
+    src.notes += _follow_heads(src, _degenerate)
     constants = _not_sizes(src)
     for f in constants:
         del src.fields[f]
@@ -703,8 +935,8 @@ def _derive(
         for t in [*model.parameters(), *model.buffers()]:
             for d in t.shape:
                 avoid |= set(sympy.factorint(int(d))) if d > 1 else set()
-    probe1 = _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, offsets=True)
-    probe2 = _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid)
+    probe1 = _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True)
+    probe2 = _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1])
     trace1 = _record(src, probe1, step, loss, make_opt, precision)
     stacks = _stacks(trace1, LAYERS[0]) if probe1.layers is not None else []
     costed1 = cost_ops(trace1, probe1.to_expr, strict=strict, options=options)
@@ -718,6 +950,16 @@ def _derive(
         min_layers = 1
         counts = [sympy.Integer(1)] * len(costed1)
         param_counts = {ph.name: sympy.Integer(1) for ph in trace1.placeholders}
+    if not src.configless and dims is None:  # the rebuilt model must be the user's (symacct.sameness)
+        try:
+            _same_model(model, src, probe1, trace1, stacks, step, loss, precision, make_opt)
+        except SymacctError as e:
+            if _degenerate or not _degenerate_sizes(src):
+                raise
+            try:  # sizes such as H == H_kv or 1 run other ops: try again with them tied or fixed
+                return _derive(model, **{**kwargs, "_degenerate": True})
+            except SymacctError:
+                raise e from None
     trace2 = _record(src, probe2, step, loss, make_opt, precision)
     if probe1.layers is not None and not stacks:
         if len(trace2.ops) != len(trace1.ops):
@@ -769,7 +1011,13 @@ def _derive(
     )
     acct.memory = memory
     acct.liveness = live
+    acct.tied = _tied(src)
+    for f in src.values:  # the config field behind a tied letter, for the notation tables
+        if letter_for_field(f) in acct.tied:
+            acct.fields.setdefault(letter_for_field(f), f)
     acct.constraints = learn_constraints(trace1, probe1.to_expr)
+    if is_transformers_model(model):
+        acct.constraints += window_constraints(model, probe1.values["S"])
     acct.notes[:0] = src.notes
     if "B" not in acct.free_symbols():
         acct.notes.append(
@@ -781,6 +1029,33 @@ def _derive(
 
 
 derive = _locked(_derive)
+
+
+def _eager_transformers(src: _Source) -> None:
+    """Trace a transformers model on the path an eager run takes (symacct.hf.eager_paths): the inputs' keys
+    are remembered at each call, to know whether the model numbers the positions itself."""
+    keys: list[str] = []
+    make = src.inputs
+
+    def remembering(m: nn.Module, B: int, S: int) -> Any:
+        got = make(m, B, S)
+        if isinstance(got, dict):
+            keys[:] = list(got)
+        else:  # positional: the names of the forward's first parameters
+            keys[:] = list(inspect.signature(m.forward).parameters)[: len(got)]
+        return got
+
+    src.inputs = remembering
+    src.context = lambda: eager_paths(lambda: "position_ids" not in keys)
+
+
+def _drop_labels(inputs: Callable[..., Any]) -> Callable[..., Any]:
+    """A forward (inference) step computes no loss: the task's inputs without its labels."""
+
+    def without(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+        return {k: v for k, v in inputs(m, B, S).items() if k != "labels"}
+
+    return without
 
 
 def _internal(e: Exception) -> SymacctError:

@@ -182,7 +182,7 @@ def build_graph(trace: StepTrace, costed: list[CostedOp], counts: list[sympy.Exp
             saved=any(t.storage in saved and trace.storage_producer.get(t.storage) == rec.index for t in rec.outputs),
             allocated=sum(
                 (
-                    dim(trace.storage_nbytes[st])
+                    trace.bytes_of(st, dim)
                     for st in {t.storage for t in rec.outputs}
                     if trace.storage_producer.get(st) == rec.index
                 ),

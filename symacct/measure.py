@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 
 @dataclass
@@ -24,22 +25,58 @@ class Measured:
     flops_forward: int
     flops_backward: int
     saved_bytes: int  # distinct storages saved for backward, params and inputs excluded
+    # the CPU flash-attention kernel, which FlopCounterMode counts as 0: its FLOPs by flop_counter's own SDPA
+    # formulas (sdpa_flop_count, sdpa_backward_flop_count) from the shapes of each call, per phase (the
+    # backward's include a forward kernel run again by activation checkpointing)
+    flash_forward: int = 0
+    flash_backward: int = 0
 
     @property
     def flops_total(self) -> int:
         return self.flops_forward + self.flops_backward
 
 
-def _autocast(dtype: torch.dtype | None, args: tuple[Any, ...]) -> Any:
+class CpuFlashCounter(TorchDispatchMode):
+    """FLOPs of ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which FlopCounterMode leaves
+    out, with flop_counter's own formulas (the backward's five products include the recomputed scores).
+    ``total`` sums every call made while the mode is active (one mode per phase)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        aten = torch.ops.aten
+        if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+            q, k, v = args[:3]
+            self.total += sdpa_flop_count(q.shape, k.shape, v.shape)
+        elif func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+            grad_out, q, k, v = args[:4]
+            self.total += sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+        return func(*args, **(kwargs or {}))
+
+
+Args = tuple[Any, ...] | dict[str, Any]  # positional inputs, or keyword inputs (transformers' input_ids=...)
+
+
+def _tensors(args: Args) -> list[torch.Tensor]:
+    return [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+
+
+def _call(model: nn.Module, args: Args) -> Any:
+    return model(**args) if isinstance(args, dict) else model(*args)
+
+
+def _autocast(dtype: torch.dtype | None, args: Args) -> Any:
     if dtype is None:
         return contextlib.nullcontext()
-    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    device = next((a.device.type for a in _tensors(args)), "cpu")
     return torch.autocast(device_type=device, dtype=dtype)
 
 
 def measure_step(
     model: nn.Module,
-    args: tuple[Any, ...],
+    args: Args,
     loss: Callable[[Any], torch.Tensor] | None = None,
     autocast: torch.dtype | None = None,
 ) -> Measured:
@@ -47,7 +84,7 @@ def measure_step(
     model.train()
     external = {p.untyped_storage().data_ptr() for p in model.parameters()}
     external |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    external |= {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    external |= {a.untyped_storage().data_ptr() for a in _tensors(args)}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -62,15 +99,15 @@ def measure_step(
         keep.append(t)
         return pack(t)
 
-    fwd = FlopCounterMode(display=False)
-    with fwd, torch.autograd.graph.saved_tensors_hooks(pack_keep, lambda t: t), _autocast(autocast, args):
-        out = model(*args)
+    fwd, flash_fwd = FlopCounterMode(display=False), CpuFlashCounter()
+    with fwd, flash_fwd, torch.autograd.graph.saved_tensors_hooks(pack_keep, lambda t: t), _autocast(autocast, args):
+        out = _call(model, args)
         value = loss(out) if loss is not None else out
-    bwd = FlopCounterMode(display=False)
-    with bwd:
-        value.backward()
+    bwd, flash_bwd = FlopCounterMode(display=False), CpuFlashCounter()
+    with bwd, flash_bwd:
+        value.backward()  # with checkpointing, the forward's kernels run again here
     keep.clear()
-    return Measured(fwd.get_total_flops(), bwd.get_total_flops(), sum(saved.values()))
+    return Measured(fwd.get_total_flops(), bwd.get_total_flops(), sum(saved.values()), flash_fwd.total, flash_bwd.total)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -134,7 +171,7 @@ def _distinct_nbytes(ts: list[torch.Tensor]) -> int:
 
 def measure_memory(
     model: nn.Module,
-    args: tuple[Any, ...],
+    args: Args,
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     loss: Callable[[Any], torch.Tensor] | None = None,
     autocast: torch.dtype | None = None,
@@ -152,7 +189,7 @@ def measure_memory(
     model.eval()
     tracker = StorageTracker(_held(model, args, None))
     with tracker, torch.no_grad(), _autocast(autocast, args):
-        out = model(*args)
+        out = _call(model, args)
     after = tracker.current()
     params = _distinct_nbytes(list(model.parameters()))
     del out
@@ -163,15 +200,15 @@ def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
-def _held(model: nn.Module, args: tuple[Any, ...], opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+def _held(model: nn.Module, args: Args, opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """What exists before the step: parameters, buffers, inputs, states made at construction (Adagrad)."""
-    held = [*model.parameters(), *model.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
+    held = [*model.parameters(), *model.buffers(), *_tensors(args)]
     return held + (_state_tensors(opt) if opt is not None else [])
 
 
 def measure_memory_steps(
     model: nn.Module,
-    args: tuple[Any, ...],
+    args: Args,
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None,
     steps: int,
     autocast: torch.dtype | None = None,
@@ -185,7 +222,7 @@ def measure_memory_steps(
 
 def _train_steps(
     model: nn.Module,
-    args: tuple[Any, ...],
+    args: Args,
     opt: torch.optim.Optimizer | None,
     tracker: StorageTracker,
     loss: Callable[[Any], torch.Tensor] | None,
@@ -197,7 +234,7 @@ def _train_steps(
         with tracker:
             tracker.peak = tracker.current()
             with _autocast(autocast, args):
-                out = model(*args)
+                out = _call(model, args)
                 value = loss(out) if loss is not None else out
             after_forward = tracker.current()
             value.backward()
@@ -219,7 +256,7 @@ def _train_steps(
 
 def measure_cuda_memory(
     model: nn.Module,
-    args: tuple[Any, ...],
+    args: Args,
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     autocast: torch.dtype | None = None,
 ) -> MeasuredMemory:
@@ -237,10 +274,11 @@ class CudaSteps:
 
 def measure_cuda_steps(
     model: nn.Module,
-    args: tuple[Any, ...],
+    args: Args,
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None,
     steps: int,
     autocast: torch.dtype | None = None,
+    loss: Callable[[Any], torch.Tensor] | None = None,
 ) -> CudaSteps:
     """``steps`` real training steps on the GPU, measured by the caching allocator and CUDA events.
 
@@ -260,10 +298,11 @@ def measure_cuda_steps(
     base = torch.cuda.memory_allocated()
     base_reserved = torch.cuda.memory_reserved()
     model = model.cuda().train()
-    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    args = tree_map(lambda a: a.cuda() if isinstance(a, torch.Tensor) else a, args)
     moved = torch.cuda.memory_allocated()
     with _autocast(autocast, args):
-        warm = model(*args)
+        warm = _call(model, args)
+        warm = loss(warm) if loss is not None else warm
     warm.backward()
     model.zero_grad(set_to_none=True)
     del warm
@@ -278,9 +317,10 @@ def measure_cuda_steps(
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         with _autocast(autocast, args):
-            loss = model(*args)
+            out = _call(model, args)
+            value = loss(out) if loss is not None else out
         after_forward = torch.cuda.memory_allocated() - base
-        loss.backward()
+        value.backward()
         after_backward = torch.cuda.memory_allocated() - base
         grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
         states = 0
@@ -298,5 +338,5 @@ def measure_cuda_steps(
         )
         result.reserved.append(torch.cuda.memory_reserved() - base_reserved)
         result.seconds.append(begin.elapsed_time(end) / 1000.0)
-        del loss
+        del out, value
     return result

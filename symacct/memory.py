@@ -73,7 +73,7 @@ def intervals(trace: StepTrace, probe: Probe) -> Intervals:
         nb = trace.storage_nbytes.get(st)
         if nb is None:
             nb = _nbytes_from_ops(trace, st)
-        nbytes[st] = probe.to_expr(nb)
+        nbytes[st] = trace.bytes_of(st, probe.to_expr, nb)
     return Intervals(n, start, end, nbytes)
 
 
@@ -294,13 +294,11 @@ def static_and_activations(
     params = sympy.Integer(0)
     for ph in trace.placeholders:
         if ph.kind == "param":
-            params += nb(trace.storage_nbytes[ph.meta.storage]) * names_count[ph.name]
-    grads = sum(
-        (nb(trace.storage_nbytes[st]) * names_count[n] for st, n in trace.grad_storages.items()), sympy.Integer(0)
-    )
+            params += trace.bytes_of(ph.meta.storage, nb) * names_count[ph.name]
+    grads = sum((trace.bytes_of(st, nb) * names_count[n] for st, n in trace.grad_storages.items()), sympy.Integer(0))
     by_state: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
     for st, (n, key) in trace.state_storages.items():
-        by_state[key] += nb(trace.storage_nbytes[st]) * names_count[n]
+        by_state[key] += trace.bytes_of(st, nb) * names_count[n]
     acts = sympy.Integer(0)
     by_module: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
     per_layer: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
@@ -312,7 +310,7 @@ def static_and_activations(
         c = counts[producer]
         if c == 0:
             continue
-        b = nb(nbytes)
+        b = trace.bytes_of(st, nb, nbytes)
         module = trace.ops[producer].module
         acts += b * c
         by_module[generic(module)] += b * c
@@ -321,7 +319,7 @@ def static_and_activations(
     buffers = sympy.Integer(0)
     for ph in trace.placeholders:
         if ph.kind == "buffer" and ph.meta.storage in trace.persistent_buffers:
-            buffers += nb(trace.storage_nbytes[ph.meta.storage]) * names_count.get(ph.name, 1)
+            buffers += trace.bytes_of(ph.meta.storage, nb) * names_count.get(ph.name, 1)
     mem.checkpoint = sympy.expand(params + buffers + sum(by_state.values(), sympy.Integer(0)))
     # autocast's low-precision copies of the weights: casts whose input is a parameter
     copies: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
@@ -330,7 +328,7 @@ def static_and_activations(
         if rec.phase == "forward" and rec.op.overloadpacket.__name__ == "_to_copy" and counts[rec.index] != 0:
             if any(m.storage in param_storages for m in rec.inputs):
                 for m in rec.outputs:
-                    copies[generic(rec.module)] += nb(trace.storage_nbytes[m.storage]) * counts[rec.index]
+                    copies[generic(rec.module)] += trace.bytes_of(m.storage, nb) * counts[rec.index]
     mem.autocast_copies = {k: sympy.expand(v) for k, v in sorted(copies.items())}
     mem.params = sympy.expand(params)
     mem.grads = sympy.expand(grads)

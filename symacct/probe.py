@@ -5,7 +5,9 @@ traced dimension factors uniquely into symbols: 2*D/H, 3*D, B*S... The small
 primes 2, 3, 5, 7 are left for constants. Structure the models need is
 built in: H is a multiple of H_kv, D a multiple of 8*H (a head width divisible
 by 4: rotary halves, and the quarter or half widths of partial rotary
-embeddings), S_max the largest value (positions >= S).
+embeddings), S_max the largest value (positions >= S). Heads are as wide as
+real ones (D/H = 8*29 = 232 in the first probe, see ``HEAD_PRIMES``): kernels
+pick their path by the head width.
 
 A dimension that leaves a foreign prime after division by the symbols' own
 primes is not a product of the model's symbols; :func:`Probe.to_expr`
@@ -22,6 +24,7 @@ import sympy
 from symacct.symbols import sym
 
 SMALL_PRIMES = (2, 3, 5, 7)
+HEAD_WIDTHS = ("head_dim", "kv_channels", "d_kv", "head_size", "attention_head_size")
 OFFSETS = (-4, -3, -2, -1, 1, 2, 3, 4)  # a size may be a symbol plus one of these (S - 1, S_max + 2)
 
 
@@ -48,6 +51,11 @@ def offset_safe_primes(n: int, start: int = 11) -> tuple[int, ...]:
 # S - 1 or S_max + 2 cannot be read as a constant by accident (see Probe.to_expr)
 FIRST_PRIMES = offset_safe_primes(11)  # 233, 263, 307, ...
 SECOND_PRIMES = (53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 101)
+# own primes of the per-head width D/H (and of a head width of its own, head_dim): small, so that a head is
+# 8*29 = 232 or 8*31 = 248 wide as real heads are (64..256). Kernels choose their path by the head width
+# (transformers' SDPA uses grouped-query SDPA only up to 256, flash kernels stop at 256): a probe head wider
+# than any real one would trace another path than the user's model takes.
+HEAD_PRIMES = ((29, 23, 19), (31, 17, 13))  # first probe, second probe
 LAYERS = (4, 5)  # probe values of L in the first and second trace
 
 
@@ -98,7 +106,9 @@ class Probe:
         """``m * (X + c)`` or ``m * (X + k*Y)`` equal to ``v``: the reading whose monomial ``m`` has the smallest
         constant.
 
-        ``X + c``: a symbol shifted by a small constant (S - 1). ``X + k*Y``: two
+        ``X + c``: a symbol shifted by a small constant (S - 1), or a whole quotient
+        of two symbols or its square (a ViT's (image_size/patch_size)**2 patches
+        and its class token). ``X + k*Y``: two
         symbols (a fused QKV projection with grouped heads has (H + 2*H_kv)*D/H
         outputs). Neighbours of two probe primes can share a prime (262 = 2*131
         and 655 = 5*131), so a value may divide by a wrong ``X + c`` and leave
@@ -107,8 +117,15 @@ class Probe:
         refuses a wrong one.
         """
         shifts: list[tuple[int, sympy.Expr]] = []
+        bases = [(self.values[n], sym(n)) for n in self.order]
+        for name in self.order:  # whole quotients (patches per side: image_size/patch_size) and their squares
+            for other in self.order:
+                if other != name and self.values[name] % self.values[other] == 0:
+                    q = self.values[name] // self.values[other]
+                    bases += [(q, sym(name) / sym(other)), (q * q, (sym(name) / sym(other)) ** 2)]
+        for base, form in bases:  # a ViT's patches plus its class token: (image_size/patch_size)**2 + 1
+            shifts += [(base + c, form + c) for c in OFFSETS]
         for name in self.order:
-            shifts += [(self.values[name] + c, sym(name) + c) for c in OFFSETS]
             for other in self.order:
                 if other != name:
                     shifts += [(self.values[name] + k * self.values[other], sym(name) + k * sym(other)) for k in (1, 2)]
@@ -161,17 +178,33 @@ def make_probe(
     strict: bool = True,
     avoid: set[int] | None = None,
     offsets: bool = False,
+    head_primes: tuple[int, ...] = HEAD_PRIMES[0],
+    heads: int = 1,
+    scale: dict[str, int] | None = None,
 ) -> Probe:
-    """Probe values for ``names``; H_kv | H, 8H | D, S_max largest.
+    """Probe values for ``names``; H_kv | H, 8H | D, patch_size | image_size, S_max largest.
 
     ``avoid``: primes of constants (fixed fields' values) that no symbol may use.
     ``offsets``: read shifted sizes (``S - 1``); every prime then keeps the
     property of :func:`offset_safe_primes` against the constants' primes too.
+    ``head_primes``: the own primes of the head widths (D/H, head_dim), in
+    that order: D/H = 8 * head_primes[0].
+    ``heads``: the head count when it is not a symbol (kept at its value):
+    D is then 8 * heads * its prime, so that D/H stays a whole, even width.
+    ``scale``: a constant factor of a symbol's value (S = 64 * prime for a
+    network that halves its image side: strided convolutions and pooling
+    then give S/2, S/4, ... instead of rounded sizes).
     """
     avoid = avoid or set()
+    widths = [n for n in ("D", *HEAD_WIDTHS) if n in names]
+    head_pool = [p for p in head_primes if p not in avoid]
+    if len(head_pool) < len(widths):
+        widths = widths[: len(head_pool)]  # the rest take large primes (wide heads), the second trace checks them
+    head_own = dict(zip(widths, head_pool))
+    avoid_all = avoid | set(head_own.values())
 
     def usable(p: int, taken: set[int]) -> bool:
-        return p not in avoid and (not offsets or _offset_safe(p, taken | avoid))
+        return p not in avoid_all and (not offsets or _offset_safe(p, taken | avoid_all))
 
     pool = [p for p in primes if usable(p, set(primes) - {p})]
     extra = primes[-1]
@@ -179,7 +212,7 @@ def make_probe(
         extra = int(sympy.nextprime(extra))
         if usable(extra, set(pool)):
             pool.append(extra)
-    firsts = [n for n in ("H_kv", "H", "D") if n in names]
+    firsts = [n for n in ("patch_size", "H_kv", "H", "D") if n in names]
     middle = sorted(n for n in names if n not in firsts and n != "S_max")
     order = firsts + middle + (["S_max"] if "S_max" in names else [])
     own: dict[str, int] = {}
@@ -187,17 +220,27 @@ def make_probe(
     values: dict[str, int] = {}
     small = iter(pool[:-1])
     for name in order:
-        p = pool[-1] if name == "S_max" else next(small)
+        p = pool[-1] if name == "S_max" else head_own[name] if name in head_own else next(small)
         own[name] = p
         vec = {p: 1}
+        if name == "image_size" and "patch_size" in values:  # whole patches: image_size / patch_size a prime
+            vec.update(vectors["patch_size"])
         if name == "H" and "H_kv" in values:
             vec.update(vectors["H_kv"])
-        if name == "D" and "H" in values:
-            vec.update(vectors["H"])
+        if name == "D":
+            if "H" in values:
+                vec.update(vectors["H"])
+            else:  # heads kept at their value: a constant factor of D
+                for q, e in sympy.factorint(heads).items():
+                    vec[q] = vec.get(q, 0) + e
             vec[2] = vec.get(2, 0) + 3  # D/H a multiple of 8: rotary halves and quarter (partial) rotary widths
+        if name in HEAD_WIDTHS:  # a head width of its own (head_dim != D/H): a multiple of 8 as D/H is
+            vec[2] = vec.get(2, 0) + 3
+        for q, e in sympy.factorint((scale or {}).get(name, 1)).items():
+            vec[q] = vec.get(q, 0) + e
         vectors[name] = vec
         values[name] = int(sympy.prod(q**e for q, e in vec.items()))
     if "S_max" in values and "S" in values and values["S_max"] <= values["S"]:
         raise AssertionError("probe: S_max must exceed S")
-    constants = tuple(sorted(set(SMALL_PRIMES) | avoid))
+    constants = tuple(sorted(set(SMALL_PRIMES) | avoid))  # avoid: the constants' primes, never a head's
     return Probe(values, own, vectors, order, layers, strict, constants, offsets=offsets and strict)

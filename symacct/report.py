@@ -74,7 +74,12 @@ def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
         "bytes_per_param_peak": str(acct.bytes_per_param_peak()),
         "step": acct.options.get("step", "train"),
         "symbols": [
-            {"symbol": k, "meaning": MEANING.get(k, f"config field {acct.fields.get(k, k)}"), "value": v}
+            {
+                "symbol": k,
+                "meaning": MEANING.get(k, f"config field {acct.fields.get(k, k)}"),
+                "field": acct.fields.get(k),
+                "value": v,
+            }
             for k, v in values.items()
         ],
         "formulas": rows,
@@ -88,7 +93,8 @@ def render_text(report: dict[str, Any]) -> str:
     """The summary as aligned plain text."""
     lines = [f"symacct derive {report['model']}  (step: {report['step']})", "", "symbols:"]
     for s in report["symbols"]:
-        lines.append(f"  {s['symbol']:<6} = {s['value']:<10} {s['meaning']}")
+        field = f" ({s['field']})" if s.get("field") and s["field"] != s["symbol"] else ""
+        lines.append(f"  {s['symbol']:<6} = {s['value']:<10} {s['meaning']}{field}")
     lines += ["", "formulas (value at the symbols above):"]
     for r in report["formulas"]:
         lines.append(f"  {r['label']}")

@@ -23,6 +23,7 @@ ALIASES: dict[str, str] = {
     "n_head": "H",
     "n_heads": "H",
     "num_attention_heads": "H",
+    "num_heads": "H",
     "n_kv_heads": "H_kv",
     "num_key_value_heads": "H_kv",
     "n_layer": "L",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +108,8 @@ class StepTrace:
     saved_storages: dict[int, int] = field(default_factory=dict)  # storage -> nbytes
     storage_producer: dict[int, int] = field(default_factory=dict)  # storage -> op index
     storage_nbytes: dict[int, int] = field(default_factory=dict)
+    # storage -> (shape, itemsize) of a tensor that spans it: its size read dimension by dimension
+    storage_shape: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     external_storages: set[int] = field(default_factory=set)  # params, buffers, inputs
     param_names: dict[int, list[str]] = field(default_factory=dict)  # storage -> names
     module_names: list[str] = field(default_factory=list)  # named_modules order
@@ -119,6 +122,24 @@ class StepTrace:
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
     storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
     persistent_buffers: set[int] = field(default_factory=set)  # buffer storages that state_dict() saves
+
+    def note_storage(self, st: int, t: torch.Tensor) -> None:
+        """Record the bytes of storage ``st`` and, when ``t`` spans it, the shape they come from."""
+        nbytes = t.untyped_storage().nbytes()
+        self.storage_nbytes[st] = nbytes
+        if t.numel() * t.element_size() == nbytes:
+            self.storage_shape[st] = (tuple(int(d) for d in t.shape), t.element_size())
+
+    def bytes_of(self, st: int, read: Callable[[int], Any], nbytes: int | None = None) -> Any:
+        """The bytes of a storage as a formula: itemsize times the product of its dimensions read one by one
+        (a product of shifted sizes such as (H + 2*H_kv)*D/H times D reads only so), else the number read whole."""
+        nb = self.storage_nbytes.get(st, nbytes) if nbytes is None else nbytes
+        shape = self.storage_shape.get(st)
+        if shape is not None and shape[0] and math.prod(shape[0]) * shape[1] == nb:
+            dims = [read(d) for d in shape[0]]
+            if all(d is not None for d in dims):
+                return shape[1] * math.prod(dims)
+        return read(nb)
 
 
 class _Ids:
@@ -228,6 +249,12 @@ def _failure(func: Any, e: Exception) -> tuple[str, str]:
             "the step depends on tensor values (data-dependent control flow or output shape)",
             "symacct traces with fake tensors and cannot read values: replace the "
             "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops",
+        )
+    if "grouped_mm" in str(func):
+        return (
+            f"the op failed on fake tensors: {name}: {_text(e)}",
+            "a mixture of experts (grouped matmuls over routed tokens): symacct does not derive expert routing "
+            "yet; its grouped-matmul kernel checks dtypes on fake tensors that the eager CPU kernel does not",
         )
     return (
         f"the op failed on fake tensors: {name}: {_text(e)}",
@@ -362,23 +389,33 @@ class _Recorder(TorchDispatchMode):
             for t, m in zip(flat_out, outputs):
                 if m.storage not in self.trace.storage_producer and m.storage not in self.trace.external_storages:
                     self.trace.storage_producer[m.storage] = rec.index
-                    self.trace.storage_nbytes[m.storage] = t.untyped_storage().nbytes()
+                    self.trace.note_storage(m.storage, t)
 
 
-def call_inputs(inputs: Callable[..., Any], model: nn.Module, B: int, S: int) -> tuple[Any, ...]:
-    """Call an inputs builder given as ``f(B, S)`` or ``f(model, B, S)``."""
+def call_inputs(inputs: Callable[..., Any], model: nn.Module, B: int, S: int) -> tuple[Any, ...] | dict[str, Any]:
+    """Call an inputs builder given as ``f(B, S)`` or ``f(model, B, S)``.
+
+    A tuple (or one tensor) is passed positionally, ``model(*inputs)``; a dict
+    by keyword, ``model(**inputs)`` (``input_ids=..., labels=...``).
+    """
     try:
         n = len(inspect.signature(inputs).parameters)
     except (TypeError, ValueError):
         n = 2
     got = inputs(model, B, S) if n >= 3 else inputs(B, S)
     if isinstance(got, dict):
-        raise SymacctError(
-            f"inputs= returned a dict (keys {', '.join(map(str, got))}); symacct calls model(*inputs)",
-            hint="return the positional inputs as a tuple, e.g. lambda m, B, S: (ids,), or wrap the model so that "
-            "its forward takes them positionally",
-        )
+        bad = [k for k in got if not isinstance(k, str)]
+        if bad:
+            raise SymacctError(
+                f"inputs= returned a dict with keys that are not argument names: {bad}",
+                hint="return a dict of keyword arguments (str keys) or a tuple of positional ones",
+            )
+        return dict(got)
     return tuple(got) if isinstance(got, (tuple, list)) else (got,)
+
+
+def _invoke(model: nn.Module, args: tuple[Any, ...] | dict[str, Any]) -> Any:
+    return model(**args) if isinstance(args, dict) else model(*args)
 
 
 def record_step(
@@ -429,8 +466,8 @@ def record_step(
             with torch.device(device):
                 args = make_inputs(model)
             if params_dtype is not None:  # float inputs follow the parameters
-                args = tuple(
-                    a.to(params_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+                args = tree_map(
+                    lambda a: a.to(params_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a, args
                 )
         except SymacctError:
             raise
@@ -451,7 +488,7 @@ def record_step(
             trace.owner[m.storage] = name
             trace.placeholders.append(Placeholder("param", name, m))
             trace.external_storages.add(m.storage)
-            trace.storage_nbytes[m.storage] = p.untyped_storage().nbytes()
+            trace.note_storage(m.storage, p)
         state_keys = set(model.state_dict(keep_vars=True))
         for name, b in model.named_buffers():
             m = ids.meta(b)
@@ -459,13 +496,15 @@ def record_step(
                 trace.persistent_buffers.add(m.storage)
             trace.placeholders.append(Placeholder("buffer", name, m))
             trace.external_storages.add(m.storage)
-            trace.storage_nbytes[m.storage] = b.untyped_storage().nbytes()
-        for i, a in enumerate(tree_flatten(args)[0]):
-            if isinstance(a, torch.Tensor):
+            trace.note_storage(m.storage, b)
+        named = list(args.items()) if isinstance(args, dict) else [(f"input{i}", a) for i, a in enumerate(args)]
+        for key, value in named:
+            leaves = [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor)]
+            for j, a in enumerate(leaves):
                 m = ids.meta(a)
-                trace.placeholders.append(Placeholder("input", f"input{i}", m))
+                trace.placeholders.append(Placeholder("input", key if len(leaves) == 1 else f"{key}.{j}", m))
                 trace.external_storages.add(m.storage)
-                trace.storage_nbytes[m.storage] = a.untyped_storage().nbytes()
+                trace.note_storage(m.storage, a)
         trace.module_names = [n for n, _ in model.named_modules()]
         trace.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
         opt = optimizer(model) if (optimizer is not None and step == "train") else None
@@ -546,11 +585,11 @@ def record_step(
     return trace
 
 
-def _call_model(model: nn.Module, args: tuple[Any, ...], recorder: Any) -> Any:
+def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], recorder: Any) -> Any:
     """``model(*args)``; an error raised above dispatch (an argument check in Python or C++) is named with
     the module it happened in and its full text, as a refusal at probe sizes, not as symacct's defect."""
     try:
-        return model(*args)
+        return _invoke(model, args)
     except SymacctError:
         raise
     except Exception as e:
@@ -660,4 +699,4 @@ def _state_storages(opt: torch.optim.Optimizer, model: nn.Module, ids: _Ids, tra
                 trace.state_storages[st] = (names[id(p)], key)
                 trace.owner[st] = names[id(p)]
                 if st not in trace.storage_nbytes:
-                    trace.storage_nbytes[st] = v.untyped_storage().nbytes()
+                    trace.note_storage(st, v)

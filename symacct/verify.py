@@ -3,8 +3,10 @@
 The model is derived (from a meta-device copy), then built at its real size
 on the chosen device and run for real. Rows, each with its tolerance:
 
-- matmul FLOPs, forward and backward (``FlopCounterMode``; on CPU its gap on
-  the flash-attention kernel is shown as its own row, not hidden);
+- matmul FLOPs, forward and backward (``FlopCounterMode``, plus on CPU the
+  flash-attention kernel it counts as 0, counted with flop_counter's own SDPA
+  formulas by ``measure.CpuFlashCounter``; that kernel's share is a row of
+  its own too, so the gap is shown, not hidden);
 - saved-activation bytes (``saved_tensors_hooks``);
 - params, grads, optimizer-state bytes (the real tensors after the step);
 - live bytes after forward, after backward, after the optimizer step, and the
@@ -22,9 +24,12 @@ Tolerances: 0 on CPU (every figure is exact there); 3 % for CUDA memory
 (the caching allocator rounds blocks to 512 bytes; the CUDA libraries'
 workspaces, made in a warm-up pass before the measured steps, are shown as
 their own row and left out of the others).
-Rows with no stated tolerance (the uncounted CPU flash-attention FLOPs,
-reserved memory, time and MFU: a roofline ignores launch costs and overlap,
-so it is a bound, not a measurement's twin) are shown, never judged.
+Rows with no stated tolerance (reserved memory, time and MFU: a roofline
+ignores launch costs and overlap, so it is a bound, not a measurement's
+twin) are shown, never judged.
+
+A transformers model runs its default task step (``symacct.hf.task``)
+unless ``inputs`` and ``loss`` are given.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from symacct.accounting import Accounting
 from symacct.errors import SymacctError
 from symacct.measure import measure_cuda_steps, measure_memory_steps, measure_step
+from symacct.trace import call_inputs
 
 _CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
 
@@ -70,6 +77,18 @@ class Row:
         }
 
 
+def _step_of(model: nn.Module, inputs: Any, loss: Any) -> tuple[Any, Any]:
+    """The step's inputs builder and loss: given, the model's ``example_inputs``, or a transformers task's."""
+    from symacct.hf import is_transformers_model, task
+
+    if inputs is None and is_transformers_model(model):
+        t = task(model)
+        return t.inputs, loss if loss is not None else t.loss
+    if inputs is None:
+        return (lambda m, B, S: tuple(m.example_inputs(B, S))), loss
+    return (lambda m, B, S: call_inputs(inputs, m, B, S)), loss
+
+
 def _uncounted_sdpa(at: Accounting) -> tuple[int, int]:
     """Derived matmul FLOPs of the CPU flash-attention kernels (forward, backward+recompute)."""
     fwd = bwd = 0
@@ -94,8 +113,14 @@ def verify(
     sizes: dict[str, int] | None = None,
     steps: int = 1,
     hardware: str | None = None,
+    inputs: Any = None,
+    loss: Any = None,
 ) -> list[Row]:
-    """Run the real model for ``steps`` steps and return predicted-vs-measured rows (module docstring)."""
+    """Run the real model for ``steps`` steps and return predicted-vs-measured rows (module docstring).
+
+    ``inputs(model, B, S)`` builds the step's inputs (default ``model.example_inputs(B, S)``, or a
+    transformers model's task step); ``loss(output)`` the scalar loss (default: the output).
+    """
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SymacctError("--device cuda but CUDA is not available here", hint="use --device cpu")
     if steps < 1:
@@ -106,32 +131,40 @@ def verify(
         hardware = get(hardware or device_hardware()).name
     sizes = {"B": B, "S": S, **(sizes or {})}
     at = acct.at(**sizes)
-    cpu_args = tuple(model.example_inputs(B, S))
+    inputs, loss = _step_of(model, inputs, loss)
+    cpu_args = inputs(model, B, S)
     tolerance = 0.0 if device == "cpu" else 0.03
     cuda = None
     if device == "cpu":
-        measured = measure_memory_steps(model, cpu_args, optimizer, steps, autocast=autocast)
+        measured = measure_memory_steps(model, cpu_args, optimizer, steps, autocast=autocast, loss=loss)
     else:
-        cuda = measure_cuda_steps(model, cpu_args, optimizer, steps, autocast=autocast)  # moves the model
+        cuda = measure_cuda_steps(model, cpu_args, optimizer, steps, autocast=autocast, loss=loss)  # moves the model
         measured = cuda.memory
     real = measured[0]
     model.zero_grad(set_to_none=True)
-    args = tuple(a.to(device) for a in cpu_args)
-    counted = measure_step(model, args, autocast=autocast)  # forward + backward, no update
+    args = tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, cpu_args)
+    counted = measure_step(model, args, loss=loss, autocast=autocast)  # forward + backward, no update
     model.zero_grad(set_to_none=True)
     gap_f, gap_b = _uncounted_sdpa(at) if device == "cpu" else (0, 0)
     rows: list[Row] = []
-    rows.append(Row("matmul FLOPs, forward", at.flops.forward - gap_f, counted.flops_forward, 0.0))
+    rows.append(Row("matmul FLOPs, forward", at.flops.forward, counted.flops_forward + counted.flash_forward, 0.0))
     rows.append(
         Row(
             "matmul FLOPs, backward (+ recompute)",
-            at.flops.backward + at.flops.recompute - gap_b,
-            counted.flops_backward,
+            at.flops.backward + at.flops.recompute,
+            counted.flops_backward + counted.flash_backward,
             0.0,
         )  # fmt: skip
     )
-    if gap_f or gap_b:
-        rows.append(Row("CPU flash-attention FLOPs (FlopCounterMode counts 0)", gap_f + gap_b, 0, float("inf")))
+    if gap_f or gap_b or counted.flash_forward or counted.flash_backward:
+        rows.append(
+            Row(
+                "CPU flash-attention FLOPs (FlopCounterMode counts 0)",
+                gap_f + gap_b,
+                counted.flash_forward + counted.flash_backward,
+                0.0,
+            )
+        )
     rows.append(Row("saved activation bytes", at.memory.activations, counted.saved_bytes, tolerance))
     for name in ("params", "grads", "optimizer", "after_forward", "after_backward", "after_optimizer", "peak"):
         rows.append(Row(f"memory: {name}", getattr(at.memory, name), getattr(real, name), tolerance))
@@ -207,7 +240,12 @@ class ProfileRow:
 
 
 def profile_match(
-    model: nn.Module, args: tuple[Any, ...], at: Accounting, autocast: torch.dtype | None = None, top: int = 12
+    model: nn.Module,
+    args: Any,
+    at: Accounting,
+    autocast: torch.dtype | None = None,
+    top: int = 12,
+    loss: Any = None,
 ) -> tuple[list[ProfileRow], dict[str, int]]:
     """torch.profiler (profile_memory=True) on a real forward + backward, matched to graph nodes by op.
 
@@ -228,11 +266,13 @@ def profile_match(
     known = set(predicted)
     measured: dict[str, int] = {}
     unmatched: dict[str, int] = {}
-    ctx = torch.autocast(args[0].device.type, dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+    device = next(a.device.type for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
+    ctx = torch.autocast(device, dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with ctx:
-            loss = model(*args)
-        loss.backward()
+            out = model(**args) if isinstance(args, dict) else model(*args)
+            value = loss(out) if loss is not None else out
+        value.backward()
     model.zero_grad(set_to_none=True)
     for e in prof.events():
         mem = e.self_cpu_memory_usage

@@ -72,7 +72,7 @@ def cruncher_cases(draw: st.DrawFn, lo: int = 1) -> Case:
 _MODELS = {GPT2Config: GPT2, LlamaConfig: Llama, CruncherConfig: Cruncher}
 _SMALL = {
     GPT2Config: GPT2Config(n_layer=2, n_head=2, n_embd=8, vocab_size=16, block_size=8),
-    LlamaConfig: LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=16, hidden_dim=12, max_seq_len=8),
+    LlamaConfig: LlamaConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=16, hidden_dim=12, max_seq_len=8),
     CruncherConfig: CruncherConfig(dim=8, n_layers=2),
 }
 

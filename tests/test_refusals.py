@@ -353,10 +353,25 @@ def test_plain_dict_config_is_read():
     assert acct.symbols == {"D": 8} and acct.at(B=3).flops.forward == 2 * 3 * 8 * 8  # 2*B*D*D
 
 
+def test_keyword_inputs_are_passed_by_name():
+    """inputs= may return a dict: model(**inputs), as transformers models take input_ids=, labels=."""
+    model = GPT2(GPT2Config(**SMALL))
+    positional = symacct.derive(model)
+    by_name = symacct.derive(
+        model,
+        inputs=lambda m, B, S: {
+            "idx": torch.zeros(B, S, dtype=torch.long),
+            "targets": torch.zeros(B, S, dtype=torch.long),
+        },
+    )
+    assert by_name.flops.total == positional.flops.total
+    assert by_name.memory.activations == positional.memory.activations
+
+
 def test_bad_options_are_refused_in_one_error():
     model = GPT2(GPT2Config(**SMALL))
-    with pytest.raises(SymacctError, match="inputs= returned a dict"):
-        symacct.derive(model, inputs=lambda m, B, S: {"idx": torch.zeros(B, S, dtype=torch.long)})
+    with pytest.raises(SymacctError, match="keys that are not argument names"):
+        symacct.derive(model, inputs=lambda m, B, S: {0: torch.zeros(B, S, dtype=torch.long)})
     with pytest.raises(SymacctError, match="fixed= names n_layr.*did you mean n_layer"):
         symacct.derive(model, fixed=["n_layr"])
     for dims in ({"D": 0}, {"D": -4}, {"D": 2.5}, {"D": True}):

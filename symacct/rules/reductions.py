@@ -1,11 +1,14 @@
 """Reductions and fused normalisation / softmax / loss kernels.
 
-Convention: a reduction costs 1 FLOP per element it reads. A fused kernel
+Convention: a reduction costs 1 FLOP per element it reads; so does a scan
+(``cumsum``: one add per element, the position ids of a padding mask). A fused kernel
 costs the FLOPs of its decomposition per element of its largest operand,
 as listed in ``FUSED`` (docs/conventions.md prints the table).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -19,7 +22,18 @@ def reduction(call: Call) -> Cost:
     return Cost(flops_other=numel(call.inputs[0].shape) if call.inputs else 0)
 
 
-@rule(aten.amax, aten.amin, aten.var, aten.var_mean, aten.linalg_vector_norm, aten.logsumexp)
+@rule(
+    aten.amax,
+    aten.amin,
+    aten.var,
+    aten.var_mean,
+    aten.linalg_vector_norm,
+    aten.logsumexp,
+    aten.cumsum,
+    aten.cumprod,
+    aten.cummax,
+    aten.cummin,
+)
 def reduction_untagged(call: Call) -> Cost:
     return reduction(call)
 
@@ -66,3 +80,50 @@ def nll_loss_backward(call: Call) -> Cost:
     grad_out, target = call.inputs[0], call.inputs[2]
     n = numel(target.shape)
     return Cost(flops_other=n, bytes_read=n * target.itemsize + numel(grad_out.shape) * grad_out.itemsize)
+
+
+def _window(call: Call) -> Any:
+    """The kernel area of a pooling call (its kernel_size argument, an int or a per-dimension list)."""
+    k = call.args[1] if len(call.args) > 1 else call.kwargs.get("kernel_size", 1)
+    k = k if isinstance(k, (list, tuple)) else [k]
+    area = 1
+    for x in k:
+        area *= x
+    return area
+
+
+@rule(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices, aten.avg_pool2d, aten.avg_pool3d)
+def pool(call: Call) -> Cost:
+    """One comparison (max) or add (average) per input element of each window: output elements x kernel area."""
+    return Cost(flops_other=numel(call.outputs[0].shape) * _window(call))
+
+
+@rule(
+    aten.max_pool2d_with_indices_backward,
+    aten.max_pool3d_with_indices_backward,
+    aten.avg_pool2d_backward,
+    aten.avg_pool3d_backward,
+)
+def pool_backward(call: Call) -> Cost:
+    """Each output gradient is added into its window's input: one add per element of the gradient read,
+    times the window for an average (spread over the window)."""
+    grad = call.inputs[0]
+    if "max_pool" in call.op.overloadpacket.__name__:
+        return Cost(flops_other=numel(grad.shape))
+    k = call.args[2] if len(call.args) > 2 else call.kwargs.get("kernel_size", 1)  # (grad, self, kernel_size, ...)
+    area = 1
+    for x in k if isinstance(k, (list, tuple)) else [k]:
+        area *= x
+    return Cost(flops_other=numel(grad.shape) * area)
+
+
+@rule(aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
+def adaptive_pool(call: Call) -> Cost:
+    """One add (or comparison) per input element (global pooling reads each once)."""
+    return Cost(flops_other=numel(call.inputs[0].shape))
+
+
+@rule(aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward, aten.adaptive_max_pool2d_backward)
+def adaptive_pool_backward(call: Call) -> Cost:
+    """The gradient spread back over the input: one op per input element."""
+    return Cost(flops_other=numel(call.outputs[0].shape))

@@ -86,6 +86,12 @@ def lookup(op: torch._ops.OpOverload) -> RuleFn | None:
     for t in op.tags:
         if t in _BY_TAG:
             return _BY_TAG[t]
+    name = op.overloadpacket.__name__
+    if name.endswith("_") and not name.startswith("_"):  # an in-place variant (masked_fill_) as its out-of-place op
+        packet = getattr(torch.ops.aten, name[:-1], None)
+        overload = getattr(packet, op._overloadname, None) if packet is not None else None
+        if overload is not None and overload is not op:
+            return lookup(overload)
     return None
 
 

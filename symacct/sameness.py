@@ -1,0 +1,193 @@
+"""The probe model must be the user's model at other sizes: its ops are compared with a trace of the user's own.
+
+``derive`` rebuilds a model from its config at probe sizes. A setting lost
+on the way (an attention implementation chosen after construction, a flag
+the config's constructor resets) would make it another model, and every
+figure silently wrong. So the user's own model object is traced too, on
+fake tensors (nothing allocated, also for a model on the meta device), at
+the probe's batch and sequence sizes, and its ops are compared with the
+probe's, block by block:
+
+- ops outside the layer stacks: the same (phase, op, module) counts;
+- each block of the user's stack against the probe block in its position
+  (the first, the last, a middle one).
+
+A deep model is not traced whole: when its middle blocks are built alike
+(the same module types, settings and parameter shapes), blocks 0, 1, 2 and
+the last are kept (``shorten``), so the check costs one probe trace whatever
+the depth. Where that shortened trace differs, the whole model is traced
+before anything is refused.
+
+Counts, not order: a different order of the same ops changes no total.
+A difference is refused, naming the first op that differs.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import Counter
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+from symacct.errors import SymacctError
+from symacct.memory import op_blocks
+from symacct.trace import StepTrace
+
+Key = tuple[str, str, str]  # phase, op, module path within its block (or the full path outside blocks)
+
+
+def fake_copy(model: nn.Module, fake: FakeTensorMode, device: str = "cpu") -> nn.Module:
+    """``model`` copied with fake parameters and buffers (nothing allocated); meta tensors become fake ones on
+    ``device``, so that a model built on the meta device runs with the step's inputs."""
+    with FakeCopyMode(fake):
+        out = copy.deepcopy(model)
+    moved: dict[int, torch.Tensor] = {}
+    with fake:
+        for module in out.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None or t.device.type != "meta":
+                        continue
+                    if id(t) not in moved:  # tied weights stay tied
+                        new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                        moved[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+                    table[name] = moved[id(t)]
+    return out
+
+
+def _keys(trace: StepTrace, stacks: list[str]) -> tuple[Counter[Key], dict[int, Counter[Key]]]:
+    """Op counts outside the blocks, and per block index."""
+    blocks = op_blocks(trace.ops, stacks)
+    outside: Counter[Key] = Counter()
+    per: dict[int, Counter[Key]] = {}
+    for rec, b in zip(trace.ops, blocks):
+        if rec.phase not in ("forward", "backward"):  # the optimizer is symacct's own, built the same for both
+            continue
+        op = str(rec.op)
+        if b is None:
+            outside[(rec.phase, op, rec.module)] += 1
+            continue
+        stack, i = b
+        prefix = f"{stack}.{i}" if stack else str(i)
+        per.setdefault(i, Counter())[(rec.phase, op, rec.module[len(prefix) :])] += 1
+    return outside, per
+
+
+_PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
+
+
+def _first_difference(a: Counter[Key], b: Counter[Key]) -> tuple[Key, int, int] | None:
+    """The first key whose counts differ: the forward first (a backward difference follows from it), views and
+    detaches last (they follow from the ops that make their inputs)."""
+
+    def order(key: Key) -> tuple[int, bool, Key]:
+        view = any(w in key[1] for w in ("detach", "view", "alias", "expand", "transpose", "unsqueeze", "t.default"))
+        return _PHASES.get(key[0], 3), view, key
+
+    for key in sorted(set(a) | set(b), key=order):
+        if a.get(key, 0) != b.get(key, 0):
+            return key, a.get(key, 0), b.get(key, 0)
+    return None
+
+
+def compare(user: StepTrace, probe: StepTrace, stacks: list[str], probe_blocks: int) -> None:
+    """Refuse when the user's model and the probe model do not run the same ops (see the module doc)."""
+    u_out, u_blocks = _keys(user, stacks)
+    p_out, p_blocks = _keys(probe, stacks)
+    found = _first_difference(u_out, p_out)
+    where = "outside the layer stack"
+    if found is None and stacks:
+        n = max(u_blocks, default=-1) + 1
+        for i in range(n):
+            targets = [0] if i == 0 else [probe_blocks - 1] if i == n - 1 else [1]
+            if n == 1:
+                targets = [0, probe_blocks - 1]
+            diffs = [_first_difference(u_blocks.get(i, Counter()), p_blocks.get(j, Counter())) for j in targets]
+            if all(d is not None for d in diffs):
+                found, where = diffs[0], f"in block {i} of the layer stack"
+                key, a, b = found
+                found = ((key[0], key[1], (f"{stacks[0]}.{i}" if stacks[0] else str(i)) + key[2]), a, b)
+                break
+    if found is None:
+        return
+    (phase, op, module), n_user, n_probe = found
+    raise SymacctError(
+        f"the model rebuilt from its config at probe sizes is not the model given: {op} runs {n_user} times "
+        f"in the given model and {n_probe} times in the rebuilt one ({phase}, {where})",
+        module=module,
+        op=op,
+        hint="a setting of the model is lost or changed when it is rebuilt as type(model)(config) (an attention "
+        "implementation, a flag set after construction, a size-dependent kernel choice): make it a field of the "
+        "config, or pass a factory with dims={...}",
+    )
+
+
+KEEP = 4  # blocks of the user's model traced: the first three and the last (the probe has 4)
+
+
+def shorten(model: nn.Module, stacks: list[str]) -> bool:
+    """Keep blocks 0, 1, 2 and the last of each layer stack of (a fake copy of) the user's model, when every
+    middle block is built alike: the same module types, settings and parameter shapes (``_block_signature``).
+
+    Then the trace costs as much as the probe's, whatever the model's depth; the blocks left out are checked
+    by their structure, the ones kept by their ops. Returns whether any stack was shortened.
+    """
+    done = False
+    for path in stacks:
+        if not path:
+            continue
+        stack = model.get_submodule(path)
+        n = len(stack)
+        if n <= KEEP or not isinstance(stack, (nn.ModuleList, nn.Sequential)):
+            continue
+        sigs = {i: _block_signature(stack[i]) for i in range(1, n - 1)}
+        # a setting equal to the block's number in every block is its layer number (layer_idx): not compared
+        numbered = {k for k in sigs[1] if all(sig.get(k) == i for i, sig in sigs.items())}
+        alike = [{k: v for k, v in sig.items() if k not in numbered} for sig in sigs.values()]
+        if any(a != alike[0] for a in alike[1:]):
+            continue
+        kept = [stack[i] for i in (*range(KEEP - 1), n - 1)]
+        parent, _, name = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, name, nn.ModuleList(kept) if isinstance(stack, nn.ModuleList) else nn.Sequential(*kept))
+        done = True
+    return done
+
+
+def _block_signature(block: nn.Module) -> dict[tuple[str, ...], object]:
+    """What makes a block run the ops it runs, short of tracing it: per module its type, its settings
+    (attributes), its hooks and its parameters' and buffers' shapes, dtypes and grad flags."""
+    out: dict[tuple[str, ...], object] = {}
+    for name, m in block.named_modules():
+        out[("type", name)] = type(m).__qualname__
+        for k, v in vars(m).items():
+            if k in ("_parameters", "_buffers", "_modules"):
+                continue
+            out[("attr", name, k)] = len(v) if "hook" in k and hasattr(v, "__len__") else _setting(v)
+        out[("tensors", name)] = tuple(
+            (k, tuple(t.shape), str(t.dtype), t.requires_grad)
+            for k, t in [*m._parameters.items(), *m._buffers.items()]
+            if t is not None
+        )
+    return out
+
+
+def _setting(v: object) -> object:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return tuple(_setting(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((str(k), repr(_setting(x))) for k, x in v.items()))
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), str(v.dtype))
+    if isinstance(v, functools.partial):
+        return (_setting(v.func), _setting(v.keywords))
+    if callable(v):
+        return getattr(v, "__qualname__", type(v).__qualname__)
+    if hasattr(v, "__dict__"):  # a config object: its settings, private ones included (_attn_implementation)
+        return (type(v).__qualname__, _setting(dict(vars(v))))
+    return type(v).__qualname__

@@ -1,0 +1,371 @@
+"""Hugging Face transformers models, derived with ``symacct.derive(model)`` and nothing else, are exact.
+
+Each family is built from a hypothesis-drawn small config, in eager and SDPA
+attention; ``derive(model, optimizer="adamw")`` is then compared, at two
+(B, S) each, with a real CPU step of the same model with the default task
+step (``symacct.hf.task``):
+
+- FLOPs: FlopCounterMode, plus the CPU flash-attention kernel (which it counts
+  as 0) by flop_counter's own SDPA formulas (``measure.CpuFlashCounter``);
+  the kernel's recomputed scores (one of its five backward products) are
+  ``flops.recompute``;
+- saved bytes: saved_tensors_hooks, the loss included;
+- parameters: the model's own count;
+- B >= 2 where bytes are compared, as in the other exactness tests: at B = 1 an
+  ``expand`` of the position ids to (B, S) is a view instead of a copy;
+- peak: exact against symacct's storage tracker, and (one config) against
+  PyTorch's own MemTracker, with the output and the loss held through the
+  optimizer step as derive assumes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import symacct
+from symacct import SymacctError
+from symacct.hf import task
+from symacct.measure import measure_memory, measure_step
+
+transformers = pytest.importorskip("transformers")  # in the test extra; the skip shows when it is missing
+T = transformers
+
+EXAMPLES = min(settings.default.max_examples, 2)  # a derive is a few seconds: 2 drawn configs per family in CI
+
+
+@st.composite
+def decoder_sizes(draw: st.DrawFn, gqa: bool = True) -> dict[str, int]:
+    """Sizes of a small decoder: H = H_kv * rep, a head width that is a multiple of 8, 1-3 layers."""
+    hkv = draw(st.integers(1, 3))
+    rep = draw(st.integers(1, 3)) if gqa else 1
+    dh = 8 * draw(st.integers(1, 3))  # 8..24: even rotary halves, and GPT-NeoX's quarter rotary width
+    H = hkv * rep
+    return {
+        "H": H,
+        "H_kv": hkv if gqa else H,
+        "D": H * dh,
+        "L": draw(st.integers(1, 3)),
+        "V": draw(st.integers(16, 80)),
+        "F": draw(st.integers(4, 48)),
+        "S_max": draw(st.integers(16, 40)),
+    }
+
+
+def gpt2(s: dict[str, int], attn: str) -> Any:
+    c = T.GPT2Config(
+        n_embd=s["D"],
+        n_layer=s["L"],
+        n_head=s["H"],
+        vocab_size=s["V"],
+        n_positions=s["S_max"],
+        n_inner=s["F"],
+        attn_implementation=attn,
+    )
+    return T.GPT2LMHeadModel(c)
+
+
+def _llama_like(
+    config_cls: type, model_cls: type, kv: bool = True, **extra: Any
+) -> Callable[[dict[str, int], str], Any]:
+    """A builder from the drawn sizes, with transformers' common field names (grouped heads when ``kv``)."""
+
+    def build(s: dict[str, int], attn: str) -> Any:
+        heads = {"num_key_value_heads": s["H_kv"]} if kv else {}
+        c = config_cls(
+            hidden_size=s["D"],
+            intermediate_size=s["F"],
+            num_hidden_layers=s["L"],
+            num_attention_heads=s["H"],
+            vocab_size=s["V"],
+            max_position_embeddings=s["S_max"],
+            attn_implementation=attn,
+            **heads,
+            **extra,
+        )
+        return model_cls(c)
+
+    return build
+
+
+neox = _llama_like(T.GPTNeoXConfig, T.GPTNeoXForCausalLM, kv=False)
+bert = _llama_like(T.BertConfig, T.BertForMaskedLM, kv=False)
+
+
+FAMILIES: dict[str, tuple[Callable[[dict[str, int], str], Any], bool]] = {
+    "gpt2": (gpt2, False),
+    "llama": (_llama_like(T.LlamaConfig, T.LlamaForCausalLM), True),
+    "mistral": (_llama_like(T.MistralConfig, T.MistralForCausalLM, sliding_window=None), True),
+    "mistral-sliding-window": (_llama_like(T.MistralConfig, T.MistralForCausalLM, sliding_window=4), True),
+    "qwen2": (_llama_like(T.Qwen2Config, T.Qwen2ForCausalLM), True),
+    "phi3": (_llama_like(T.Phi3Config, T.Phi3ForCausalLM, pad_token_id=0), True),
+    "gpt-neox": (neox, False),
+    "bert": (bert, False),
+}
+
+
+def check_exact(model: Any, acct: Any, points: list[tuple[int, int]], checkpointing: bool = False) -> None:
+    """derive's figures against a real step of ``model`` at each (B, S) (see the module doc)."""
+    step = task(model)
+    for B, S in points:
+        at = acct.at(B=B, S=S)
+        torch.manual_seed(0)
+        args = step.inputs(model, B, S)
+        counted = measure_step(model, args, loss=step.loss)
+        model.zero_grad(set_to_none=True)
+        assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
+        assert at.flops.forward == counted.flops_forward + counted.flash_forward
+        assert at.flops.backward + at.flops.recompute == counted.flops_backward + counted.flash_backward
+        if not checkpointing:  # the kernel's recomputed scores only: 1 of its 5 equal backward products
+            assert 5 * at.flops.recompute == counted.flash_backward
+        assert at.memory.activations == counted.saved_bytes
+        assert at.params == sum(p.numel() for p in model.parameters())
+        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), loss=step.loss)
+        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_transformers_model_is_exact_from_derive_alone(family: str, attn: str) -> None:
+    build, gqa = FAMILIES[family]
+
+    @settings(max_examples=EXAMPLES, phases=[Phase.explicit, Phase.generate])  # no shrinking: a derive is seconds
+    @given(
+        sizes=decoder_sizes(gqa=gqa), batch=st.integers(2, 3), seqs=st.tuples(st.integers(5, 9), st.integers(10, 15))
+    )
+    def run(sizes: dict[str, int], batch: int, seqs: tuple[int, int]) -> None:
+        torch.manual_seed(0)
+        model = build(sizes, attn)
+        acct = symacct.derive(model, optimizer="adamw")
+        check_exact(model, acct, [(batch, seqs[0]), (batch + 1, seqs[1])])
+
+    run()
+
+
+def test_memtracker_agrees_on_the_peak() -> None:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = FAMILIES["llama"][0]({"H": 4, "H_kv": 2, "D": 64, "L": 2, "V": 100, "F": 96, "S_max": 64}, "sdpa")
+    acct = symacct.derive(model, optimizer="adamw")
+    step = task(model)
+    B, S = 2, 24
+    args = step.inputs(model, B, S)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracker = MemTracker()
+    tracker.track_external(model, opt, args["input_ids"], args["labels"])  # the inputs count, as in derive
+    with tracker:
+        out = model(**args)  # held through the step by the caller, as derive assumes
+        loss = step.loss(out)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    del out, loss
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert acct.at(B=B, S=S).memory.peak == peak  # the issue asks for 1%; on CPU it is exact
+
+
+def test_gradient_checkpointing_is_carried_over_and_exact() -> None:
+    model = FAMILIES["llama"][0]({"H": 4, "H_kv": 2, "D": 32, "L": 2, "V": 50, "F": 40, "S_max": 32}, "sdpa")
+    plain = symacct.derive(model).at(B=2, S=9)
+    model.gradient_checkpointing_enable()
+    acct = symacct.derive(model, optimizer="adamw")
+    check_exact(model, acct, [(2, 9), (3, 13)], checkpointing=True)
+    assert acct.at(B=2, S=9).memory.activations < plain.memory.activations
+    assert acct.at(B=2, S=9).flops.recompute > plain.flops.recompute
+
+
+def test_a_model_built_on_the_meta_device_from_config() -> None:
+    config = T.AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=64,
+    )  # fmt: skip
+    with torch.device("meta"):
+        meta = T.AutoModelForCausalLM.from_config(config)
+    acct = symacct.derive(meta, optimizer="adamw")
+    torch.manual_seed(0)
+    real = T.AutoModelForCausalLM.from_config(config)
+    check_exact(real, acct, [(2, 11)])
+
+
+def test_a_model_that_differs_from_its_rebuild_is_refused() -> None:
+    """One layer's attention switched to eager after construction: type(model)(config) would build SDPA in
+    every layer. The rebuilt model is not the user's, and derive says so instead of deriving it."""
+    model = FAMILIES["llama"][0]({"H": 4, "H_kv": 2, "D": 32, "L": 2, "V": 50, "F": 40, "S_max": 32}, "sdpa")
+    eager = copy.deepcopy(model.config)
+    eager._attn_implementation = "eager"
+    model.model.layers[1].self_attn.config = eager
+    with pytest.raises(SymacctError, match="not the model given") as e:
+        symacct.derive(model)
+    assert "model.layers.1.self_attn" in str(e.value)
+
+
+def test_a_module_swapped_after_construction_is_refused() -> None:
+    model = FAMILIES["qwen2"][0]({"H": 2, "H_kv": 1, "D": 16, "L": 2, "V": 30, "F": 20, "S_max": 32}, "eager")
+    model.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    with pytest.raises(SymacctError, match="gelu.*model.layers.0.mlp.act_fn"):
+        symacct.derive(model)
+
+
+def test_forward_step_takes_no_labels() -> None:
+    model = FAMILIES["gpt2"][0]({"H": 2, "H_kv": 2, "D": 16, "L": 2, "V": 30, "F": 20, "S_max": 32}, "eager")
+    acct = symacct.derive(model, step="forward")
+    step = task(model)
+    args = {k: v for k, v in step.inputs(model, 2, 7).items() if k != "labels"}
+    real = measure_memory(model, args, step="forward")
+    at = acct.at(B=2, S=7)
+    assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+    assert "labels" not in str(acct.notes) or "causal LM" in str(acct.notes)
+
+
+def test_the_notes_name_the_task_and_the_head_width() -> None:
+    model = FAMILIES["llama"][0]({"H": 4, "H_kv": 2, "D": 32, "L": 2, "V": 50, "F": 40, "S_max": 32}, "sdpa")
+    acct = symacct.derive(model)
+    notes = " ".join(acct.notes)
+    assert "causal LM step" in notes and "head_dim = 8 is the model width over the heads" in notes
+
+
+def test_sliding_window_figures_hold_on_their_side_only() -> None:
+    """Within the window the eager step calls SDPA with is_causal; beyond it a window mask is built: the
+    figures are derived on the probe's side and refused on the other, not extrapolated."""
+    sizes = {"H": 4, "H_kv": 2, "D": 32, "L": 1, "V": 50, "F": 40, "S_max": 9000}
+    wide = _llama_like(T.MistralConfig, T.MistralForCausalLM, sliding_window=4096)(sizes, "sdpa")
+    acct = symacct.derive(wide)
+    acct.at(B=2, S=4096)
+    with pytest.raises(SymacctError, match="S <= 4096"):
+        acct.at(B=2, S=4097)
+    narrow = _llama_like(T.MistralConfig, T.MistralForCausalLM, sliding_window=4)({**sizes, "S_max": 32}, "sdpa")
+    acct = symacct.derive(narrow, optimizer="adamw")
+    with pytest.raises(SymacctError, match="5 <= S"):
+        acct.at(B=2, S=4)
+    check_exact(narrow, acct, [(2, 5), (2, 12)])
+
+
+TINY = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "symacct.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_derives_and_verifies_a_config_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = _cli("derive", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    real = T.AutoModelForCausalLM.from_config(T.AutoConfig.for_model(**TINY))
+    params = next(r["value"] for r in report["formulas"] if r["name"] == "params")
+    assert params == sum(p.numel() for p in real.parameters())  # the tied embedding once
+    fields = {s["symbol"]: s["field"] for s in report["symbols"]}
+    assert (
+        fields["D"] == "hidden_size" and fields["H_kv"] == "num_key_value_heads" and fields["L"] == "num_hidden_layers"
+    )
+    out = _cli("verify", str(tmp_path), "--batch", "2", "--seq", "16", "--steps", "2")  # the folder works too
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MISMATCH" not in out.stdout and "CPU flash-attention FLOPs" in out.stdout
+    for cmd in (
+        ["fit", str(tmp_path / "config.json"), "--hardware", "H100-SXM", "--seq", "64", "--solve", "batch"],
+        ["estimate", str(tmp_path / "config.json"), "--tokens", "1e9", "--hardware", "A100", "--gpus", "8"],
+        ["sheet", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--format", "md"],
+    ):
+        out = _cli(*cmd)
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr
+
+
+def test_cli_config_json_errors_are_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = _cli("derive", str(tmp_path / "config.json"), "--config", "num_hidden_layers=2.5")
+    assert out.returncode == 2 and "is an integer" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
+    out = _cli("derive", str(tmp_path / "bad.json"))
+    assert out.returncode == 2 and "no model_type" in out.stderr
+    (tmp_path / "odd.json").write_text(json.dumps({**TINY, "model_type": "no-such-model"}))
+    out = _cli("derive", str(tmp_path / "odd.json"))
+    assert out.returncode == 2 and "no-such-model" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_vit_image_classification_is_exact(attn: str) -> None:
+    """pixel_values (B, C, image_size, image_size): the patches are (image_size/patch_size)**2 plus the class
+    token, a shifted size read as such; S reaches no tensor."""
+
+    @settings(max_examples=EXAMPLES, phases=[Phase.explicit, Phase.generate])
+    @given(
+        heads=st.integers(1, 3),
+        dh=st.integers(2, 6),
+        layers=st.integers(1, 2),
+        patch=st.integers(2, 5),
+        per_side=st.integers(2, 4),
+        channels=st.integers(1, 3),
+        batch=st.integers(2, 3),
+    )
+    def run(heads: int, dh: int, layers: int, patch: int, per_side: int, channels: int, batch: int) -> None:
+        torch.manual_seed(0)
+        config = T.ViTConfig(
+            hidden_size=heads * dh,
+            intermediate_size=3 * heads * dh,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            image_size=patch * per_side,
+            patch_size=patch,
+            num_channels=channels,
+            num_labels=3,
+            attn_implementation=attn,
+        )
+        model = T.ViTForImageClassification(config)
+        acct = symacct.derive(model, optimizer="adamw")
+        assert "S" not in acct.free_symbols()
+        check_exact(model, acct, [(batch, 1), (batch + 1, 1)])
+
+    run()
+
+
+def test_t5_sequence_to_sequence_is_exact() -> None:
+    """An encoder-decoder (two stacks side by side, kept at their depths), the decoder as long as the encoder;
+    d_kv follows D/H; relative position buckets are a size of their own."""
+    torch.manual_seed(0)
+    config = T.T5Config(
+        d_model=32, d_ff=48, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=50,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = T.T5ForConditionalGeneration(config)
+    acct = symacct.derive(model, optimizer="adamw")
+    notes = " ".join(acct.notes)
+    assert "sequence-to-sequence step" in notes and "num_decoder_layers, num_layers each count the blocks" in notes
+    assert {"D", "H", "F", "V"} <= set(acct.free_symbols())
+    check_exact(model, acct, [(2, 5), (3, 9)])
+
+
+def test_a_mixture_of_experts_is_refused_with_its_op_not_derived() -> None:
+    """A mixture of experts is routed by values: the grouped-matmul path of transformers 5 does not run on
+    fake tensors in fp32 (its meta kernel wants bf16), and derive says so with the op, instead of a figure."""
+    config = T.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=50, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    with pytest.raises(SymacctError, match="experts") as e:
+        symacct.derive(T.MixtralForCausalLM(config))
+    assert (
+        "\n" not in str(e.value) and "grouped_mm" in str(e.value) and "does not derive expert routing" in str(e.value)
+    )
