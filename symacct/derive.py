@@ -55,7 +55,7 @@ from symacct.memory import block_of, fill_phases, liveness, op_blocks, static_an
 from symacct.probe import FIRST_PRIMES, HEAD_PRIMES, HEAD_WIDTHS, LAYERS, SECOND_PRIMES, Probe, make_probe
 from symacct.recipes import MixedPrecisionAdamW
 from symacct.sameness import compare as compare_ops
-from symacct.sameness import fake_copy, shorten
+from symacct.sameness import fake_copy, shortened
 from symacct.symbols import letter_for_field, sym
 from symacct.trace import StepTrace, call_inputs, record_step
 
@@ -235,12 +235,14 @@ def _source(
 IMAGE_SCALE = 64  # S = 64 * prime: six halvings of the image side stay whole (ResNet's stem and stages: five)
 
 
-def _strided(src: _Source) -> bool:
-    """Whether the model (built on fake tensors) has a convolution or pooling with a stride above 1: its
-    image side is then halved, and S is probed as a multiple of IMAGE_SCALE so that the halves are whole."""
-    model = _fake_build(src, {})
-    if model is None:
-        return False
+def _strided(model: Any, src: _Source) -> bool:
+    """Whether the model has a convolution or pooling with a stride above 1: its image side is then halved,
+    and S is probed as a multiple of IMAGE_SCALE so that the halves are whole. The user's own module is
+    looked at (a factory's model is built on fake tensors)."""
+    if not isinstance(model, nn.Module):
+        model = _fake_build(src, {})
+        if model is None:
+            return False
     for m in model.modules():
         stride = getattr(m, "stride", None)
         if isinstance(m, (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)):
@@ -531,10 +533,10 @@ def _same_model(
 
     def user_trace(short: bool) -> StepTrace:
         def build(fake: FakeTensorMode) -> nn.Module:
-            copied = fake_copy(model, fake, device)
-            if short:
-                shorten(copied, stacks)
-            return copied
+            if not short:
+                return fake_copy(model, fake, device)
+            with shortened(model, stacks):  # copied with its stacks shortened, then restored
+                return fake_copy(model, fake, device)
 
         with src.context():
             return record_step(
@@ -896,7 +898,7 @@ def _derive(
         if loss is None and step == "train":
             loss = hf_task.loss
     src = _source(model, inputs, dims, fixed)
-    src.strided = _strided(src)
+    src.strided = _strided(model, src)
     if hf_task is not None:
         src.notes.append(hf_task.note)
     if dims is None and is_transformers_model(model):

@@ -14,8 +14,8 @@ probe's, block by block:
 
 A deep model is not traced whole: when its middle blocks are built alike
 (the same module types, settings and parameter shapes), blocks 0, 1, 2 and
-the last are kept (``shorten``), so the check costs one probe trace whatever
-the depth. Where that shortened trace differs, the whole model is traced
+the last are kept (``shortened``), so the check costs one probe trace
+whatever the depth. Where that shortened trace differs, the whole model is traced
 before anything is refused.
 
 Counts, not order: a different order of the same ops changes no total.
@@ -24,9 +24,11 @@ A difference is refused, naming the first op that differs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -128,33 +130,41 @@ def compare(user: StepTrace, probe: StepTrace, stacks: list[str], probe_blocks: 
 KEEP = 4  # blocks of the user's model traced: the first three and the last (the probe has 4)
 
 
-def shorten(model: nn.Module, stacks: list[str]) -> bool:
-    """Keep blocks 0, 1, 2 and the last of each layer stack of (a fake copy of) the user's model, when every
-    middle block is built alike: the same module types, settings and parameter shapes (``_block_signature``).
+@contextlib.contextmanager
+def shortened(model: nn.Module, stacks: list[str]) -> Iterator[bool]:
+    """While open, each layer stack of the user's ``model`` holds only its blocks 0, 1, 2 and the last, when
+    every middle block is built alike: the same module types, settings and parameter shapes
+    (``_block_signature``). The model is restored on exit (derive holds a process-wide lock meanwhile).
 
-    Then the trace costs as much as the probe's, whatever the model's depth; the blocks left out are checked
-    by their structure, the ones kept by their ops. Returns whether any stack was shortened.
+    A fake copy taken inside then costs as much to copy and to trace as the probe, whatever the model's
+    depth; the blocks left out are checked by their structure, the ones kept by their ops. Yields whether
+    any stack was shortened.
     """
-    done = False
-    for path in stacks:
-        if not path:
-            continue
-        stack = model.get_submodule(path)
-        n = len(stack)
-        if n <= KEEP or not isinstance(stack, (nn.ModuleList, nn.Sequential)):
-            continue
-        sigs = {i: _block_signature(stack[i]) for i in range(1, n - 1)}
-        # a setting equal to the block's number in every block is its layer number (layer_idx): not compared
-        numbered = {k for k in sigs[1] if all(sig.get(k) == i for i, sig in sigs.items())}
-        alike = [{k: v for k, v in sig.items() if k not in numbered} for sig in sigs.values()]
-        if any(a != alike[0] for a in alike[1:]):
-            continue
-        kept = [stack[i] for i in (*range(KEEP - 1), n - 1)]
-        parent, _, name = path.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, name, nn.ModuleList(kept) if isinstance(stack, nn.ModuleList) else nn.Sequential(*kept))
-        done = True
-    return done
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for path in stacks:
+            if not path:
+                continue
+            stack = model.get_submodule(path)
+            n = len(stack)
+            if n <= KEEP or not isinstance(stack, (nn.ModuleList, nn.Sequential)):
+                continue
+            sigs = {i: _block_signature(stack[i]) for i in range(1, n - 1)}
+            # a setting equal to the block's number in every block is its layer number (layer_idx): not compared
+            numbered = {k for k in sigs[1] if all(sig.get(k) == i for i, sig in sigs.items())}
+            alike = [{k: v for k, v in sig.items() if k not in numbered} for sig in sigs.values()]
+            if any(a != alike[0] for a in alike[1:]):
+                continue
+            kept = [stack[i] for i in (*range(KEEP - 1), n - 1)]
+            parent, _, name = path.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            short = nn.ModuleList(kept) if isinstance(stack, nn.ModuleList) else nn.Sequential(*kept)
+            owner._modules[name] = short
+            swapped.append((owner, name, stack))
+        yield bool(swapped)
+    finally:
+        for owner, name, stack in reversed(swapped):
+            owner._modules[name] = stack
 
 
 def _block_signature(block: nn.Module) -> dict[tuple[str, ...], object]:

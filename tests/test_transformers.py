@@ -41,7 +41,7 @@ from symacct.measure import measure_memory, measure_step
 transformers = pytest.importorskip("transformers")  # in the test extra; the skip shows when it is missing
 T = transformers
 
-EXAMPLES = min(settings.default.max_examples, 2)  # a derive is a few seconds: 2 drawn configs per family in CI
+EXAMPLES = min(settings.default.max_examples, 1)  # a derive is seconds: 1 drawn config per family and attention in CI
 
 
 @st.composite
@@ -369,3 +369,17 @@ def test_a_mixture_of_experts_is_refused_with_its_op_not_derived() -> None:
     assert (
         "\n" not in str(e.value) and "grouped_mm" in str(e.value) and "does not derive expert routing" in str(e.value)
     )
+
+
+def test_a_deep_model_is_checked_on_four_blocks_and_its_structure() -> None:
+    """Six layers built alike: the user's model is traced on blocks 0, 1, 2 and 5 (the middle ones compared by
+    structure) and derived exactly; a module swapped in a middle block is seen by structure, the whole model is
+    traced, and the difference refused."""
+    sizes = {"H": 4, "H_kv": 2, "D": 32, "L": 6, "V": 50, "F": 40, "S_max": 32}
+    model = FAMILIES["llama"][0](sizes, "sdpa")
+    acct = symacct.derive(model, optimizer="adamw")
+    check_exact(model, acct, [(2, 7)])
+    assert len(model.model.layers) == 6  # restored after the check
+    model.model.layers[3].mlp.act_fn = torch.nn.GELU()
+    with pytest.raises(SymacctError, match="gelu.*model.layers.3.mlp.act_fn"):
+        symacct.derive(model)
