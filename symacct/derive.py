@@ -260,10 +260,10 @@ def _follow_heads(src: _Source, degenerate: bool) -> list[str]:
       user's): key/value heads equal to the heads follow H (code branches on H == H_kv: transformers'
       ``repeat_kv`` returns at once), and sizes of 1 stay 1 (they broadcast and make transposes free).
     """
-    by_letter = {letter: f for f, letter in src.fields.items()}
     notes = []
-    h, kv = by_letter.get("H"), by_letter.get("H_kv")
-    if degenerate and h is not None and kv is not None and src.values[h] == src.values[kv]:
+    tie = _heads_tie(src)
+    if degenerate and tie is not None:
+        h, kv = tie
         src.follow[kv] = (h, None)
         del src.fields[kv]
         notes.append(f"{kv} = {h} (no grouped heads): it follows H")
@@ -293,12 +293,17 @@ def _tied(src: _Source) -> dict[str, str | int]:
     return out
 
 
-def _degenerate_sizes(src: _Source) -> bool:
-    """Whether the config has sizes that a second try ties or fixes (see _follow_heads)."""
+def _heads_tie(src: _Source) -> tuple[str, str] | None:
+    """The (heads, key/value heads) fields when both are symbols with equal values (no grouped heads)."""
     by_letter = {letter: f for f, letter in src.fields.items()}
     h, kv = by_letter.get("H"), by_letter.get("H_kv")
-    tie = h is not None and kv is not None and src.values[h] == src.values[kv]
-    return tie or any(src.values[f] == 1 and letter != "L" for f, letter in src.fields.items())
+    return (h, kv) if h is not None and kv is not None and src.values[h] == src.values[kv] else None
+
+
+def _degenerate_sizes(src: _Source) -> bool:
+    """Whether the config has sizes that a second try ties or fixes (see _follow_heads)."""
+    ones = any(src.values[f] == 1 and letter != "L" for f, letter in src.fields.items())
+    return _heads_tie(src) is not None or ones
 
 
 def _follow_head_width(src: _Source) -> list[str]:

@@ -257,15 +257,7 @@ def model_from_config_file(path: str, overrides: dict[str, Any]) -> nn.Module:
     The class is the config's first ``architectures`` entry (``LlamaForCausalLM``); without one, the causal-LM
     head of its ``model_type``, else the base model. ``overrides`` (already parsed) replace config fields.
     """
-    import json
-    from pathlib import Path
-
-    p = Path(path)
-    file = p / "config.json" if p.is_dir() else p
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise SymacctError(f"cannot read {file}: {e}", hint="pass a transformers config.json") from e
+    file, data = _read_config(path)
     if not isinstance(data, dict) or "model_type" not in data:
         raise SymacctError(
             f"{file} has no model_type: not a transformers config.json",
@@ -307,20 +299,23 @@ def model_from_config_file(path: str, overrides: dict[str, Any]) -> nn.Module:
 
 def config_field_types(path: str) -> dict[str, type]:
     """The JSON type of each field of a config file (to parse --config values by)."""
+    _, data = _read_config(path)
+    if not isinstance(data, dict):
+        return {}
+    return {k: type(v) for k, v in data.items() if isinstance(v, (bool, int, float, str))}
+
+
+def _read_config(path: str) -> tuple[Any, Any]:
+    """The config file of ``path`` (the file, or ``config.json`` in the folder) and its parsed JSON."""
     import json
     from pathlib import Path
 
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p
     try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return {}
-    return (
-        {k: type(v) for k, v in data.items() if isinstance(v, (bool, int, float, str))}
-        if isinstance(data, dict)
-        else {}
-    )
+        return file, json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise SymacctError(f"cannot read {file}: {e}", hint="pass a transformers config.json") from e
 
 
 def window_constraints(model: nn.Module, probe_S: int) -> list[Any]:
