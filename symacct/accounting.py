@@ -94,6 +94,10 @@ class Accounting:
     constraints: list[Constraint] = field(default_factory=list)  # sizes the model can run (symacct.constraints)
     # sizes that are no symbol in this derivation: letter -> the letter it follows (H_kv = H) or its kept value
     tied: dict[str, str | int] = field(default_factory=dict)
+    # mixture-of-experts layers: routed (token, expert) pairs and their split over the experts (symacct.experts)
+    experts: list[Any] = field(default_factory=list)
+    # input sizes besides B and S, with the size each takes when at() is not given it (S_dec -> S)
+    input_sizes: dict[str, str] = field(default_factory=dict)
 
     @property
     def saved_bytes(self) -> Expr:
@@ -126,6 +130,15 @@ class Accounting:
         full = self._validate(values)
         return {sym(k): int(v) for k, v in full.items()}
 
+    def with_defaults(self, **values: int) -> dict[str, int]:
+        """``values`` with the model's own sizes for the other symbols and the input sizes that follow another
+        (S_dec = S) filled in: no check (``at`` checks)."""
+        out = {**self.symbols, **values}
+        for k, like in self.input_sizes.items():
+            if k not in out and like in out:
+                out[k] = out[like]
+        return out
+
     def _untie(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Drop the sizes that are no symbol here (``tied``) when given at the value they have: H_kv equal to
         H when it follows H, a kept size at its value; another value is refused (the derivation does not
@@ -151,7 +164,10 @@ class Accounting:
         the result maps every free symbol to an int64 array (or an int).
         """
         values = self._untie(values)
-        unknown = [k for k in values if k not in self.symbols and k not in ("B", "S")]
+        for k, like in self.input_sizes.items():  # a decoder as long as the encoder unless told
+            if k not in values and like in values:
+                values[k] = values[like]
+        unknown = [k for k in values if k not in self.symbols and k not in ("B", "S", *self.input_sizes)]
         if unknown:
             by_field = {f: letter for letter, f in self.fields.items()}
             named = [f"{k} is the config field of {by_field[k]}: pass {by_field[k]}=" for k in unknown if k in by_field]
@@ -293,7 +309,7 @@ class Accounting:
         if self.liveness is None or not any(lab[3] == "optimizer" for lab in self.liveness.labels):
             return None
         live = self.liveness.steady()
-        values = {**self.symbols, "B": 1, "S": 1}
+        values = self.with_defaults(B=1, S=1)
         _, t = live.evaluate(values, phases=("optimizer",))
         return self._per_param(live.at_point(t))
 
@@ -431,7 +447,10 @@ def component(module: str, stacks: list[str], types: Mapping[str, str], phase: s
         return "attention"
     if any(w in low for w in ("mlp", "ffn", "feed_forward", "feedforward", "moe", "expert")):
         return "mlp"
-    in_stack = generic_path(module, stacks) != module
+    if any("MLP" in k or "FeedForward" in k or k.endswith("FF") for k in kinds):  # T5LayerFF
+        return "mlp"
+    # in a block: a stack factored by L, or a numbered block of one kept at its depth (T5's encoder.block.0)
+    in_stack = generic_path(module, stacks) != module or any(p.isdigit() for p in parts)
     if not module:
         return "loss"
     if not in_stack and kinds and kinds[-1] == "Linear":

@@ -308,7 +308,7 @@ def _val(acct: Any, expr: Any, B: int, S: int) -> int:
     """A formula of ``acct`` at B, S and the model's own sizes."""
     from symacct.symbols import evaluate
 
-    return evaluate(expr, {**acct.symbols, "B": B, "S": S})
+    return evaluate(expr, acct.with_defaults(B=B, S=S))
 
 
 def _linear(factory: Any = None) -> Any:

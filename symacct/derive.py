@@ -32,7 +32,7 @@ import functools
 import inspect
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -48,14 +48,23 @@ from torch._subclasses.fake_tensor import (
 from symacct.accounting import Accounting, aggregate, generic_path
 from symacct.constraints import learn as learn_constraints
 from symacct.errors import SymacctError
+from symacct.experts import expert_layers
+from symacct.experts import note as experts_note
 from symacct.graph import CostedOp, build_graph, cost_ops
-from symacct.hf import carry_checkpointing, eager_paths, is_transformers_model, window_constraints
+from symacct.hf import (
+    carry_checkpointing,
+    check_experts_path,
+    check_routing,
+    eager_paths,
+    is_transformers_model,
+    window_constraints,
+)
 from symacct.hf import task as task_for
 from symacct.memory import block_of, fill_phases, liveness, op_blocks, static_and_activations
 from symacct.probe import FIRST_PRIMES, HEAD_PRIMES, HEAD_WIDTHS, LAYERS, SECOND_PRIMES, Probe, make_probe
 from symacct.recipes import MixedPrecisionAdamW
+from symacct.sameness import NOT_THE_SAME, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
-from symacct.sameness import fake_copy, shortened
 from symacct.symbols import letter_for_field, sym
 from symacct.trace import StepTrace, call_inputs, record_step
 
@@ -84,6 +93,9 @@ class _Source:
     # a field that is a quotient of two others at the user's values (head_dim = hidden_size / heads) and
     # follows them at probe sizes: field -> (numerator field, denominator field or None for the numerator itself)
     follow: dict[str, tuple[str, str | None]] = dataclasses.field(default_factory=dict)
+    # input sizes besides B and S (a sequence-to-sequence step's decoder length S_dec): probed like them,
+    # passed to inputs by keyword
+    input_dims: tuple[str, ...] = ()
 
 
 def _config_items(config: Any) -> list[tuple[str, Any]]:
@@ -144,7 +156,7 @@ def _source(
 
     def make_inputs_fn(default_owner: bool) -> Callable[[nn.Module, int, int], tuple[Any, ...]]:
         if inputs is not None:
-            return lambda m, B, S: call_inputs(inputs, m, B, S)
+            return lambda m, B, S, **more: call_inputs(inputs, m, B, S, **more)
         if not default_owner:
             raise SymacctError(
                 "the model has no example_inputs(B, S) method",
@@ -233,6 +245,10 @@ def _source(
 
 
 IMAGE_SCALE = 64  # S = 64 * prime: six halvings of the image side stay whole (ResNet's stem and stages: five)
+# a mixture of experts: grouped matmuls (transformers' default experts path) want every row stride a multiple of
+# 16 bytes, so widths other than D (already 8*H*prime) are probed as 16 * prime
+EXPERT_WIDTH_SCALE = 16
+_COUNTS = {"B", "S", "L", "D", "H", "H_kv", "V", "S_max", "E", "k", "patch_size", "image_size", *HEAD_WIDTHS}
 
 
 def _strided(model: Any, src: _Source) -> bool:
@@ -361,40 +377,50 @@ def _repeated(names: Iterable[str]) -> dict[str, int]:
     return {p: len(idx) for p, idx in children.items() if idx == set(range(len(idx)))}
 
 
-def _shapes(src: _Source, overrides: dict[str, int]) -> tuple[Any, ...] | None:
-    """Every parameter's and buffer's shape and the module count of the model built with ``overrides``
-    (on fake tensors); None when it cannot be built so."""
+def _shapes(src: _Source, overrides: dict[str, int]) -> tuple[tuple[Any, ...], dict[str, str]] | None:
+    """Every parameter's and buffer's shape, the module count, and each module's type by path, of the model
+    built with ``overrides`` (on fake tensors); None when it cannot be built so."""
     model = _fake_build(src, overrides)
     if model is None:
         return None
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    return (sum(1 for _ in model.modules()), *sorted((n, tuple(t.shape)) for n, t in tensors))
+    types = {n: type(m).__qualname__ for n, m in model.named_modules()}
+    return (sum(1 for _ in model.modules()), *sorted((n, tuple(t.shape)) for n, t in tensors)), types
 
 
 def _not_sizes(src: _Source) -> list[str]:
-    """Integer fields without a size name that change no tensor of the model: ids, flags, chunk sizes.
+    """Integer fields without a size name that change no tensor of the model, or that switch which modules are
+    built: ids, flags, chunk sizes, a step between sparse layers.
 
     A field such as ``pad_token_id`` or ``bos_token_id`` is not a size: probed
     as one, it would take a value the model rejects (a padding index beyond the
     vocabulary) or another meaning. Each integer field with no known name (not
-    an alias, not the layer count) is increased by one in a model built on fake
+    an alias, not the layer count) is increased in a model built on fake
     tensors (with at most 2 layers, to stay cheap); when no parameter or buffer
-    shape and no module count changes, it stays at the user's value.
+    shape and no module count changes, it stays at the user's value. So does a
+    field that changes the type of a module at the same path (Qwen2-MoE's
+    ``decoder_sparse_step`` turns expert blocks into dense MLPs): a switch, not
+    a size.
     """
     if src.configless:
         return []
     lfield = next((f for f, letter in src.fields.items() if letter == "L"), None)
     small = {lfield: 2} if lfield is not None and src.values[lfield] > 2 else {}
-    base = _shapes(src, small)
-    if base is None:
+    built = _shapes(src, small)
+    if built is None:
         return []
+    base, types = built
     out = []
     for f, letter in sorted(src.fields.items()):
         if letter != f or letter == "L":
             continue  # a known size name, or the layer count
         v = src.values[f]
         # 2v + 1, not v + 1: a size read through a floor (image_size // patch_size) may not move by one
-        if _shapes(src, {**small, f: 2 * v + 1 if v != -1 else v + 2}) == base:
+        other = _shapes(src, {**small, f: 2 * v + 1 if v != -1 else v + 2})
+        if other is None:
+            continue
+        shapes, kinds = other
+        if shapes == base or any(kinds[n] != t for n, t in types.items() if n in kinds):
             out.append(f)
     return out
 
@@ -468,10 +494,12 @@ def _probe_for(
     head_primes: tuple[int, ...],
     offsets: bool = False,
 ) -> Probe:
-    letters = sorted({letter for letter in src.fields.values() if letter != "L"} | {"B", "S"})
+    letters = sorted({letter for letter in src.fields.values() if letter != "L"} | {"B", "S", *src.input_dims})
     layers_or_none = layers if "L" in src.fields.values() else None
     kept = [v for f, v in src.values.items() if letter_for_field(f) == "H" and f not in src.fields]
-    scale = {"S": IMAGE_SCALE} if src.strided else None
+    scale = {"S": IMAGE_SCALE} if src.strided else {}
+    if "E" in letters:  # grouped matmuls want 16-byte strides: widths are probed as multiples of 16
+        scale |= {n: EXPERT_WIDTH_SCALE for n in letters if n not in _COUNTS}
     heads = kept[0] if len(kept) == 1 and isinstance(kept[0], int) and kept[0] > 0 else 1
     return make_probe(
         letters,
@@ -482,8 +510,13 @@ def _probe_for(
         offsets=offsets,
         head_primes=head_primes,
         heads=heads,
-        scale=scale,
+        scale=scale or None,
     )
+
+
+def _input_dims(src: _Source, probe: Probe) -> dict[str, int]:
+    """The probe values of the input sizes besides B and S (S_dec), for the inputs' keywords."""
+    return {d: probe.values[d] for d in src.input_dims}
 
 
 def _field_values(src: _Source, probe: Probe) -> dict[str, int]:
@@ -507,7 +540,12 @@ def _record(
 
     with src.context():
         return record_step(
-            build, lambda m: src.inputs(m, B, S), loss=loss, step=step, optimizer=optimizer, **(precision or {})
+            build,
+            lambda m: src.inputs(m, B, S, **_input_dims(src, probe)),
+            loss=loss,
+            step=step,
+            optimizer=optimizer,
+            **(precision or {}),
         )
 
 
@@ -545,7 +583,12 @@ def _same_model(
 
         with src.context():
             return record_step(
-                build, lambda m: src.inputs(m, B, S), loss=loss, step=step, optimizer=optimizer, **precision
+                build,
+                lambda m: src.inputs(m, B, S, **_input_dims(src, probe)),
+                loss=loss,
+                step=step,
+                optimizer=optimizer,
+                **precision,
             )
 
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
@@ -805,6 +848,7 @@ def _derive(
     autocast: torch.dtype | str | None = None,
     params_dtype: torch.dtype | str | None = None,
     device: str = "cpu",
+    routing: Sequence[Any] | None = None,
     _degenerate: bool = False,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
@@ -847,6 +891,10 @@ def _derive(
         device: the device the fake tensors claim to be on (``"cpu"``
             default; ``"cuda"`` traces the CUDA kernels, e.g. flash attention,
             and needs a CUDA build of torch).
+        routing: a mixture of experts' split of the routed (token, expert)
+            pairs over the E experts, as E non-negative shares (normalised),
+            for ``acct.experts``; default balanced. Totals do not depend on
+            it (symacct.experts).
 
     Thread safety: one derivation runs at a time (a process-wide lock):
     PyTorch's module tracking and fake-tensor state are global, so two traces
@@ -869,6 +917,7 @@ def _derive(
         strict=strict,
         causal_discount=causal_discount,
         embedding_flops=embedding_flops,
+        routing=routing,
         _degenerate=_degenerate,
     )
     if step not in ("train", "forward"):
@@ -895,18 +944,24 @@ def _derive(
             hint="pass the eager module, model._orig_mod (the figures are then those of eager execution)",
         )
     hf_task = None
+    input_dims: tuple[str, ...] = ()
     if dims is None and is_transformers_model(model):
         if inputs is None or loss is None:
             hf_task = task_for(model)
         if inputs is None:
             inputs = _drop_labels(hf_task.inputs) if step == "forward" else hf_task.inputs
+            input_dims = hf_task.dims
         if loss is None and step == "train":
             loss = hf_task.loss
     src = _source(model, inputs, dims, fixed)
+    src.input_dims = input_dims
     src.strided = _strided(model, src)
     if hf_task is not None:
         src.notes.append(hf_task.note)
     if dims is None and is_transformers_model(model):
+        check_experts_path(model)
+        if routing is not None:
+            check_routing(model, routing)
         _eager_transformers(src)
     layer = _layer_field(src)
     if layer is not None:
@@ -932,7 +987,10 @@ def _derive(
     for f in constants:
         del src.fields[f]
     if constants:
-        src.notes.append(f"{', '.join(constants)} set no tensor size (ids, flags, chunk sizes): kept at their values")
+        src.notes.append(
+            f"{', '.join(constants)} set no tensor size (ids, flags, chunk sizes) or switch which modules are "
+            "built: kept at their values"
+        )
     # a fixed field's value is a constant; its prime factors may appear in sizes
     avoid = set()
     for f in [*fixed, *constants]:
@@ -965,8 +1023,10 @@ def _derive(
                 raise
             try:  # sizes such as H == H_kv or 1 run other ops: try again with them tied or fixed
                 return _derive(model, **{**kwargs, "_degenerate": True})
-            except SymacctError:
-                raise e from None
+            except SymacctError as again:
+                if again.what.startswith(NOT_THE_SAME):
+                    raise e from None  # still another model: the first difference is the one to show
+                raise
     trace2 = _record(src, probe2, step, loss, make_opt, precision)
     if probe1.layers is not None and not stacks:
         if len(trace2.ops) != len(trace1.ops):
@@ -1025,6 +1085,11 @@ def _derive(
     acct.constraints = learn_constraints(trace1, probe1.to_expr)
     if is_transformers_model(model):
         acct.constraints += window_constraints(model, probe1.values["S"])
+    acct.input_sizes = {d: "S" for d in src.input_dims}
+    acct.experts = expert_layers(graph, acct.symbols, routing)
+    if acct.experts:
+        acct.notes.append(experts_note(acct.experts))
+        acct.options["routing"] = None if routing is None else [str(s) for s in acct.experts[0].shares or ()]
     acct.notes[:0] = src.notes
     if "B" not in acct.free_symbols():
         acct.notes.append(
@@ -1044,8 +1109,8 @@ def _eager_transformers(src: _Source) -> None:
     keys: list[str] = []
     make = src.inputs
 
-    def remembering(m: nn.Module, B: int, S: int) -> Any:
-        got = make(m, B, S)
+    def remembering(m: nn.Module, B: int, S: int, **more: int) -> Any:
+        got = make(m, B, S, **more)
         if isinstance(got, dict):
             keys[:] = list(got)
         else:  # positional: the names of the forward's first parameters
@@ -1057,10 +1122,15 @@ def _eager_transformers(src: _Source) -> None:
 
 
 def _drop_labels(inputs: Callable[..., Any]) -> Callable[..., Any]:
-    """A forward (inference) step computes no loss: the task's inputs without its labels."""
+    """A forward (inference) step computes no loss: the task's inputs without its labels (an encoder-decoder's
+    labels become its decoder_input_ids: the decoder still runs on S_dec positions)."""
 
-    def without(m: nn.Module, B: int, S: int) -> dict[str, Any]:
-        return {k: v for k, v in inputs(m, B, S).items() if k != "labels"}
+    def without(m: nn.Module, B: int, S: int, **dims: int) -> dict[str, Any]:
+        got = dict(inputs(m, B, S, **dims))
+        labels = got.pop("labels", None)
+        if labels is not None and getattr(getattr(m, "config", None), "is_encoder_decoder", False):
+            got["decoder_input_ids"] = labels
+        return got
 
     return without
 

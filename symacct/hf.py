@@ -7,8 +7,9 @@ says what one training step is. The convention, per task:
   ``labels`` (a copy of the ids); the loss is ``output.loss``, transformers'
   own shifted cross-entropy (the last position predicts nothing).
 - sequence-to-sequence (``*ForConditionalGeneration`` of an encoder-decoder,
-  T5): ``input_ids`` and ``labels`` (B, S); the decoder is as long as the
-  encoder (one symbol S for both lengths; pass ``inputs=`` for others);
+  T5): ``input_ids`` (B, S) and ``labels`` (B, S_dec): the decoder's length
+  is a size of its own, S_dec (``acct.at`` takes it, and uses S when it is
+  not given); the forward step feeds the labels as ``decoder_input_ids``;
 - masked LM (``*ForMaskedLM``): ``input_ids`` and ``labels`` (B, S) with
   every position a target (the cost of the loss does not depend on which
   positions are masked: ignored positions still go through log-softmax).
@@ -19,6 +20,14 @@ says what one training step is. The convention, per task:
   hidden state (a stand-in objective, said so in the notes).
 
 ``use_cache=False`` always: a training step keeps no KV cache.
+
+Mixtures of experts: transformers' default experts path (``grouped_mm``)
+sorts the B*S*k (token, expert) pairs by expert and multiplies them with one
+grouped matmul: every shape is fixed by B, S, k, E and the widths, and only
+the offsets (values) depend on the routing. That path is derived; the
+``eager`` path (a Python loop over the experts the tokens reached, with
+``nonzero``) and ``batched_mm`` (a weight matrix gathered per routed token,
+a decoding kernel) are refused by :func:`check_experts_path`.
 transformers is imported only when the model comes from it.
 
 Eager paths on fake tensors: transformers treats a fake tensor as a graph
@@ -59,9 +68,10 @@ class Task:
     """One step of a transformers model: keyword inputs at (B, S) and the loss from the output."""
 
     name: str
-    inputs: Callable[[nn.Module, int, int], dict[str, Any]]
+    inputs: Callable[..., dict[str, Any]]  # (model, B, S, **dims)
     loss: Callable[[Any], torch.Tensor]
     note: str
+    dims: tuple[str, ...] = ()  # input sizes besides B and S, passed by keyword (S_dec)
 
 
 def _vocab(model: nn.Module) -> int:
@@ -105,8 +115,8 @@ def _causal(m: nn.Module, B: int, S: int) -> dict[str, Any]:
     return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
 
 
-def _seq2seq(m: nn.Module, B: int, S: int) -> dict[str, Any]:
-    return {"input_ids": _ids(m, B, S), "labels": _ids(m, B, S), "use_cache": False}
+def _seq2seq(m: nn.Module, B: int, S: int, S_dec: int | None = None) -> dict[str, Any]:
+    return {"input_ids": _ids(m, B, S), "labels": _ids(m, B, S if S_dec is None else S_dec), "use_cache": False}
 
 
 def _masked(m: nn.Module, B: int, S: int) -> dict[str, Any]:
@@ -144,8 +154,9 @@ def task(model: nn.Module) -> Task:
                 "seq2seq-lm",
                 _seq2seq,
                 _output_loss,
-                "sequence-to-sequence step: input_ids (B, S) and labels (B, S), the decoder as long as the "
-                "encoder (S is both lengths), output.loss",
+                "sequence-to-sequence step: input_ids (B, S) and labels (B, S_dec), output.loss; S_dec, the "
+                "decoder's length, is a size of its own (at() uses S when S_dec is not given)",
+                dims=("S_dec",),
             )
         raise SymacctError(
             f"{name}: no default step for this encoder-decoder head",
@@ -241,6 +252,57 @@ def carry_checkpointing(user: nn.Module, probe: nn.Module) -> None:
             m.gradient_checkpointing = on
             if fn is not None:
                 m._gradient_checkpointing_func = fn
+
+
+_DERIVED_EXPERTS = ("grouped_mm",)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers' experts modules (classes wrapped by ``use_experts_implementation``), with their paths."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "config")]
+
+
+def check_experts_path(model: nn.Module) -> None:
+    """Refuse an experts path whose shapes depend on the routing, or that no CPU kernel runs (module doc)."""
+    for name, m in experts_modules(model):
+        impl = getattr(m.config, "_experts_implementation", None) or "eager"
+        if impl in _DERIVED_EXPERTS:
+            continue
+        why = {
+            "eager": "loops over the experts the tokens were routed to (nonzero on the routing): its ops and "
+            "shapes depend on tensor values",
+            "batched_mm": "gathers one weight matrix per routed token (B*S*k copies of an expert's weights), "
+            "a decoding kernel",
+        }.get(impl, "is a GPU kernel")
+        raise SymacctError(
+            f"the experts path {impl!r} {why}",
+            module=name,
+            hint="build the model with experts_implementation='grouped_mm' (transformers' default; or call "
+            "model.set_experts_implementation('grouped_mm')): the same routed work with fixed shapes, which "
+            "symacct derives",
+        )
+
+
+def check_routing(model: nn.Module, routing: Any) -> None:
+    """``routing=`` against the model's experts before anything is traced: one share per expert, and a model
+    with experts at all (symacct.experts checks the traced layers again, for any model)."""
+    from symacct.experts import normalised
+
+    shares = normalised(routing)
+    found = experts_modules(model)
+    if not found:
+        raise SymacctError(
+            "routing= was given, but the step has no expert layers (no grouped matmul over routed tokens)",
+            hint="drop routing=, or use it with a mixture of experts on transformers' grouped_mm path",
+        )
+    for name, m in found:
+        n = getattr(m, "num_experts", None)
+        if isinstance(n, int) and n != len(shares):
+            raise SymacctError(
+                f"routing= gives {len(shares)} shares, but {name} has {n} experts",
+                module=name,
+                hint=f"give one share per expert ({n})",
+            )
 
 
 def is_config_file(name: str) -> bool:

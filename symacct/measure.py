@@ -30,6 +30,10 @@ class Measured:
     # backward's include a forward kernel run again by activation checkpointing)
     flash_forward: int = 0
     flash_backward: int = 0
+    # grouped matmuls (a mixture of experts' routed tokens), which FlopCounterMode counts as 0 too: counted
+    # group by group from the offsets the kernel was given (the real routing), per phase
+    grouped_forward: int = 0
+    grouped_backward: int = 0
 
     @property
     def flops_total(self) -> int:
@@ -53,6 +57,55 @@ class CpuFlashCounter(TorchDispatchMode):
         elif func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
             grad_out, q, k, v = args[:4]
             self.total += sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+        return func(*args, **(kwargs or {}))
+
+
+def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> list[int]:
+    """FLOPs of one ``_grouped_mm`` call, group by group over the real offsets (2 per multiply-add).
+
+    (M, K) rows by 3-d (G, K, N) weights: group g's n_g rows by its matrix. Two 2-d operands, (M, K) by
+    (K, N) cut along K (the weight gradient): group g multiplies M x n_g by n_g x N. 3-d (G, M, K) by 2-d
+    (K, N) cut along N. Two 3-d operands: a batched matmul, one group per matrix. Rows past the last offset
+    are skipped, as the kernel skips them.
+    """
+    if offs is None:
+        return [2 * a.shape[1] * a.shape[2] * b.shape[-1]] * a.shape[0]
+    ends = [int(x) for x in offs.tolist()]
+    sizes = [e - s for s, e in zip([0, *ends[:-1]], ends)]
+    if a.dim() == 2 and b.dim() == 3:
+        return [2 * n * a.shape[1] * b.shape[2] for n in sizes]
+    if a.dim() == 2:
+        return [2 * a.shape[0] * n * b.shape[1] for n in sizes]
+    return [2 * a.shape[1] * a.shape[2] * n for n in sizes]
+
+
+class GroupedMmCounter(TorchDispatchMode):
+    """FLOPs of ``aten._grouped_mm`` (FlopCounterMode leaves it out), group by group from the real offsets:
+    what the routed experts did, whatever the routing (``grouped_mm_flops``). ``per_group`` sums each
+    group's (expert's) FLOPs over the calls; ``rows`` lists the rows of each group of every call with 3-d
+    weights (its (token, expert) pairs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_group: list[int] = []
+        self.rows: list[list[int]] = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_group)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func is torch.ops.aten._grouped_mm.default:
+            kw = kwargs or {}
+            a, b = args[0], args[1]
+            offs = args[2] if len(args) > 2 else kw.get("offs")
+            flops = grouped_mm_flops(a, b, offs)
+            if len(self.per_group) < len(flops):
+                self.per_group += [0] * (len(flops) - len(self.per_group))
+            for g, f in enumerate(flops):
+                self.per_group[g] += f
+            if offs is not None and a.dim() == 2 and b.dim() == 3:
+                self.rows.append([f // (2 * a.shape[1] * b.shape[2]) for f in flops])
         return func(*args, **(kwargs or {}))
 
 
@@ -99,15 +152,24 @@ def measure_step(
         keep.append(t)
         return pack(t)
 
-    fwd, flash_fwd = FlopCounterMode(display=False), CpuFlashCounter()
-    with fwd, flash_fwd, torch.autograd.graph.saved_tensors_hooks(pack_keep, lambda t: t), _autocast(autocast, args):
+    fwd, flash_fwd, grouped_fwd = FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter()
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack_keep, lambda t: t)
+    with fwd, flash_fwd, grouped_fwd, hooks, _autocast(autocast, args):
         out = _call(model, args)
         value = loss(out) if loss is not None else out
-    bwd, flash_bwd = FlopCounterMode(display=False), CpuFlashCounter()
-    with bwd, flash_bwd:
+    bwd, flash_bwd, grouped_bwd = FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter()
+    with bwd, flash_bwd, grouped_bwd:
         value.backward()  # with checkpointing, the forward's kernels run again here
     keep.clear()
-    return Measured(fwd.get_total_flops(), bwd.get_total_flops(), sum(saved.values()), flash_fwd.total, flash_bwd.total)
+    return Measured(
+        fwd.get_total_flops(),
+        bwd.get_total_flops(),
+        sum(saved.values()),
+        flash_fwd.total,
+        flash_bwd.total,
+        grouped_fwd.total,
+        grouped_bwd.total,
+    )
 
 
 class StorageTracker(TorchDispatchMode):

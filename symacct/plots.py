@@ -50,6 +50,9 @@ def crossover(acct: Accounting) -> float | None:
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
+    """Powers-of-two steps from ``lo`` up to ``hi``, at least two of them (a model without a position table and
+    a short --seq would otherwise plot no point)."""
+    hi = max(hi, 2 * lo)
     out, v = [], lo
     while v <= hi:
         out.append(v)
@@ -82,7 +85,7 @@ def _memory(acct: Accounting, axis: str, xs: list[int], fixed: dict[str, int], t
     fig, ax = _figure()
     stacks = []
     for key, _ in _PARTS:
-        stacks.append([evaluate(getattr(acct.memory, key), {**acct.symbols, **fixed, axis: x}) / 1e9 for x in xs])
+        stacks.append([evaluate(getattr(acct.memory, key), acct.with_defaults(**fixed, **{axis: x})) / 1e9 for x in xs])
     ax.stackplot(xs, *stacks, labels=[label for _, label in _PARTS], colors=_COLORS[:4], alpha=0.85)
     peaks = [acct.peak(**{**fixed, axis: x}) / 1e9 for x in xs]
     ax.plot(
@@ -107,7 +110,7 @@ def _flops_share(acct: Accounting, xs: list[int], B: int, cross: float | None, n
     fig, ax = _figure()
     comps = sorted(acct.components)
     totals = {c: sum((v for k, v in acct.components[c].items() if k.startswith("flops_")), 0) for c in comps}
-    grid = [[evaluate(totals[c], {**acct.symbols, "B": B, "S": x}) for x in xs] for c in comps]
+    grid = [[evaluate(totals[c], acct.with_defaults(B=B, S=x)) for x in xs] for c in comps]
     sums = [sum(col) for col in zip(*grid)]
     shares = [[100.0 * v / s if s else 0.0 for v, s in zip(row, sums)] for row in grid]
     ax.stackplot(xs, *shares, labels=comps, colors=_COLORS[: len(comps)], alpha=0.85)

@@ -3,9 +3,9 @@
 Each symbol gets a probe value that carries a prime of its own (233 and up in the first probe), so a
 traced dimension factors uniquely into symbols: 2*D/H, 3*D, B*S... The small
 primes 2, 3, 5, 7 are left for constants. Structure the models need is
-built in: H is a multiple of H_kv, D a multiple of 8*H (a head width divisible
-by 4: rotary halves, and the quarter or half widths of partial rotary
-embeddings), S_max the largest value (positions >= S). Heads are as wide as
+built in: k (experts per token) below every other size (E), H a multiple of
+H_kv, D a multiple of 8*H (a head width divisible by 4: rotary halves, and
+the quarter or half widths of partial rotary embeddings), S_max the largest value (positions >= S). Heads are as wide as
 real ones (D/H = 8*29 = 232 in the first probe, see ``HEAD_PRIMES``): kernels
 pick their path by the head width.
 
@@ -212,7 +212,7 @@ def make_probe(
         extra = int(sympy.nextprime(extra))
         if usable(extra, set(pool)):
             pool.append(extra)
-    firsts = [n for n in ("patch_size", "H_kv", "H", "D") if n in names]
+    firsts = [n for n in ("patch_size", "k", "H_kv", "H", "D") if n in names]  # k (experts per token) < E
     middle = sorted(n for n in names if n not in firsts and n != "S_max")
     order = firsts + middle + (["S_max"] if "S_max" in names else [])
     own: dict[str, int] = {}

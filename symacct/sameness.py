@@ -117,7 +117,7 @@ def compare(user: StepTrace, probe: StepTrace, stacks: list[str], probe_blocks: 
         return
     (phase, op, module), n_user, n_probe = found
     raise SymacctError(
-        f"the model rebuilt from its config at probe sizes is not the model given: {op} runs {n_user} times "
+        f"{NOT_THE_SAME}: {op} runs {n_user} times "
         f"in the given model and {n_probe} times in the rebuilt one ({phase}, {where})",
         module=module,
         op=op,
@@ -127,6 +127,7 @@ def compare(user: StepTrace, probe: StepTrace, stacks: list[str], probe_blocks: 
     )
 
 
+NOT_THE_SAME = "the model rebuilt from its config at probe sizes is not the model given"
 KEEP = 4  # blocks of the user's model traced: the first three and the last (the probe has 4)
 
 

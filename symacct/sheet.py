@@ -142,7 +142,7 @@ def build(
             "symbol": k,
             "latex": latex(sympy.Symbol(k)),
             "meaning": MEANING.get(k, f"config field {acct.fields.get(k, k)}"),
-            "field": acct.fields.get(k, {"B": "--batch", "S": "--seq"}.get(k, "")),
+            "field": acct.fields.get(k, {"B": "--batch", "S": "--seq", "S_dec": "--seq"}.get(k, "")),
             "value": v,
         }
         for k, v in sorted(values.items(), key=lambda kv: sort_key(kv[0]))

@@ -1,7 +1,8 @@
 """The only place where symacct makes sympy symbols.
 
-Letters: B batch, S sequence, D model width, F ffn width, L layers, H heads,
-H_kv key/value heads, V vocabulary, S_max longest sequence (block size). Any
+Letters: B batch, S sequence (S_dec a decoder's, sequence-to-sequence), D model width, F ffn width, L layers, H heads,
+H_kv key/value heads, V vocabulary, S_max longest sequence (block size), E
+experts and k experts per token (mixture of experts). Any
 other integer config field that reaches a shape gets a symbol named after
 the field. All symbols are ``integer=True, positive=True`` so that they
 cancel and compare.
@@ -39,14 +40,20 @@ ALIASES: dict[str, str] = {
     "max_position_embeddings": "S_max",
     "n_positions": "S_max",
     "n_ctx": "S_max",
+    "num_local_experts": "E",
+    "num_experts": "E",
+    "n_routed_experts": "E",
+    "num_experts_per_tok": "k",
+    "moe_top_k": "k",
 }
 
 # fixed order used whenever symbols are printed or sorted
-ORDER: tuple[str, ...] = ("B", "S", "L", "D", "H", "H_kv", "F", "V", "S_max")
+ORDER: tuple[str, ...] = ("B", "S", "S_dec", "L", "D", "H", "H_kv", "F", "V", "S_max", "E", "k")
 
 MEANING: dict[str, str] = {
     "B": "batch size",
     "S": "sequence length",
+    "S_dec": "decoder sequence length (sequence-to-sequence)",
     "L": "layers (blocks)",
     "D": "model width",
     "H": "attention heads",
@@ -54,6 +61,8 @@ MEANING: dict[str, str] = {
     "F": "feed-forward width",
     "V": "vocabulary size",
     "S_max": "longest sequence (position table rows)",
+    "E": "experts (mixture of experts)",
+    "k": "experts per token (top-k routing)",
 }
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

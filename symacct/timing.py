@@ -198,7 +198,7 @@ def step_dtype(acct: Accounting, *, tf32: bool = False) -> str:
     if not by:
         return "tf32" if tf32 else "fp32"
     if acct.values is None:
-        sizes = {**acct.symbols, "B": 1, "S": 1}
+        sizes = acct.with_defaults(B=1, S=1)
         by = {k: evaluate(v, sizes) for k, v in by.items()}
     return max(sorted(by), key=lambda k: by[k])
 

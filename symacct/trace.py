@@ -201,6 +201,55 @@ def _eager_strides(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     return (out[0].contiguous(), *out[1:])
 
 
+def _grouped_mm_cpu(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``aten._grouped_mm`` on fake CPU tensors, as the CPU kernel does it.
+
+    The meta kernel checks CUDA's rules (bf16 only), so a float32 mixture of
+    experts that runs on a CPU could not be traced. The CPU kernel takes
+    float32, bfloat16 and float16, wants every leading stride a multiple of 16
+    bytes (checked here too, so that a size the kernel refuses is refused),
+    and returns a contiguous tensor: (rows, N) for a 2-d input and 3-d
+    weights (each row multiplied by its group's matrix), (groups, M, N) for
+    two 2-d operands split along the contraction (the weight gradient).
+    """
+    allowed = (torch.float32, torch.bfloat16, torch.float16)
+    if mat_a.dtype not in allowed or mat_b.dtype != mat_a.dtype:
+        raise RuntimeError(f"Expected mat_a to be Float32, BFloat16 or Float16 matrix, got {mat_a.dtype}")
+    for t in (mat_a, mat_b):
+        lead = max(t.stride()[-2:])
+        if (lead * t.element_size()) % 16:
+            raise RuntimeError(f"strides should be multiple of 16 bytes (strides {tuple(t.stride())}, {t.dtype})")
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if a2 and b2:
+        size = [offs.size(0) if offs is not None else 1, mat_a.size(0), mat_b.size(1)]
+    elif a2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+# ops whose meta kernel follows another device's rules than the CPU kernel's: the CPU kernel's rules instead
+_CPU_KERNELS: dict[Any, Callable[..., torch.Tensor]] = {aten._grouped_mm.default: _grouped_mm_cpu}
+
+
+def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run an op on fake tensors: by the CPU kernel's rules where the meta kernel's differ."""
+    own = _CPU_KERNELS.get(func)
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if own is not None and first is not None and first.device.type == "cpu":
+        return own(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
 def _split_lists(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[tuple[Any, Any, Any]]:
     """A foreach or fused-optimizer op over N tensors, as N one-tensor calls.
 
@@ -253,8 +302,8 @@ def _failure(func: Any, e: Exception) -> tuple[str, str]:
     if "grouped_mm" in str(func):
         return (
             f"the op failed on fake tensors: {name}: {_text(e)}",
-            "a mixture of experts (grouped matmuls over routed tokens): symacct does not derive expert routing "
-            "yet; its grouped-matmul kernel checks dtypes on fake tensors that the eager CPU kernel does not",
+            "the CPU grouped-matmul kernel (a mixture of experts) takes float32, bfloat16 or float16 and wants "
+            "row strides of a multiple of 16 bytes: widths a multiple of 4 (float32) or 8 (16-bit)",
         )
     return (
         f"the op failed on fake tensors: {name}: {_text(e)}",
@@ -276,6 +325,7 @@ class _Recorder(TorchDispatchMode):
         self.root = root
         self.phase = "forward"
         self.seq_module: dict[int, str] = {}  # autograd sequence number -> module path
+        self.seq_seen = -1  # the last sequence number given a module
         self.names: dict[int, str] = {}  # id(module) -> path
         self.recomputing: list[str] = []  # modules whose forward runs again inside backward
 
@@ -332,7 +382,7 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         self.reap(len(self.trace.ops) - 0.25)  # died before this op
         try:
-            out = func(*args, **kwargs)
+            out = _run(func, args, kwargs)
         except SymacctError:
             raise
         except Exception as e:  # data-dependent ops, missing fake kernels
@@ -345,7 +395,12 @@ class _Recorder(TorchDispatchMode):
         for a, k, o in _split_lists(func, args, kwargs, out):
             self._record(func, a, k, o)
         if self.phase == "forward":
-            self.seq_module.setdefault(torch.autograd._get_sequence_nr() - 1, self.trace.ops[-1].module)
+            # every autograd node made since the last op is this op's: an in-place op's node is made before the
+            # clone of the value it overwrites (saved for backward), so it is not always the newest one
+            last = torch.autograd._get_sequence_nr() - 1
+            for seq in range(self.seq_seen + 1, last + 1):
+                self.seq_module.setdefault(seq, self.trace.ops[-1].module)
+            self.seq_seen = max(self.seq_seen, last)
         return out
 
     def _record(self, func, args, kwargs, out) -> None:
@@ -392,8 +447,11 @@ class _Recorder(TorchDispatchMode):
                     self.trace.note_storage(m.storage, t)
 
 
-def call_inputs(inputs: Callable[..., Any], model: nn.Module, B: int, S: int) -> tuple[Any, ...] | dict[str, Any]:
-    """Call an inputs builder given as ``f(B, S)`` or ``f(model, B, S)``.
+def call_inputs(
+    inputs: Callable[..., Any], model: nn.Module, B: int, S: int, **dims: int
+) -> tuple[Any, ...] | dict[str, Any]:
+    """Call an inputs builder given as ``f(B, S)`` or ``f(model, B, S)`` (input sizes besides B and S, such as
+    a decoder's length ``S_dec``, by keyword).
 
     A tuple (or one tensor) is passed positionally, ``model(*inputs)``; a dict
     by keyword, ``model(**inputs)`` (``input_ids=..., labels=...``).
@@ -402,7 +460,7 @@ def call_inputs(inputs: Callable[..., Any], model: nn.Module, B: int, S: int) ->
         n = len(inspect.signature(inputs).parameters)
     except (TypeError, ValueError):
         n = 2
-    got = inputs(model, B, S) if n >= 3 else inputs(B, S)
+    got = inputs(model, B, S, **dims) if n >= 3 else inputs(B, S, **dims)
     if isinstance(got, dict):
         bad = [k for k in got if not isinstance(k, str)]
         if bad:

@@ -5,8 +5,10 @@ on the chosen device and run for real. Rows, each with its tolerance:
 
 - matmul FLOPs, forward and backward (``FlopCounterMode``, plus on CPU the
   flash-attention kernel it counts as 0, counted with flop_counter's own SDPA
-  formulas by ``measure.CpuFlashCounter``; that kernel's share is a row of
-  its own too, so the gap is shown, not hidden);
+  formulas by ``measure.CpuFlashCounter``, and the grouped matmuls of a
+  mixture of experts, which it also counts as 0, group by group from their
+  real offsets by ``measure.GroupedMmCounter``; each kernel's share is a row
+  of its own too, so the gap is shown, not hidden);
 - saved-activation bytes (``saved_tensors_hooks``);
 - params, grads, optimizer-state bytes (the real tensors after the step);
 - live bytes after forward, after backward, after the optimizer step, and the
@@ -43,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from symacct.accounting import Accounting
 from symacct.errors import SymacctError
+from symacct.experts import GROUPED_MM
 from symacct.measure import measure_cuda_steps, measure_memory_steps, measure_step
 from symacct.trace import call_inputs
 
@@ -89,11 +92,12 @@ def _step_of(model: nn.Module, inputs: Any, loss: Any) -> tuple[Any, Any]:
     return (lambda m, B, S: call_inputs(inputs, m, B, S)), loss
 
 
-def _uncounted_sdpa(at: Accounting) -> tuple[int, int]:
-    """Derived matmul FLOPs of the CPU flash-attention kernels (forward, backward+recompute)."""
+def _uncounted(at: Accounting, op: str) -> tuple[int, int]:
+    """Derived matmul FLOPs of the kernels FlopCounterMode counts as 0 (forward, backward+recompute): the CPU
+    flash-attention kernels, the grouped matmuls."""
     fwd = bwd = 0
     for _, a in at.graph.nodes(data=True):
-        if a["op"].startswith(_CPU_SDPA) and a["count"]:
+        if a["op"].startswith(op) and a["count"]:
             if a["phase"] == "forward":
                 fwd += a["flops"] * a["count"]
             else:  # the kernel's model FLOPs and what it recomputes: FlopCounterMode misses both
@@ -145,26 +149,36 @@ def verify(
     args = tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, cpu_args)
     counted = measure_step(model, args, loss=loss, autocast=autocast)  # forward + backward, no update
     model.zero_grad(set_to_none=True)
-    gap_f, gap_b = _uncounted_sdpa(at) if device == "cpu" else (0, 0)
+    gap_f, gap_b = _uncounted(at, _CPU_SDPA) if device == "cpu" else (0, 0)
+    grouped_f, grouped_b = _uncounted(at, GROUPED_MM)
     rows: list[Row] = []
-    rows.append(Row("matmul FLOPs, forward", at.flops.forward, counted.flops_forward + counted.flash_forward, 0.0))
+    rows.append(
+        Row(
+            "matmul FLOPs, forward",
+            at.flops.forward,
+            counted.flops_forward + counted.flash_forward + counted.grouped_forward,
+            0.0,
+        )
+    )
     rows.append(
         Row(
             "matmul FLOPs, backward (+ recompute)",
             at.flops.backward + at.flops.recompute,
-            counted.flops_backward + counted.flash_backward,
+            counted.flops_backward + counted.flash_backward + counted.grouped_backward,
             0.0,
         )  # fmt: skip
     )
-    if gap_f or gap_b or counted.flash_forward or counted.flash_backward:
-        rows.append(
-            Row(
-                "CPU flash-attention FLOPs (FlopCounterMode counts 0)",
-                gap_f + gap_b,
-                counted.flash_forward + counted.flash_backward,
-                0.0,
-            )
-        )
+    uncounted = (  # each kernel FlopCounterMode counts 0, on a row of its own: the gap shown, not hidden
+        ("CPU flash-attention FLOPs", gap_f + gap_b, counted.flash_forward + counted.flash_backward),
+        (
+            "grouped-matmul FLOPs, routed experts",
+            grouped_f + grouped_b,
+            counted.grouped_forward + counted.grouped_backward,
+        ),
+    )
+    for name, derived, measured_flops in uncounted:
+        if derived or measured_flops:
+            rows.append(Row(f"{name} (FlopCounterMode counts 0)", derived, measured_flops, 0.0))
     rows.append(Row("saved activation bytes", at.memory.activations, counted.saved_bytes, tolerance))
     for name in ("params", "grads", "optimizer", "after_forward", "after_backward", "after_optimizer", "peak"):
         rows.append(Row(f"memory: {name}", getattr(at.memory, name), getattr(real, name), tolerance))

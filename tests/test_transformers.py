@@ -6,7 +6,9 @@ attention; ``derive(model, optimizer="adamw")`` is then compared, at two
 step (``symacct.hf.task``):
 
 - FLOPs: FlopCounterMode, plus the CPU flash-attention kernel (which it counts
-  as 0) by flop_counter's own SDPA formulas (``measure.CpuFlashCounter``);
+  as 0) by flop_counter's own SDPA formulas (``measure.CpuFlashCounter``) and a
+  mixture of experts' grouped matmuls (also 0 there) group by group from their
+  real offsets (``measure.GroupedMmCounter``);
   the kernel's recomputed scores (one of its five backward products) are
   ``flops.recompute``;
 - saved bytes: saved_tensors_hooks, the loss included;
@@ -22,8 +24,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,8 @@ def decoder_sizes(draw: st.DrawFn, gqa: bool = True) -> dict[str, int]:
         "V": draw(st.integers(16, 80)),
         "F": draw(st.integers(4, 48)),
         "S_max": draw(st.integers(16, 40)),
+        "E": draw(st.integers(2, 6)),  # experts of a mixture (the other families ignore E and k)
+        "k": draw(st.integers(1, 2)),
     }
 
 
@@ -76,21 +78,24 @@ def gpt2(s: dict[str, int], attn: str) -> Any:
 
 
 def _llama_like(
-    config_cls: type, model_cls: type, kv: bool = True, **extra: Any
+    config_cls: type, model_cls: type, kv: bool = True, moe: bool = False, **extra: Any
 ) -> Callable[[dict[str, int], str], Any]:
-    """A builder from the drawn sizes, with transformers' common field names (grouped heads when ``kv``)."""
+    """A builder from the drawn sizes, with transformers' common field names (grouped heads when ``kv``; E
+    experts, k a token when ``moe``, whose grouped-matmul CPU kernel wants 16-byte rows: F a multiple of 4)."""
 
     def build(s: dict[str, int], attn: str) -> Any:
         heads = {"num_key_value_heads": s["H_kv"]} if kv else {}
+        experts = {"num_local_experts": s["E"], "num_experts_per_tok": s["k"]} if moe else {}
         c = config_cls(
             hidden_size=s["D"],
-            intermediate_size=s["F"],
+            intermediate_size=4 * max(1, s["F"] // 4) if moe else s["F"],
             num_hidden_layers=s["L"],
             num_attention_heads=s["H"],
             vocab_size=s["V"],
             max_position_embeddings=s["S_max"],
             attn_implementation=attn,
             **heads,
+            **experts,
             **extra,
         )
         return model_cls(c)
@@ -111,21 +116,26 @@ FAMILIES: dict[str, tuple[Callable[[dict[str, int], str], Any], bool]] = {
     "phi3": (_llama_like(T.Phi3Config, T.Phi3ForCausalLM, pad_token_id=0), True),
     "gpt-neox": (neox, False),
     "bert": (bert, False),
+    "mixtral": (_llama_like(T.MixtralConfig, T.MixtralForCausalLM, moe=True), True),
 }
 
 
-def check_exact(model: Any, acct: Any, points: list[tuple[int, int]], checkpointing: bool = False) -> None:
-    """derive's figures against a real step of ``model`` at each (B, S) (see the module doc)."""
+def check_exact(model: Any, acct: Any, points: list[tuple[int, ...]], checkpointing: bool = False) -> None:
+    """derive's figures against a real step of ``model`` at each (B, S) or (B, S, S_dec) (see the module doc)."""
     step = task(model)
-    for B, S in points:
-        at = acct.at(B=B, S=S)
+    for B, S, *dec in points:
+        more = {"S_dec": dec[0]} if dec else {}
+        at = acct.at(B=B, S=S, **more)
         torch.manual_seed(0)
-        args = step.inputs(model, B, S)
+        args = step.inputs(model, B, S, **more)
         counted = measure_step(model, args, loss=step.loss)
         model.zero_grad(set_to_none=True)
-        assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
-        assert at.flops.forward == counted.flops_forward + counted.flash_forward
-        assert at.flops.backward + at.flops.recompute == counted.flops_backward + counted.flash_backward
+        uncounted = counted.flash_forward + counted.flash_backward + counted.grouped_forward + counted.grouped_backward
+        assert at.flops.hardware == counted.flops_total + uncounted
+        assert at.flops.forward == counted.flops_forward + counted.flash_forward + counted.grouped_forward
+        assert at.flops.backward + at.flops.recompute == (
+            counted.flops_backward + counted.flash_backward + counted.grouped_backward
+        )
         if not checkpointing:  # the kernel's recomputed scores only: 1 of its 5 equal backward products
             assert 5 * at.flops.recompute == counted.flash_backward
         assert at.memory.activations == counted.saved_bytes
@@ -265,15 +275,21 @@ TINY = {
 }
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "symacct.cli", *args], capture_output=True, text=True)
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The command line's entry point in this process (a new interpreter importing transformers costs seconds
+    a call; test_readme runs the installed command itself)."""
+    from symacct.cli import main
+
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 def test_cli_derives_and_verifies_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    out = _cli("derive", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--json")
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
+    rc, out, err = _cli(capsys, "derive", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
     real = T.AutoModelForCausalLM.from_config(T.AutoConfig.for_model(**TINY))
     params = next(r["value"] for r in report["formulas"] if r["name"] == "params")
     assert params == sum(p.numel() for p in real.parameters())  # the tied embedding once
@@ -281,31 +297,28 @@ def test_cli_derives_and_verifies_a_config_json(tmp_path: Path, capsys: pytest.C
     assert (
         fields["D"] == "hidden_size" and fields["H_kv"] == "num_key_value_heads" and fields["L"] == "num_hidden_layers"
     )
-    out = _cli("verify", str(tmp_path), "--batch", "2", "--seq", "16", "--steps", "2")  # the folder works too
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "MISMATCH" not in out.stdout and "CPU flash-attention FLOPs" in out.stdout
-    from symacct.cli import main
-
-    for cmd in (  # in this process: the same entry point, without a new interpreter importing transformers each
+    rc, out, err = _cli(capsys, "verify", str(tmp_path), "--batch", "2", "--seq", "16", "--steps", "2")  # a folder
+    assert rc == 0, out + err
+    assert "MISMATCH" not in out and "CPU flash-attention FLOPs" in out
+    for cmd in (
         ["fit", str(tmp_path / "config.json"), "--hardware", "H100-SXM", "--seq", "64", "--solve", "batch"],
         ["estimate", str(tmp_path / "config.json"), "--tokens", "1e9", "--hardware", "A100", "--gpus", "8"],
         ["sheet", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--format", "md"],
     ):
-        assert main(cmd) == 0
-        out, err = capsys.readouterr()
-        assert out.strip(), err
+        rc, out, err = _cli(capsys, *cmd)
+        assert rc == 0 and out.strip(), err
 
 
-def test_cli_config_json_errors_are_one_line(tmp_path: Path) -> None:
+def test_cli_config_json_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    out = _cli("derive", str(tmp_path / "config.json"), "--config", "num_hidden_layers=2.5")
-    assert out.returncode == 2 and "is an integer" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    rc, _, err = _cli(capsys, "derive", str(tmp_path / "config.json"), "--config", "num_hidden_layers=2.5")
+    assert rc == 2 and "is an integer" in err and len(err.strip().splitlines()) == 1
     (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
-    out = _cli("derive", str(tmp_path / "bad.json"))
-    assert out.returncode == 2 and "no model_type" in out.stderr
+    rc, _, err = _cli(capsys, "derive", str(tmp_path / "bad.json"))
+    assert rc == 2 and "no model_type" in err
     (tmp_path / "odd.json").write_text(json.dumps({**TINY, "model_type": "no-such-model"}))
-    out = _cli("derive", str(tmp_path / "odd.json"))
-    assert out.returncode == 2 and "no-such-model" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    rc, _, err = _cli(capsys, "derive", str(tmp_path / "odd.json"))
+    assert rc == 2 and "no-such-model" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -344,34 +357,29 @@ def test_vit_image_classification_is_exact(attn: str) -> None:
     run()
 
 
-def test_t5_sequence_to_sequence_is_exact() -> None:
-    """An encoder-decoder (two stacks side by side, kept at their depths), the decoder as long as the encoder;
-    d_kv follows D/H; relative position buckets are a size of their own."""
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_t5_sequence_to_sequence_is_exact(attn: str) -> None:
+    """An encoder-decoder (two stacks side by side, kept at their depths) with the decoder's length S_dec a
+    size of its own (at() uses S when it is not given); d_kv follows D/H; relative position buckets are a size
+    of their own; the forward step runs the decoder on S_dec positions too."""
     torch.manual_seed(0)
     config = T.T5Config(
         d_model=32, d_ff=48, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=50,
-        decoder_start_token_id=0, pad_token_id=0,
+        decoder_start_token_id=0, pad_token_id=0, attn_implementation=attn,
     )  # fmt: skip
     model = T.T5ForConditionalGeneration(config)
     acct = symacct.derive(model, optimizer="adamw")
     notes = " ".join(acct.notes)
     assert "sequence-to-sequence step" in notes and "num_decoder_layers, num_layers each count the blocks" in notes
-    assert {"D", "H", "F", "V"} <= set(acct.free_symbols())
-    check_exact(model, acct, [(2, 5), (3, 9)])
-
-
-def test_a_mixture_of_experts_is_refused_with_its_op_not_derived() -> None:
-    """A mixture of experts is routed by values: the grouped-matmul path of transformers 5 does not run on
-    fake tensors in fp32 (its meta kernel wants bf16), and derive says so with the op, instead of a figure."""
-    config = T.MixtralConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=50, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
-    with pytest.raises(SymacctError, match="experts") as e:
-        symacct.derive(T.MixtralForCausalLM(config))
-    assert (
-        "\n" not in str(e.value) and "grouped_mm" in str(e.value) and "does not derive expert routing" in str(e.value)
-    )
+    assert {"D", "H", "F", "V", "S_dec"} <= set(acct.free_symbols())
+    assert acct.at(B=2, S=5).flops.total == acct.at(B=2, S=5, S_dec=5).flops.total
+    check_exact(model, acct, [(2, 5, 11), (3, 9, 4), (2, 7)])
+    forward = symacct.derive(model, step="forward")
+    args = task(model).inputs(model, 2, 6, S_dec=3)
+    args["decoder_input_ids"] = args.pop("labels")
+    real = measure_memory(model, args, step="forward")
+    at = forward.at(B=2, S=6, S_dec=3)
+    assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
 
 
 def test_a_deep_model_is_checked_on_four_blocks_and_its_structure() -> None:
@@ -386,3 +394,19 @@ def test_a_deep_model_is_checked_on_four_blocks_and_its_structure() -> None:
     model.model.layers[3].mlp.act_fn = torch.nn.GELU()
     with pytest.raises(SymacctError, match="gelu.*model.layers.3.mlp.act_fn"):
         symacct.derive(model)
+
+
+def test_cli_sheet_of_a_sequence_to_sequence_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A T5 config.json: S_dec is in the notation (set by --seq on the command line), and a model with no
+    position table plots from a short --seq."""
+    config = T.T5Config(
+        d_model=32, d_ff=48, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=50,
+        decoder_start_token_id=0, pad_token_id=0, architectures=["T5ForConditionalGeneration"],
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    rc, out, err = _cli(capsys, "sheet", str(tmp_path), "--batch", "2", "--seq", "16", "--out", str(tmp_path / "s"))
+    assert rc == 0, err
+    written = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert sum(n.endswith("-memory-seq.png") for n in written) == 1 and sum(n.endswith(".md") for n in written) == 1
+    md = next((tmp_path / "s").glob("*.md")).read_text()
+    assert "| $S_{dec}$ | decoder sequence length (sequence-to-sequence) | `--seq` | 16 |" in md

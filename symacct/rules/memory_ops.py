@@ -115,6 +115,7 @@ def create(call: Call) -> Cost:
     aten.masked_select,
     aten.index_put_,
     aten.index_put,
+    aten.scatter,
     aten.unsafe_split,
     aten.lift_fresh_copy,
     aten._foreach_copy_,

@@ -57,3 +57,9 @@ def foreach(call: Call) -> Cost:
     if call.op.overloadpacket.__name__.startswith(("_foreach_norm", "_foreach_max")):
         return Cost(flops_other=sum((numel(t.shape) for t in distinct(call.inputs)), 0))
     return Cost(flops_other=_per_element(call) * sum((numel(t.shape) for t in distinct(written)), 0))
+
+
+@rule(aten.floor_divide)
+def pointwise_untagged(call: Call) -> Cost:
+    """Elementwise ops PyTorch does not tag ``pointwise`` (``floor_divide``: a routed row's token, perm // k)."""
+    return pointwise(call)

@@ -1,7 +1,10 @@
 """Reductions and fused normalisation / softmax / loss kernels.
 
 Convention: a reduction costs 1 FLOP per element it reads; so does a scan
-(``cumsum``: one add per element, the position ids of a padding mask). A fused kernel
+(``cumsum``: one add per element, the position ids of a padding mask), and so
+does a selection (``topk``, ``sort``, ``histc``: a mixture of experts' routing
+compares, it does no arithmetic; the comparisons of a sort are not counted).
+A fused kernel
 costs the FLOPs of its decomposition per element of its largest operand,
 as listed in ``FUSED`` (docs/conventions.md prints the table).
 """
@@ -33,6 +36,9 @@ def reduction(call: Call) -> Cost:
     aten.cumprod,
     aten.cummax,
     aten.cummin,
+    aten.topk,
+    aten.sort,
+    aten.histc,
 )
 def reduction_untagged(call: Call) -> Cost:
     return reduction(call)
