@@ -50,10 +50,9 @@ def crossover(acct: Accounting) -> float | None:
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
-    """Powers-of-two steps from ``lo`` up to ``hi``, at least two of them (a model without a position table and
-    a short --seq would otherwise plot no point)."""
-    hi = max(hi, 2 * lo)
-    out, v = [], lo
+    """Powers-of-two steps from ``lo`` up to ``hi``; from ``hi`` itself when it is below ``lo`` (a model without a
+    position table and a short --seq would otherwise plot no point)."""
+    out, v = [], min(lo, hi)
     while v <= hi:
         out.append(v)
         v *= 2
