@@ -21,6 +21,7 @@ derived figure comes from ``symacct.derive`` (or ``torch.finfo`` /
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import asdict, dataclass, field
@@ -691,8 +692,14 @@ def worked_numbers() -> list[Claim]:
 
 
 def catalog() -> list[Claim]:
-    """Every claim with its derived verdict (about 20 s: a dozen derivations)."""
-    return [
+    """Every claim with its derived verdict (about 20 s: a dozen derivations, made once a process: the claims
+    are about fixed reference models; each call gets its own copies)."""
+    return copy.deepcopy(list(_catalog()))
+
+
+@functools.cache
+def _catalog() -> tuple[Claim, ...]:
+    return (
         six_nd(),
         six_nd_embeddings(),
         first_layer(),
@@ -704,7 +711,7 @@ def catalog() -> list[Claim]:
         *activations(),
         *formats(),
         *worked_numbers(),
-    ]
+    )
 
 
 def render_md(claims: list[dict[str, Any]]) -> str:

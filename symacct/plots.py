@@ -157,5 +157,6 @@ def write(acct: Accounting, out: Path, *, name: str, B: int, S: int | None) -> l
         cross = crossover(acct)
         hi = max(acct.symbols.get("S_max", S), S, int(2 * (cross or 0)))
         xs = _sizes(64, 1 << (hi - 1).bit_length())
+        xs = xs if len(xs) > 1 else [xs[0], 2 * xs[0]]  # a share plot needs a range (a short --seq, no S_max)
         paths += _flops_share(acct, xs, B, cross, name, out / f"{name}-flops-share")
     return paths
