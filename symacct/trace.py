@@ -155,6 +155,7 @@ class _Ids:
         self._n_values = 0
         self._storages: dict[int, int] = {}  # live storage address -> storage id
         self._refs: dict[int, tuple[int, StorageWeakRef]] = {}  # storage id -> (address, weak ref)
+        self._live: dict[int, int] = {}  # storage id -> its weak reference's handle, while alive
 
     def meta(self, t: torch.Tensor) -> TMeta:
         vid = self._values.get(t)
@@ -168,15 +169,22 @@ class _Ids:
         key = st._cdata
         sid = self._storages.get(key)
         if sid is None or self._refs[sid][1].expired():
+            if sid is not None:  # the address was reused before a reap saw the old storage die: never reaped
+                self._live.pop(sid, None)
             sid = len(self._refs)
             self._storages[key] = sid
-            self._refs[sid] = (key, StorageWeakRef(st))
+            ref = StorageWeakRef(st)
+            self._refs[sid] = (key, ref)
+            self._live[sid] = ref.cdata
         return sid
 
     def reap(self) -> list[int]:
-        """Storage ids that died since the last call."""
-        dead = [sid for key, sid in self._storages.items() if self._refs[sid][1].expired()]
+        """Storage ids that died since the last call (called after every op: the check is the one call
+        StorageWeakRef.expired makes, without its method lookups)."""
+        expired = torch.Storage._expired  # type: ignore[attr-defined]
+        dead = [sid for sid, handle in self._live.items() if expired(handle)]
         for sid in dead:
+            del self._live[sid]
             del self._storages[self._refs[sid][0]]
         return dead
 
