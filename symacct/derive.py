@@ -538,6 +538,22 @@ def _record(
                 return src.build(vals)
         return _build_fake(lambda: src.build(vals), fake, (precision or {}).get("device", "cpu"))
 
+    return _trace(src, probe, build, B, S, step, loss, optimizer, precision or {})
+
+
+def _trace(
+    src: _Source,
+    probe: Probe,
+    build: Callable[[FakeTensorMode], nn.Module],
+    B: int,
+    S: int,
+    step: str,
+    loss: Any,
+    optimizer: Any,
+    precision: dict[str, Any],
+) -> StepTrace:
+    """One step of the model ``build`` makes, at (B, S) and the probe's other input sizes, in the source's
+    context (transformers' eager paths)."""
     with src.context():
         return record_step(
             build,
@@ -545,7 +561,7 @@ def _record(
             loss=loss,
             step=step,
             optimizer=optimizer,
-            **(precision or {}),
+            **precision,
         )
 
 
@@ -581,15 +597,7 @@ def _same_model(
             with shortened(model, stacks):  # copied with its stacks shortened, then restored
                 return fake_copy(model, fake, device)
 
-        with src.context():
-            return record_step(
-                build,
-                lambda m: src.inputs(m, B, S, **_input_dims(src, probe)),
-                loss=loss,
-                step=step,
-                optimizer=optimizer,
-                **precision,
-            )
+        return _trace(src, probe, build, B, S, step, loss, optimizer, precision)
 
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
         compare_ops(user_trace(True), trace, stacks, probe.layers or 1)

@@ -77,6 +77,21 @@ def normalised(routing: Sequence[Any]) -> tuple[Fraction, ...]:
     return tuple(p / total for p in parts)
 
 
+def no_expert_layers() -> SymacctError:
+    return SymacctError(
+        "routing= was given, but the step has no expert layers (no grouped matmul over routed tokens)",
+        hint="drop routing=, or use it with a mixture of experts on transformers' grouped_mm path",
+    )
+
+
+def wrong_share_count(shares: int, module: str, experts: int) -> SymacctError:
+    return SymacctError(
+        f"routing= gives {shares} shares, but {module} has {experts} experts",
+        module=module,
+        hint=f"give one share per expert ({experts})",
+    )
+
+
 def expert_layers(graph: nx.DiGraph, values: dict[str, int], routing: Sequence[Any] | None) -> list[ExpertLayers]:
     """The grouped-matmul layers of the graph, one entry per module path (after ``aggregate``: nodes carry
     ``generic``), with ``routing`` (E shares) checked against each layer's E."""
@@ -92,21 +107,14 @@ def expert_layers(graph: nx.DiGraph, values: dict[str, int], routing: Sequence[A
             entry["pairs"], entry["experts"] = ins[0][0], ins[2][0]  # (pairs, K) rows; offsets (E,)
     shares = normalised(routing) if routing is not None else None
     if routing is not None and not found:
-        raise SymacctError(
-            "routing= was given, but the step has no expert layers (no grouped matmul over routed tokens)",
-            hint="drop routing=, or use it with a mixture of experts on transformers' grouped_mm path",
-        )
+        raise no_expert_layers()
     out = []
     for module, e in sorted(found.items()):
         if e["pairs"] is None:
             continue
         experts = evaluate(e["experts"], values)
         if shares is not None and len(shares) != experts:
-            raise SymacctError(
-                f"routing= gives {len(shares)} shares, but {module or '<root>'} has {experts} experts",
-                module=module or "<root>",
-                hint=f"give one share per expert ({experts})",
-            )
+            raise wrong_share_count(len(shares), module or "<root>", experts)
         out.append(ExpertLayers(module, experts, e["pairs"], sympy.expand(e["flops"]), shares, dict(values)))
     return out
 

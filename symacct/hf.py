@@ -286,23 +286,16 @@ def check_experts_path(model: nn.Module) -> None:
 def check_routing(model: nn.Module, routing: Any) -> None:
     """``routing=`` against the model's experts before anything is traced: one share per expert, and a model
     with experts at all (symacct.experts checks the traced layers again, for any model)."""
-    from symacct.experts import normalised
+    from symacct.experts import no_expert_layers, normalised, wrong_share_count
 
     shares = normalised(routing)
     found = experts_modules(model)
     if not found:
-        raise SymacctError(
-            "routing= was given, but the step has no expert layers (no grouped matmul over routed tokens)",
-            hint="drop routing=, or use it with a mixture of experts on transformers' grouped_mm path",
-        )
+        raise no_expert_layers()
     for name, m in found:
         n = getattr(m, "num_experts", None)
         if isinstance(n, int) and n != len(shares):
-            raise SymacctError(
-                f"routing= gives {len(shares)} shares, but {name} has {n} experts",
-                module=name,
-                hint=f"give one share per expert ({n})",
-            )
+            raise wrong_share_count(len(shares), name, n)
 
 
 def is_config_file(name: str) -> bool:

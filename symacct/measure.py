@@ -60,6 +60,12 @@ class CpuFlashCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def group_sizes(offs: torch.Tensor) -> list[int]:
+    """The rows of each group of a grouped matmul, from its offsets (each group's end)."""
+    ends = [int(x) for x in offs.tolist()]
+    return [e - s for s, e in zip([0, *ends[:-1]], ends)]
+
+
 def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> list[int]:
     """FLOPs of one ``_grouped_mm`` call, group by group over the real offsets (2 per multiply-add).
 
@@ -70,8 +76,7 @@ def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None
     """
     if offs is None:
         return [2 * a.shape[1] * a.shape[2] * b.shape[-1]] * a.shape[0]
-    ends = [int(x) for x in offs.tolist()]
-    sizes = [e - s for s, e in zip([0, *ends[:-1]], ends)]
+    sizes = group_sizes(offs)
     if a.dim() == 2 and b.dim() == 3:
         return [2 * n * a.shape[1] * b.shape[2] for n in sizes]
     if a.dim() == 2:
@@ -105,7 +110,7 @@ class GroupedMmCounter(TorchDispatchMode):
             for g, f in enumerate(flops):
                 self.per_group[g] += f
             if offs is not None and a.dim() == 2 and b.dim() == 3:
-                self.rows.append([f // (2 * a.shape[1] * b.shape[2]) for f in flops])
+                self.rows.append(group_sizes(offs))
         return func(*args, **(kwargs or {}))
 
 
