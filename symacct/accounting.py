@@ -24,7 +24,7 @@ from symacct.constraints import check as check_constraints
 from symacct.errors import SymacctError
 from symacct.memory import Liveness, Memory
 from symacct.probe import Probe
-from symacct.symbols import sort_key, sym
+from symacct.symbols import Terms, sort_key, sym
 from symacct.trace import StepTrace
 
 Expr = Any  # sympy.Expr, or int once evaluated
@@ -487,11 +487,11 @@ def aggregate(
     options: dict[str, Any],
     minimum: dict[str, int],
 ) -> Accounting:
-    flops = defaultdict(lambda: sympy.Integer(0))
-    byts = defaultdict(lambda: sympy.Integer(0))
-    modules: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(lambda: sympy.Integer(0)))
-    comps: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(lambda: sympy.Integer(0)))
-    per_layer: dict[str, dict[str, Any]] = {}
+    flops: dict[str, Terms] = defaultdict(Terms)
+    byts: dict[str, Terms] = defaultdict(Terms)
+    modules: dict[str, dict[str, Terms]] = defaultdict(lambda: defaultdict(Terms))
+    comps: dict[str, dict[str, Terms]] = defaultdict(lambda: defaultdict(Terms))
+    per_layer: dict[str, dict[str, Terms]] = {}
     unaccounted: list[str] = []
     L = sym("L")
     for n, a in graph.nodes(data=True):
@@ -524,7 +524,7 @@ def aggregate(
             target["bytes_written"] += a["bytes_written"] * c
         if gp != a["module"] and c.has(L):
             stack = next(p for p in stacks if a["module"].startswith(p + "."))
-            blk = per_layer.setdefault(stack, defaultdict(lambda: sympy.Integer(0)))
+            blk = per_layer.setdefault(stack, defaultdict(Terms))
             blk["flops_" + ph] += mm
             if again != 0:
                 blk["flops_recompute"] += again
@@ -534,8 +534,8 @@ def aggregate(
         if not a.get("ruled", True):
             unaccounted.append(f"#{n} {a['op']} in '{a['module']}' ({ph})")
     # parameters
-    params = sympy.Integer(0)
-    params_emb = sympy.Integer(0)
+    params = Terms()
+    params_emb = Terms()
     for ph in trace.placeholders:
         if ph.kind != "param":
             continue
@@ -551,41 +551,46 @@ def aggregate(
         comps[component(mod, stacks, trace.module_types, "forward")]["params"] += n
         b = next((p for p in stacks if mod.startswith(p + ".")), None)
         if b is not None and param_counts[ph.name].has(L):
-            per_layer.setdefault(b, defaultdict(lambda: sympy.Integer(0)))["params"] += numel
+            per_layer.setdefault(b, defaultdict(Terms))["params"] += numel
+    f = {k: v.sum() for k, v in flops.items()}
+    zero = sympy.Integer(0)
+
+    def of(*keys: str) -> sympy.Expr:
+        return sympy.expand(sympy.Add(*(f.get(k, zero) for k in keys)))
+
     fl = Flops(
-        forward=sympy.expand(flops["forward"]),
-        backward=sympy.expand(flops["backward"]),
-        optimizer=sympy.expand(flops["optimizer"]),
-        total=sympy.expand(flops["forward"] + flops["backward"] + flops["optimizer"]),
-        recompute=sympy.expand(flops["recompute"]),
-        hardware=sympy.expand(flops["forward"] + flops["backward"] + flops["optimizer"] + flops["recompute"]),
-        embedding=sympy.expand(flops["embedding"]),
-        other=sympy.expand(
-            flops["other_forward"] + flops["other_backward"] + flops["other_optimizer"] + flops["other_recompute"]
-        ),
-        other_recompute=sympy.expand(flops["other_recompute"]),
-        other_forward=sympy.expand(flops["other_forward"]),
-        other_backward=sympy.expand(flops["other_backward"]),
-        other_optimizer=sympy.expand(flops["other_optimizer"]),
+        forward=of("forward"),
+        backward=of("backward"),
+        optimizer=of("optimizer"),
+        total=of("forward", "backward", "optimizer"),
+        recompute=of("recompute"),
+        hardware=of("forward", "backward", "optimizer", "recompute"),
+        embedding=of("embedding"),
+        other=of("other_forward", "other_backward", "other_optimizer", "other_recompute"),
+        other_recompute=of("other_recompute"),
+        other_forward=of("other_forward"),
+        other_backward=of("other_backward"),
+        other_optimizer=of("other_optimizer"),
     )
+    b = {k: v.sum() for k, v in byts.items()}
     by = Bytes(
-        read=sympy.expand(sum(v for k, v in byts.items() if k.startswith("read_"))),
-        written=sympy.expand(sum(v for k, v in byts.items() if k.startswith("written_"))),
-        read_forward=sympy.expand(byts["read_forward"]),
-        written_forward=sympy.expand(byts["written_forward"]),
-        read_backward=sympy.expand(byts["read_backward"]),
-        written_backward=sympy.expand(byts["written_backward"]),
+        read=sympy.expand(sympy.Add(*(v for k, v in b.items() if k.startswith("read_")))),
+        written=sympy.expand(sympy.Add(*(v for k, v in b.items() if k.startswith("written_")))),
+        read_forward=sympy.expand(b.get("read_forward", zero)),
+        written_forward=sympy.expand(b.get("written_forward", zero)),
+        read_backward=sympy.expand(b.get("read_backward", zero)),
+        written_backward=sympy.expand(b.get("written_backward", zero)),
     )
 
-    def finish(d: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        return {k: {m: sympy.expand(v) for m, v in sorted(inner.items())} for k, inner in sorted(d.items())}
+    def finish(d: dict[str, dict[str, Terms]]) -> dict[str, dict[str, Any]]:
+        return {k: {m: sympy.expand(v.sum()) for m, v in sorted(inner.items())} for k, inner in sorted(d.items())}
 
     return Accounting(
         graph=graph,
         flops=fl,
         bytes=by,
-        params=sympy.expand(params),
-        params_embedding=sympy.expand(params_emb),
+        params=sympy.expand(params.sum()),
+        params_embedding=sympy.expand(params_emb.sum()),
         modules=finish(modules),
         components=finish(comps),
         per_layer=finish(per_layer),

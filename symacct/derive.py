@@ -29,10 +29,11 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import inspect
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -65,7 +66,7 @@ from symacct.probe import FIRST_PRIMES, HEAD_PRIMES, HEAD_WIDTHS, LAYERS, SECOND
 from symacct.recipes import MixedPrecisionAdamW
 from symacct.sameness import NOT_THE_SAME, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
-from symacct.symbols import letter_for_field, sym
+from symacct.symbols import letter_for_field, rational_form, sym
 from symacct.trace import StepTrace, call_inputs, record_step
 
 _METRICS = ("flops", "flops_recompute", "flops_other", "bytes_read", "bytes_written")
@@ -551,6 +552,7 @@ def _trace(
     loss: Any,
     optimizer: Any,
     precision: dict[str, Any],
+    only_ops: bool = False,
 ) -> StepTrace:
     """One step of the model ``build`` makes, at (B, S) and the probe's other input sizes, in the source's
     context (transformers' eager paths)."""
@@ -561,6 +563,7 @@ def _trace(
             loss=loss,
             step=step,
             optimizer=optimizer,
+            only_ops=only_ops,
             **precision,
         )
 
@@ -579,7 +582,7 @@ def _same_model(
     """Trace the user's own model (a fake copy) at the probe's B and S and compare its ops with the probe's.
 
     The optimizer is built on it too (hooks it registers, such as the mixed recipe's fp32 gradient casts, run
-    in the backward), though its own phase is not compared.
+    in the backward); its step is not run, as its phase is not compared.
 
     S is kept below the user's position table (S_max) when the model has one, as the probe's S is below its
     S_max (``x[:, :S]`` of a whole table runs no slice op).
@@ -597,7 +600,7 @@ def _same_model(
             with shortened(model, stacks):  # copied with its stacks shortened, then restored
                 return fake_copy(model, fake, device)
 
-        return _trace(src, probe, build, B, S, step, loss, optimizer, precision)
+        return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True)
 
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
         compare_ops(user_trace(True), trace, stacks, probe.layers or 1)
@@ -683,23 +686,24 @@ def _counts(
     return counts, param_counts, notes, min_layers
 
 
-def _totals(costed: list[CostedOp], counts: list[Any]) -> dict[tuple[str, str], Any]:
-    out: dict[tuple[str, str], Any] = defaultdict(int)
+def _terms(costed: list[CostedOp], counts: list[Any]) -> dict[tuple[str, str], list[Any]]:
+    """Per (phase, metric): the terms cost * count, one per op."""
+    out: dict[tuple[str, str], list[Any]] = defaultdict(list)
     for c, n in zip(costed, counts):
         for m in _METRICS:
-            out[(c.rec.phase, m)] += getattr(c.cost, m) * n
+            out[(c.rec.phase, m)].append(getattr(c.cost, m) * n)
     return out
 
 
 def _check(costed1: list[CostedOp], counts1: list[Any], costed2: list[CostedOp], probe2: Probe, L2: int | None) -> None:
-    subs = {sym(k): v for k, v in probe2.values.items()}
+    values = dict(probe2.values)
     if L2 is not None:
-        subs[sym("L")] = L2
-    predicted = _totals(costed1, counts1)
-    measured = _totals(costed2, [1] * len(costed2))
+        values["L"] = L2
+    subs = {sym(k): v for k, v in values.items()}
+    predicted = _terms(costed1, counts1)
+    measured = _terms(costed2, [1] * len(costed2))
     for key in sorted(set(predicted) | set(measured)):
-        p = sympy.sympify(predicted.get(key, 0)).subs(subs)
-        m = measured.get(key, 0)
+        p, m = (sum(rational_form(sympy.sympify(t))(values) for t in got.get(key, ())) for got in (predicted, measured))
         if p != m:
             _locate(costed1, costed2, subs)
             phase, metric = key
@@ -820,10 +824,25 @@ class _Identity:
 _LOCK = threading.RLock()
 
 
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector paused while a derivation runs (reference counting still frees everything
+    else): a collection in the middle of a trace would free a storage held in a reference cycle at an
+    arbitrary op, where eager code frees it only at some later collection; and a derivation makes many
+    short-lived objects, so collections are frequent and cost about a sixth of its time."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _locked(fn: Callable[..., Accounting]) -> Callable[..., Accounting]:
     @functools.wraps(fn)
     def derive(model: Any, **options: Any) -> Accounting:
-        with _LOCK:
+        with _LOCK, _no_cycle_collection():
             try:
                 return fn(model, **options)
             except SymacctError:
@@ -1048,10 +1067,12 @@ def _derive(
     generic = functools.partial(generic_path, stacks=stacks)
     memory = static_and_activations(trace1, probe1, counts, param_counts, stacks, generic)
     _check_memory(memory, trace2, probe2, stacks, generic)
-    if stacks:
-        probe_more = dataclasses.replace(probe1, layers=LAYERS[1], _cache={})
-        trace_more = _record(src, probe_more, step, loss, make_opt, precision)
-        live = liveness(trace1, trace_more, probe1, stacks, LAYERS[0])
+    if stacks:  # the checking trace has one block more: its liveness, bytes borrowed from the first trace
+        live = liveness(trace1, trace2, probe1, stacks, LAYERS[0], other_values=probe2.values)
+        if live is None:  # a storage whose bytes it could not borrow: one block more at the first probe's sizes
+            probe_more = dataclasses.replace(probe1, layers=LAYERS[1], _cache={})
+            trace_more = _record(src, probe_more, step, loss, make_opt, precision)
+            live = liveness(trace1, trace_more, probe1, stacks, LAYERS[0])
     else:
         live = liveness(trace1, None, probe1, stacks, 1)
     if live is None:  # a peak that is wrong at other L would be a silent wrong number

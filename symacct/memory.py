@@ -26,6 +26,7 @@ evaluates the live bytes of every point exactly at the given sizes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 from collections import defaultdict
@@ -37,7 +38,7 @@ import numpy as np
 import sympy
 
 from symacct.probe import Probe
-from symacct.symbols import evaluate, sort_key, sym
+from symacct.symbols import evaluate, integer_form, sort_key, sym
 from symacct.trace import StepTrace
 
 Expr = Any
@@ -52,6 +53,44 @@ class Intervals:
     end: dict[int, float]
     nbytes: dict[int, sympy.Expr]
 
+    _layout: tuple[list[sympy.Expr], np.ndarray, np.ndarray, np.ndarray, list[int]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def layout(self) -> tuple[list[sympy.Expr], np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """The distinct byte formulas, each storage's formula, the slot it starts counting at and the slot it
+        stops at (``live``), and how many storages have each formula."""
+        if self._layout is None:
+            exprs = list(dict.fromkeys(self.nbytes[st] for st in self.start))
+            index = {e: i for i, e in enumerate(exprs)}
+            group = np.array([index[self.nbytes[st]] for st in self.start], dtype=np.int64)
+            lo = np.array([int(s0) + 1 for s0 in self.start.values()], dtype=np.int64)
+            hi = np.array([int(min(self.end[st], self.n - 1)) + 2 for st in self.start], dtype=np.int64)
+            counts = np.bincount(group, minlength=len(exprs)).tolist()
+            self._layout = (exprs, group, lo, hi, counts)
+        return self._layout
+
+    def live(self, values: Mapping[str, int]) -> list[int]:
+        """Live bytes at the given sizes, exactly: ``out[t + 1]`` during op t (``out[0]`` before the step).
+
+        Each distinct formula is evaluated once (``integer_form``); the sums run in int64 when no total can
+        overflow it, in Python integers otherwise.
+        """
+        exprs, group, lo, hi, counts = self.layout()
+        b = [integer_form(e)(values) for e in exprs]
+        delta: Any
+        if sum(abs(x) * c for x, c in zip(b, counts)) < 2**62:
+            per = np.array(b, dtype=np.int64)[group]
+            delta = np.zeros(self.n + 3, dtype=np.int64)
+            np.add.at(delta, lo, per)
+            np.add.at(delta, hi, -per)
+            return np.cumsum(delta).tolist()
+        delta = [0] * (self.n + 3)
+        for g, i, j in zip(group.tolist(), lo.tolist(), hi.tolist()):
+            delta[i] += b[g]
+            delta[j] -= b[g]
+        return list(itertools.accumulate(delta))
+
     def alive_at(self, pos: float) -> list[int]:
         return [s for s in self.start if self.start[s] <= pos <= self.end[s]]
 
@@ -59,22 +98,120 @@ class Intervals:
         return sympy.Add(*(self.nbytes[s] for s in storages))
 
 
-def intervals(trace: StepTrace, probe: Probe) -> Intervals:
+def _lifetimes(trace: StepTrace) -> tuple[dict[int, float], dict[int, float]]:
     """Each storage lives from the op that makes it (or the step's start) to the moment eager frees it."""
-    n = len(trace.ops)
-    forever = n + 2.0
+    forever = len(trace.ops) + 2.0
     start: dict[int, float] = {st: -1.0 for st in trace.external_storages}
     for rec in trace.ops:
         for m in (*rec.inputs, *rec.outputs, *rec.mutated):
             start.setdefault(m.storage, float(trace.storage_producer.get(m.storage, rec.index)))
     end = {st: trace.storage_end.get(st, forever) for st in start}
-    nbytes = {}
+    return start, end
+
+
+def _counted(trace: StepTrace, st: int) -> int:
+    nb = trace.storage_nbytes.get(st)
+    return _nbytes_from_ops(trace, st) if nb is None else nb
+
+
+def intervals(trace: StepTrace, probe: Probe) -> Intervals:
+    """Lifetimes, and each storage's bytes read as a formula at the probe's sizes."""
+    start, end = _lifetimes(trace)
+    nbytes = {st: trace.bytes_of(st, probe.to_expr, _counted(trace, st)) for st in start}
+    return Intervals(len(trace.ops), start, end, nbytes)
+
+
+def borrowed_intervals(
+    other: StepTrace,
+    base: StepTrace,
+    base_iv: Intervals,
+    align: list[int],
+    stacks: list[str],
+    values: Mapping[str, int],
+) -> Intervals | None:
+    """Lifetimes in ``other`` (one block more than ``base``, at other probe sizes ``values``), each storage's
+    bytes the formula of its counterpart in ``base``; None where a counterpart is missing or its formula does
+    not give the bytes ``other`` counted.
+
+    Counterparts: the tensors of each aligned op pair (``align_layers``); the block ``align_layers`` drops
+    (block 2) through block 1 of ``other``, op for op; parameters, buffers and inputs by name, block numbers
+    shifted as ``align_layers`` shifts them. Every formula is evaluated at ``values`` and must equal the bytes
+    ``other`` counted: the probe sizes are products of distinct primes, so a formula that is not the storage's
+    own would not. This spares a trace: the trace that checks the formulas at other sizes also gives the
+    liveness of one block more.
+    """
+    subs = {sym(k): sympy.Integer(v) for k, v in values.items()}
+    expr: dict[int, sympy.Expr] = {}
+
+    def pair(o: int, b: int) -> bool:
+        e = base_iv.nbytes.get(b)
+        if e is None or expr.setdefault(o, e) != e:
+            return False
+        return True
+
+    base_names = {ph.name: ph.meta.storage for ph in base.placeholders}
+    for ph in other.placeholders:
+        b = base_names.get(_one_block_less(ph.name, stacks))
+        if b is None or not pair(ph.meta.storage, b):
+            return None
+    for t, o in enumerate(align):
+        rb, ro = base.ops[t], other.ops[o]
+        for mb_list, mo_list in ((rb.inputs, ro.inputs), (rb.outputs, ro.outputs), (rb.mutated, ro.mutated)):
+            if len(mb_list) != len(mo_list):
+                return None
+            for mb, mo in zip(mb_list, mo_list):
+                if not pair(mo.storage, mb.storage):
+                    return None
+    blocks = op_blocks(other.ops, stacks)
+    by_block: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for j, b in enumerate(blocks):
+        if b is not None:
+            by_block[b].append(j)
+    for (stack, i), dropped in by_block.items():
+        if i != _DROP:
+            continue
+        twin = by_block.get((stack, 1), [])
+        if len(twin) != len(dropped):
+            return None
+        for j, k in zip(dropped, twin):
+            rd, rt = other.ops[j], other.ops[k]
+            if str(rd.op) != str(rt.op):
+                return None
+            for md_list, mt_list in ((rd.inputs, rt.inputs), (rd.outputs, rt.outputs), (rd.mutated, rt.mutated)):
+                if len(md_list) != len(mt_list):
+                    return None
+                for md, mt in zip(md_list, mt_list):
+                    e = expr.get(mt.storage)
+                    if e is None or expr.setdefault(md.storage, e) != e:
+                        return None
+    start, end = _lifetimes(other)
+    cache: dict[sympy.Expr, int] = {}
     for st in start:
-        nb = trace.storage_nbytes.get(st)
-        if nb is None:
-            nb = _nbytes_from_ops(trace, st)
-        nbytes[st] = trace.bytes_of(st, probe.to_expr, nb)
-    return Intervals(n, start, end, nbytes)
+        e = expr.get(st)
+        if e is None:
+            return None
+        if e not in cache:
+            cache[e] = int(sympy.sympify(e).xreplace(subs))
+        if cache[e] != _counted(other, st):
+            return None
+    return Intervals(len(other.ops), start, end, {st: expr[st] for st in start})
+
+
+_DROP = 2  # the middle block of the trace with one block more that ``align_layers`` leaves out
+
+
+def _one_block_less(name: str, stacks: list[str]) -> str:
+    """A parameter's name in the trace with one block less: the blocks after the dropped one move down one,
+    the dropped one stands for block 1 (``align_layers``)."""
+    for p in stacks:
+        prefix = p + "." if p else ""
+        if name.startswith(prefix):
+            head, dot, rest = name[len(prefix) :].partition(".")
+            if head.isdigit():
+                i = int(head)
+                i = 1 if i == _DROP else i - 1 if i > _DROP else i
+                return f"{prefix}{i}{dot}{rest}"
+    return name
 
 
 def _nbytes_from_ops(trace: StepTrace, st: int) -> int:
@@ -128,25 +265,8 @@ class Liveness:
             return L >= 2  # the last block
         return L >= 3  # a middle block
 
-    def _live_arrays(self, iv: Intervals, values: Mapping[str, int]) -> np.ndarray:
-        subs = {sym(k): sympy.Integer(v) for k, v in values.items()}
-        cache: dict[sympy.Expr, int] = {}
-        delta = [0] * (iv.n + 3)
-        for st, s0 in iv.start.items():
-            e = iv.nbytes[st]
-            if e not in cache:
-                cache[e] = int(e.xreplace(subs))
-            b = cache[e]
-            lo = int(s0) + 1
-            hi = int(min(iv.end[st], iv.n - 1)) + 2
-            delta[lo] += b
-            delta[hi] -= b
-        out = []
-        acc = 0
-        for d in delta:
-            acc += d
-            out.append(acc)
-        return out  # out[t + 1] = live bytes during op t
+    def _live_arrays(self, iv: Intervals, values: Mapping[str, int]) -> list[int]:
+        return iv.live(values)
 
     def evaluate(self, values: Mapping[str, int], phases: tuple[str, ...] | None = None) -> tuple[int, int]:
         """(peak bytes, op index) at the given sizes, exactly; over the ops of ``phases`` only, if given."""
@@ -251,8 +371,7 @@ def block_of(module: str, stacks: list[str]) -> tuple[str, int] | None:
 def align_layers(base: StepTrace, other: StepTrace, stacks: list[str], layers: int) -> list[int] | None:
     """Map each op of ``base`` (``layers`` blocks) to ``other`` (one more) by removing a middle block
     (its ops as ``op_blocks`` assigns them)."""
-    drop = 2  # a middle block of ``other``
-    kept = [rec for rec, b in zip(other.ops, op_blocks(other.ops, stacks)) if b is None or b[1] != drop]
+    kept = [rec for rec, b in zip(other.ops, op_blocks(other.ops, stacks)) if b is None or b[1] != _DROP]
     if len(kept) != len(base.ops) or any(str(a.op) != str(b.op) for a, b in zip(base.ops, kept)):
         return None
     return [rec.index for rec in kept]
@@ -340,7 +459,20 @@ def static_and_activations(
     return mem
 
 
-def liveness(base: StepTrace, other: StepTrace | None, probe: Probe, stacks: list[str], layers: int) -> Liveness | None:
+def liveness(
+    base: StepTrace,
+    other: StepTrace | None,
+    probe: Probe,
+    stacks: list[str],
+    layers: int,
+    other_values: Mapping[str, int] | None = None,
+) -> Liveness | None:
+    """Live bytes over the step of ``base``; with ``other`` (one block more), factored by L.
+
+    ``other`` at the same probe sizes has its bytes read by ``probe``; at other sizes (``other_values``, the
+    checking trace) they are borrowed from ``base`` (``borrowed_intervals``). None when the two do not align
+    (or, at other sizes, a storage's bytes cannot be borrowed).
+    """
     iv = intervals(base, probe)
     labels = [(r.index, str(r.op), r.module, r.phase) for r in base.ops]
     marks = _mark_positions(base)
@@ -350,10 +482,16 @@ def liveness(base: StepTrace, other: StepTrace | None, probe: Probe, stacks: lis
     align = align_layers(base, other, stacks, layers)
     if align is None:
         return None
+    if other_values is None:
+        other_iv: Intervals | None = intervals(other, probe)
+    else:
+        other_iv = borrowed_intervals(other, base, iv, align, stacks, other_values)
+        if other_iv is None:
+            return None
     blocks = [b[1] if b is not None else None for b in op_blocks(base.ops, stacks)]
     return Liveness(
         iv,
-        intervals(other, probe),
+        other_iv,
         align,
         layers,
         labels,

@@ -10,8 +10,12 @@ cancel and compare.
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable, Mapping
+from fractions import Fraction
 from functools import cache
+from typing import Any
 
 import sympy
 
@@ -79,6 +83,80 @@ def sym(name: str) -> sympy.Symbol:
 def evaluate(expr: sympy.Expr | int, values: dict[str, int]) -> int:
     """An integer-valued formula at integer sizes, exactly (``values`` maps symbol names to sizes)."""
     return int(sympy.sympify(expr).xreplace({sym(k): v for k, v in values.items()}))
+
+
+class Terms:
+    """A sum of formulas collected term by term and added once (``sum``).
+
+    ``total += term`` on a sympy ``Add`` re-flattens the whole sum every time
+    (quadratic in the number of terms); ``terms += term`` only appends. A
+    ``defaultdict(Terms)`` reads like a dict of running sums.
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def __iadd__(self, term: Any) -> Terms:
+        self.items.append(term)
+        return self
+
+    def sum(self) -> sympy.Expr:
+        return sympy.Add(*self.items) if self.items else sympy.Integer(0)
+
+
+def _sympy_value(expr: sympy.Expr, values: Mapping[str, int]) -> Fraction:
+    v = sympy.sympify(expr).xreplace({sym(k): sympy.Integer(n) for k, n in values.items()})
+    if not v.is_Rational:
+        raise ValueError(f"{expr} is not a rational number at {dict(values)}: {v}")
+    return Fraction(int(v.p), int(v.q))
+
+
+@functools.lru_cache(maxsize=4096)
+def rational_form(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int | Fraction]:
+    """``expr`` as a function of integer sizes (symbol name -> int) returning its exact value, without sympy:
+    a sum of rational multiples of symbol powers, evaluated in Python integers (a ``Fraction`` where a power
+    is negative or a coefficient not whole). An expression of another kind (a Max, a floor) goes to sympy."""
+    terms: list[tuple[int, int, tuple[tuple[str, int], ...]]] = []
+    for mono, coeff in sympy.expand(expr).as_coefficients_dict().items():
+        if not coeff.is_Rational:
+            return functools.partial(_sympy_value, expr)
+        powers = []
+        for base, e in mono.as_powers_dict().items():
+            if base == 1:
+                continue
+            if not (base.is_Symbol and e.is_Integer):
+                return functools.partial(_sympy_value, expr)
+            powers.append((base.name, int(e)))
+        terms.append((int(coeff.p), int(coeff.q), tuple(powers)))
+    whole = all(q == 1 and all(e > 0 for _, e in pw) for _, q, pw in terms)
+
+    def value(values: Mapping[str, int]) -> int | Fraction:
+        if whole:
+            total = 0
+            for p, _, pw in terms:
+                for name, e in pw:
+                    p *= values[name] ** e
+                total += p
+            return total
+        frac = Fraction(0)
+        for p, q, pw in terms:
+            for name, e in pw:
+                if e > 0:
+                    p *= values[name] ** e
+                else:
+                    q *= values[name] ** -e
+            frac += Fraction(p, q)
+        return frac
+
+    return value
+
+
+def integer_form(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int]:
+    """``rational_form`` truncated as ``evaluate`` truncates (``int`` of sympy's rational)."""
+    f = rational_form(expr)
+    return lambda values: int(f(values))
 
 
 def letter_for_field(field: str) -> str:

@@ -18,11 +18,13 @@ them into sympy expressions afterwards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 import torch
@@ -31,12 +33,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from symacct.errors import SymacctError
 
 aten = torch.ops.aten
+_EXPIRED = torch.UntypedStorage._expired  # type: ignore[attr-defined]  # the C call StorageWeakRef.expired makes
 
 # Metadata queries that are not computation (the same list FlopCounterMode skips).
 _QUERIES = {
@@ -179,10 +182,10 @@ class _Ids:
         return sid
 
     def reap(self) -> list[int]:
-        """Storage ids that died since the last call (called after every op: the check is the one call
-        StorageWeakRef.expired makes, without its method lookups)."""
-        expired = torch.Storage._expired  # type: ignore[attr-defined]
-        dead = [sid for sid, handle in self._live.items() if expired(handle)]
+        """Storage ids that died since the last call (called before every op: the check is the one call
+        StorageWeakRef.expired makes, mapped over the handles in C, without a Python frame per storage)."""
+        live = self._live
+        dead = list(compress(live, map(_EXPIRED, live.values())))
         for sid in dead:
             del self._live[sid]
             del self._storages[self._refs[sid][0]]
@@ -282,9 +285,49 @@ def _split_lists(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: 
     return calls
 
 
+@functools.cache
 def _mutated_args(op: torch._ops.OpOverload) -> list[int]:
     """Indices of the arguments the op writes in place, from its schema."""
     return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _metas(x: Any, meta: Callable[[Any], Any], found: list[Any], tensors: list[torch.Tensor] | None = None) -> Any:
+    """``x`` with every tensor replaced by ``meta(tensor)``; the replacements appended to ``found`` (and the
+    tensors to ``tensors``) in the order ``tree_flatten`` gives. An op's arguments and results are tensors,
+    plain scalars and (nested) tuples, lists and dicts: those are walked here directly, for speed (this runs
+    for every op of every trace); any other container goes through pytree."""
+    if isinstance(x, torch.Tensor):
+        m = meta(x)
+        found.append(m)
+        if tensors is not None:
+            tensors.append(x)
+        return m
+    cls = type(x)
+    if cls is tuple or cls is list:
+        return cls(_metas(v, meta, found, tensors) for v in x)
+    if cls is dict:
+        return {k: _metas(v, meta, found, tensors) for k, v in x.items()}
+    if x is None or cls in _LEAVES:
+        return x
+    leaves, spec = tree_flatten(x)
+    if spec.is_leaf():
+        return x
+    return tree_unflatten([_metas(v, meta, found, tensors) for v in leaves], spec)
+
+
+def _tmetas(x: Any, found: list[TMeta]) -> None:
+    """Append every TMeta in (nested) tuples, lists and dicts ``x`` to ``found``."""
+    if isinstance(x, TMeta):
+        found.append(x)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            _tmetas(v, found)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _tmetas(v, found)
+
+
+_LEAVES = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def _text(e: BaseException) -> str:
@@ -325,8 +368,9 @@ _VALUE_READS = (aten._local_scalar_dense.default, aten.nonzero.default)
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, trace: StepTrace, ids: _Ids, tracker: ModTracker, root: str) -> None:
+    def __init__(self, trace: StepTrace, ids: _Ids, tracker: ModTracker, root: str, only_ops: bool = False) -> None:
         super().__init__()
+        self.only_ops = only_ops
         self.trace = trace
         self.ids = ids
         self.tracker = tracker
@@ -388,7 +432,8 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _QUERIES or func.namespace == "profiler":
             return func(*args, **kwargs)
-        self.reap(len(self.trace.ops) - 0.25)  # died before this op
+        if not self.only_ops:
+            self.reap(len(self.trace.ops) - 0.25)  # died before this op
         try:
             out = _run(func, args, kwargs)
         except SymacctError:
@@ -401,7 +446,10 @@ class _Recorder(TorchDispatchMode):
             ) from e
         out = _eager_strides(func, args, out)
         for a, k, o in _split_lists(func, args, kwargs, out):
-            self._record(func, a, k, o)
+            if self.only_ops:
+                self._record_op(func)
+            else:
+                self._record(func, a, k, o)
         if self.phase == "forward":
             # every autograd node made since the last op is this op's: an in-place op's node is made before the
             # clone of the value it overwrites (saved for backward), so it is not always the newest one
@@ -411,24 +459,26 @@ class _Recorder(TorchDispatchMode):
             self.seq_seen = max(self.seq_seen, last)
         return out
 
+    def _record_op(self, func: Any) -> None:
+        """The op, its module and its phase; nothing of its tensors."""
+        phase = "recompute" if self.phase == "backward" and self.recomputing else self.phase
+        index = len(self.trace.ops)
+        self.trace.ops.append(OpRecord(index, func, self.module(), phase, (), {}, None, [], [], False, []))
+
     def _record(self, func, args, kwargs, out) -> None:
-        ids = self.ids
-
-        def to_meta(x: Any) -> Any:
-            return ids.meta(x) if isinstance(x, torch.Tensor) else x
-
-        mutated_idx = _mutated_args(func)
-        margs = tree_map(to_meta, args)
-        mkwargs = tree_map(to_meta, kwargs)
-        inputs = [m for m in tree_flatten((margs, mkwargs))[0] if isinstance(m, TMeta)]
-        mout = tree_map(to_meta, out)
-        outputs = [m for m in tree_flatten(mout)[0] if isinstance(m, TMeta)]
+        meta = self.ids.meta
+        inputs: list[TMeta] = []
+        margs = _metas(args, meta, inputs)
+        mkwargs = _metas(kwargs, meta, inputs)
+        outputs: list[TMeta] = []
+        tensors: list[torch.Tensor] = []
+        mout = _metas(out, meta, outputs, tensors)
         mutated: list[TMeta] = []
-        for i in mutated_idx:
+        for i in _mutated_args(func):
             # a written argument passed by position, or by name (out= of the .out overloads)
             name = func._schema.arguments[i].name
             a = margs[i] if i < len(margs) else mkwargs.get(name)
-            mutated.extend(m for m in tree_flatten(a)[0] if isinstance(m, TMeta))
+            _tmetas(a, mutated)
         in_storages = {m.storage for m in inputs}
         # a view: writes nothing and every output shares an input's storage
         # (by storage, not schema: aten._unsafe_view has no alias annotation)
@@ -448,8 +498,7 @@ class _Recorder(TorchDispatchMode):
         )
         self.trace.ops.append(rec)
         if not is_view:
-            flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            for t, m in zip(flat_out, outputs):
+            for t, m in zip(tensors, outputs):
                 if m.storage not in self.trace.storage_producer and m.storage not in self.trace.external_storages:
                     self.trace.storage_producer[m.storage] = rec.index
                     self.trace.note_storage(m.storage, t)
@@ -494,6 +543,7 @@ def record_step(
     autocast: torch.dtype | None = None,
     params_dtype: torch.dtype | None = None,
     device: str = "cpu",
+    only_ops: bool = False,
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
@@ -502,7 +552,11 @@ def record_step(
     FakeCopyMode); ``make_inputs`` returns the positional inputs; ``loss``
     turns the model's output into the scalar to differentiate (default: the
     output itself). ``step`` is 'train' (forward + backward [+ optimizer]) or
-    'forward' (forward under ``torch.no_grad()``).
+    'forward' (forward under ``torch.no_grad()``). ``only_ops=True`` records
+    each op's name, module and phase only (what ``symacct.sameness``
+    compares: no tensors, storages or saved tensors), and builds the
+    optimizer (hooks it registers run in the backward) without running its
+    ``step()``.
 
     Factory calls that name no device make CPU tensors, as in eager PyTorch with
     no default device set, even when ``derive`` is called inside
@@ -577,7 +631,7 @@ def record_step(
 
         tracker = ModTracker()
         root = type(model).__name__
-        recorder = _Recorder(trace, ids, tracker, root)
+        recorder = _Recorder(trace, ids, tracker, root, only_ops)
         recorder.names = {id(m): n for n, m in model.named_modules()}
         hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(recorder.pre_hook),
@@ -594,7 +648,9 @@ def record_step(
             if step == "train":
                 # the loss is part of the step: what it saves for backward is activations too, and it runs
                 # under autocast as the forward does (as PyTorch's AMP recipe has it)
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast, device):
+                # hooks are set for a trace of ops only too: their presence changes what some ops run (a detach)
+                saving = torch.autograd.graph.saved_tensors_hooks(_same if only_ops else pack, _same)
+                with saving, _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
                     value = _call_loss(loss, out) if loss is not None else out
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
@@ -622,7 +678,7 @@ def record_step(
                         st = ids.storage(p.grad)
                         trace.grad_storages[st] = name
                         trace.owner[st] = name
-                if opt is not None:
+                if opt is not None and not only_ops:
                     _state_storages(opt, model, ids, trace)  # states made before the step (Adagrad)
                     recorder.phase = "optimizer"
                     try:
@@ -649,6 +705,10 @@ def record_step(
                         trace.held_storages.add(ids.storage(t))
                 recorder.mark("after_forward")
     return trace
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], recorder: Any) -> Any:

@@ -1,0 +1,129 @@
+"""Where derive's time goes: each stage of one derive of a gpt2-small training step, timed in place.
+
+The stages are the functions ``symacct.derive`` calls (``symacct/derive.py``),
+wrapped with a timer for one run after a warm-up derive (so that imports and
+first-call caches are not counted); beside them, one FlopCounterMode pass of
+the same step on meta tensors, and the same step on bare fake tensors (no
+recording), the floor a trace cannot go below.
+
+    python benchmarks/profile_derive.py [--optimizer adamw] [--repeats 3]
+
+docs/profile-derive.md quotes its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import symacct
+from symacct.models import GPT2, GPT2Config
+
+DERIVE = sys.modules["symacct.derive"]
+STAGES = (
+    ("_record", "probe traces (first probe L=4; the check, L=5, other sizes)"),
+    ("_same_model", "the user's model traced and compared (sameness)"),
+    ("cost_ops", "rules: a cost per op (symbolic, and plain for the check)"),
+    ("_counts", "layer stack factored"),
+    ("_check", "formulas checked against the second trace"),
+    ("build_graph", "networkx graph"),
+    ("static_and_activations", "static bytes, saved activations"),
+    ("_check_memory", "memory formulas checked against the second trace"),
+    ("liveness", "storage lifetimes, one block more"),
+    ("fill_phases", "phase points and the symbolic peak"),
+    ("aggregate", "totals per phase, module, component"),
+    ("learn_constraints", "size constraints"),
+)
+
+
+def gpt2(L: int = 12) -> GPT2:
+    with torch.device("meta"):
+        return GPT2(GPT2Config(n_layer=L))
+
+
+def _timed(table: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            table[name] += time.perf_counter() - t
+
+    return run
+
+
+def flop_counter_pass(optimizer: str | None) -> float:
+    """One FlopCounterMode pass of the gpt2-small step (B=1, S=1024) on meta tensors, in seconds."""
+    model = gpt2()
+    with torch.device("meta"):
+        idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
+    opt = torch.optim.AdamW(model.parameters()) if optimizer else None
+    t = time.perf_counter()
+    with FlopCounterMode(display=False):
+        model(idx, idx).backward()
+        if opt is not None:
+            opt.step()
+    return time.perf_counter() - t
+
+
+def bare_fake(L: int) -> float:
+    """The forward and backward of the probe-sized gpt2 on fake tensors with nothing recorded."""
+    with FakeTensorMode():
+        model = GPT2(GPT2Config(n_layer=L))
+        idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
+        t = time.perf_counter()
+        model(idx, idx).backward()
+        return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--optimizer", default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    symacct.derive(gpt2(2), optimizer=args.optimizer)  # warm-up: imports, rule tables, fake-tensor caches
+    runs: list[dict[str, float]] = []
+    totals = []
+    for _ in range(args.repeats):
+        table: dict[str, float] = defaultdict(float)
+        saved = {name: getattr(DERIVE, name) for name, _ in STAGES}
+        for name, fn in saved.items():
+            setattr(DERIVE, name, _timed(table, name, fn))
+        try:
+            model = gpt2()
+            t = time.perf_counter()
+            symacct.derive(model, optimizer=args.optimizer)
+            totals.append(time.perf_counter() - t)
+        finally:
+            for name, fn in saved.items():
+                setattr(DERIVE, name, fn)
+        runs.append(table)
+    total = statistics.median(totals)
+    fc = statistics.median(flop_counter_pass(args.optimizer) for _ in range(args.repeats))
+    print(f"torch {torch.__version__}; gpt2-small (L=12) training step, optimizer={args.optimizer}")
+    print(f"derive: {total:.3f} s (median of {args.repeats}); FlopCounterMode pass on meta: {fc:.3f} s")
+    print(f"ratio derive / FlopCounterMode: {total / fc:.2f}\n")
+    print(f"{'stage':<24}{'s':>8}{'share':>8}  what")
+    accounted = 0.0
+    for name, what in STAGES:
+        s = statistics.median(r[name] for r in runs)
+        accounted += s
+        print(f"{name:<24}{s:>8.3f}{s / total:>8.0%}  {what}")
+    print(f"{'(rest)':<24}{total - accounted:>8.3f}{(total - accounted) / total:>8.0%}  probe choice, config reading")
+    floor = {L: statistics.median(bare_fake(L) for _ in range(args.repeats)) for L in (4, 5)}
+    print(f"\nbare fake-tensor forward+backward (nothing recorded): L=4 {floor[4]:.3f} s, L=5 {floor[5]:.3f} s")
+
+
+if __name__ == "__main__":
+    main()
