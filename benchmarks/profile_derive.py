@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import symacct
 from symacct.models import GPT2, GPT2Config
 
-DERIVE = sys.modules["symacct.derive"]
+DERIVE = sys.modules["symacct.pipeline"]
 STAGES = (
     ("_record", "probe traces (first probe L=4; the check, L=5, other sizes)"),
     ("_same_model", "the user's model traced and compared (sameness)"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU and PyTorch already installed (no network needed):
-# runs symacct from a copy of this checkout (nothing installed or fetched), runs the CUDA tests and
+# runs symacct from this checkout (nothing installed or fetched), runs the CUDA tests and
 # `symacct verify --device cuda` for the reference models at three sizes, and writes one
 # report file. Ends within about 8 minutes (each part has its own timeout).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR]      (report: OUT_DIR/gpu-report.md, default docs/)
@@ -11,11 +11,8 @@ repo="$(pwd)"
 out="${1:-docs}"
 mkdir -p "$out"
 report="$(cd "$out" && pwd)/gpu-report.md"
-# symacct.models lives in models/ (pyproject maps it), so run from a copy laid out as installed,
-# with the copy as the working directory: nothing is fetched or built, nothing installed
-site="$(mktemp -d)"
-cp -r symacct "$site/symacct" && cp -r models "$site/symacct/models"
-cd "$site" || exit 1
+# runs from the checkout itself (python puts the working directory first on its path): nothing is
+# fetched or built, nothing installed
 py="${PYTHON:-python3}"
 start=$(date +%s)
 {

@@ -3,13 +3,48 @@
 ``symacct.derive(model)`` traces one training step on fake tensors and
 returns an :class:`Accounting` whose FLOP, byte and parameter counts are
 sympy formulas in the model's own dimensions.
+
+The names below load their module on first use (PEP 562), so that importing
+one stage of the pipeline (``symacct.trace``, ``symacct.graph``, ...) loads
+no stage above it (``tests/test_layers.py``).
 """
 
-from symacct.accounting import Accounting
-from symacct.derive import derive
-from symacct.errors import SymacctError
-from symacct.timing import estimate, fit, max_params, mfu, roofline
-from symacct.track import track
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from symacct.accounting import Accounting
+    from symacct.errors import SymacctError
+    from symacct.pipeline import derive
+    from symacct.timing import estimate, fit, max_params, mfu, roofline
+    from symacct.track import track
+
+_WHERE = {
+    "Accounting": "symacct.accounting",
+    "SymacctError": "symacct.errors",
+    "derive": "symacct.pipeline",
+    "estimate": "symacct.timing",
+    "fit": "symacct.timing",
+    "max_params": "symacct.timing",
+    "mfu": "symacct.timing",
+    "roofline": "symacct.timing",
+    "track": "symacct.track",
+}
 
 __all__ = ["Accounting", "SymacctError", "derive", "estimate", "fit", "max_params", "mfu", "roofline", "track"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'symacct' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})

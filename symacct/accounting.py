@@ -22,9 +22,14 @@ import sympy
 from symacct.constraints import Constraint
 from symacct.constraints import check as check_constraints
 from symacct.errors import SymacctError
+from symacct.formula import overview_latex, overview_md
+from symacct.graph import Node, component, records
+from symacct.layers import generic_path
 from symacct.memory import Liveness, Memory
 from symacct.probe import Probe
+from symacct.rules import Cost
 from symacct.symbols import Terms, sort_key, sym
+from symacct.timing import train_time
 from symacct.trace import StepTrace
 
 Expr = Any  # sympy.Expr, or int once evaluated
@@ -107,14 +112,10 @@ class Accounting:
     # ---- notebooks ---------------------------------------------------------------
     def _repr_markdown_(self) -> str:
         """Jupyter: the main formulas as a Markdown table (values on an evaluated copy)."""
-        from symacct.sheet import overview_md  # the sheet builds on accounting
-
         return overview_md(self)
 
     def _repr_latex_(self) -> str:
         """Jupyter: the main formulas as one LaTeX ``aligned`` block."""
-        from symacct.sheet import overview_latex
-
         return overview_latex(self)
 
     # ---- evaluation -------------------------------------------------------------
@@ -232,10 +233,8 @@ class Accounting:
             return x
 
         g = nx.DiGraph()
-        for n, attrs in self.graph.nodes(data=True):
-            g.add_node(n, **{k: (ev(v) if k in _NODE_NUMBERS else v) for k, v in attrs.items()})
-            for key in ("shapes", "in_shapes"):
-                g.nodes[n][key] = [tuple(ev(s) for s in shape) for shape in attrs[key]]
+        for n, node in records(self.graph):
+            g.add_node(n, node=node.evaluated(ev))
         g.add_edges_from(self.graph.edges)
         kw = {
             f.name: ev(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in ("graph", "liveness")
@@ -283,8 +282,6 @@ class Accounting:
 
     def time(self, *, hardware: Any, tokens: float, gpus: int = 1, mfu: float = 0.5, **sizes: int) -> Any:
         """Training time for ``tokens`` with this step's derived FLOPs (``symacct.timing.train_time``)."""
-        from symacct.timing import train_time  # timing builds on accounting
-
         return train_time(self, hardware=hardware, tokens=tokens, gpus=gpus, mfu=mfu, **sizes)
 
     def bytes_per_param(self) -> sympy.Expr | None:
@@ -327,11 +324,27 @@ class Accounting:
         ratios = {terms_s.get(m, 0) / c for m, c in split_n if degree(m) == top}
         return ratios.pop() if len(ratios) == 1 else None
 
+    def crossover(self) -> float | None:
+        """S at which one layer's S^2 matmul FLOPs equal its other matmul FLOPs (None without a layer stack):
+        below it the projections dominate a layer, above it the attention scores."""
+        if not self.per_layer:
+            return None
+        S = sym("S")
+        block = next(iter(self.per_layer.values()))
+        mm = sympy.expand(sum((v for k, v in block.items() if k in ("flops_forward", "flops_backward")), 0))
+        fixed = {sym(k): v for k, v in self.symbols.items()} | {sym("B"): 1}
+        poly = sympy.Poly(mm.xreplace(fixed), S)
+        quad = poly.coeff_monomial(S**2)
+        lin = poly.coeff_monomial(S)
+        if not quad or not lin:
+            return None
+        return float(lin / quad)
+
     def _unit_sizes(self, subs: Mapping[sympy.Symbol, int]) -> list[str]:
         """Tensor dimensions (symbols or products such as H/H_kv) that are 1 at these values."""
         dims: set[sympy.Expr] = set()
-        for _, attrs in self.graph.nodes(data=True):
-            for shape in attrs["shapes"]:
+        for _, node in records(self.graph):
+            for shape in node.shapes:
                 dims.update(d for d in shape if isinstance(d, sympy.Basic) and d.free_symbols)
         ones = {d for d in dims if d.xreplace(subs) == 1}
         return sorted((str(d) for d in ones), key=lambda t: (len(t), t))
@@ -406,8 +419,6 @@ def _split_term(term: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
     return mono, coeff
 
 
-_NODE_NUMBERS = ("flops", "flops_recompute", "flops_other", "bytes_read", "bytes_written", "allocated", "count")
-
 _LAMBDA_CACHE: dict[tuple[sympy.Expr, tuple[str, ...]], Any] = {}
 
 
@@ -421,56 +432,35 @@ def _lambdified(expr: sympy.Expr, names: tuple[str, ...]) -> Any:
 # ---- aggregation (called by derive) -----------------------------------------------
 
 
-def generic_path(module: str, stacks: list[str]) -> str:
-    """'blocks.3.attn' -> 'blocks.*.attn' for modules inside a factored stack."""
-    for p in stacks:
-        prefix = p + "."
-        if module.startswith(prefix):
-            head, _, rest = module[len(prefix) :].partition(".")
-            if head.isdigit():
-                return f"{p}.*" + (f".{rest}" if rest else "")
-    return module
-
-
-def component(module: str, stacks: list[str], types: Mapping[str, str], phase: str) -> str:
-    """Coarse component of a module path: embedding, attention, mlp, norm, head, loss, optimizer, other."""
-    if phase == "optimizer":
-        return "optimizer"
-    parts = module.split(".") if module else []
-    kinds = [types.get(".".join(parts[: i + 1]), "") for i in range(len(parts))]
-    if any("Norm" in k for k in kinds):
-        return "norm"
-    if any("Embedding" in k for k in kinds):
-        return "embedding"
-    low = module.lower()
-    if "att" in low:
-        return "attention"
-    if any(w in low for w in ("mlp", "ffn", "feed_forward", "feedforward", "moe", "expert")):
-        return "mlp"
-    if any("MLP" in k or "FeedForward" in k or k.endswith("FF") for k in kinds):  # T5LayerFF
-        return "mlp"
-    # in a block: a stack factored by L, or a numbered block of one kept at its depth (T5's encoder.block.0)
-    in_stack = generic_path(module, stacks) != module or any(p.isdigit() for p in parts)
-    if not module:
-        return "loss"
-    if not in_stack and kinds and kinds[-1] == "Linear":
-        return "head"
-    if not in_stack and any(w in low for w in ("drop",)):
-        return "embedding"
-    return "other"
-
-
-def _is_attention(attrs: dict[str, Any]) -> bool:
-    op = attrs["op"]
-    if any(a in op for a in _ATTENTION_OPS):
+def _is_attention(node: Node) -> bool:
+    if any(a in node.op for a in _ATTENTION_OPS):
         return True
-    if not op.startswith(_MATMUL_OPS):
+    if not node.op.startswith(_MATMUL_OPS):
         return False
     S = sym("S")
-    for shape in list(attrs["shapes"]) + list(attrs.get("in_shapes", [])):
+    for shape in (*node.shapes, *node.in_shapes):
         if len(shape) >= 2 and shape[-1] == S and shape[-2] == S:
             return True
     return False
+
+
+def _model_cost(node: Node, causal_discount: bool) -> Cost:
+    """A node's cost per call under the options: attention-score matmuls halved under Megatron's causal
+    discount."""
+    c = node.cost
+    if causal_discount and (c.flops or c.flops_recompute) and _is_attention(node):
+        return dataclasses.replace(c, flops=c.flops / 2, flops_recompute=c.flops_recompute / 2)
+    return c
+
+
+def _add_to(target: dict[str, Terms], phase: str, cost: Cost) -> None:
+    """A bucket's running sums (module, component, layer): matmul FLOPs per phase, the rest over phases."""
+    target["flops_" + phase] += cost.flops
+    if cost.flops_recompute != 0:
+        target["flops_recompute"] += cost.flops_recompute
+    target["flops_other"] += cost.flops_other
+    target["bytes_read"] += cost.bytes_read
+    target["bytes_written"] += cost.bytes_written
 
 
 def aggregate(
@@ -487,52 +477,30 @@ def aggregate(
     options: dict[str, Any],
     minimum: dict[str, int],
 ) -> Accounting:
-    flops: dict[str, Terms] = defaultdict(Terms)
-    byts: dict[str, Terms] = defaultdict(Terms)
+    """Totals of the step graph: per phase ``Cost.total(cost * count)``, and per module, component and layer."""
+    per_phase: dict[str, list[Cost]] = defaultdict(list)
+    embedding: list[Any] = []
     modules: dict[str, dict[str, Terms]] = defaultdict(lambda: defaultdict(Terms))
     comps: dict[str, dict[str, Terms]] = defaultdict(lambda: defaultdict(Terms))
     per_layer: dict[str, dict[str, Terms]] = {}
     unaccounted: list[str] = []
     L = sym("L")
-    for n, a in graph.nodes(data=True):
-        # every node knows its component and its module path with the stack index as '*'
-        a["generic"] = generic_path(a["module"], stacks)
-        a["component"] = component(a["module"], stacks, trace.module_types, a["phase"])
-        if a["phase"] == "input":
+    for key, node in records(graph):
+        if node.phase == "input" or node.count == 0:
             continue
-        c = a["count"]
-        if c == 0:
-            continue
-        mm, again = a["flops"], a["flops_recompute"]
-        if causal_discount and (mm or again) and _is_attention(a):
-            mm, again = mm / 2, again / 2
-        ph = a["phase"]
-        flops[ph] += mm * c
-        flops["recompute"] += again * c  # kernel recomputation (checkpointing's is phase 'recompute')
-        if a["op"].startswith(("aten.embedding.", "aten.embedding_dense_backward.")):
-            flops["embedding"] += mm * c
-        flops["other_" + ph] += a["flops_other"] * c
-        byts["read_" + ph] += a["bytes_read"] * c
-        byts["written_" + ph] += a["bytes_written"] * c
-        gp, comp = a["generic"], a["component"]
-        for target in (modules[gp], comps[comp]):
-            target["flops_" + ph] += mm * c
-            if again != 0:
-                target["flops_recompute"] += again * c
-            target["flops_other"] += a["flops_other"] * c
-            target["bytes_read"] += a["bytes_read"] * c
-            target["bytes_written"] += a["bytes_written"] * c
-        if gp != a["module"] and c.has(L):
-            stack = next(p for p in stacks if a["module"].startswith(p + "."))
-            blk = per_layer.setdefault(stack, defaultdict(Terms))
-            blk["flops_" + ph] += mm
-            if again != 0:
-                blk["flops_recompute"] += again
-            blk["flops_other"] += a["flops_other"]
-            blk["bytes_read"] += a["bytes_read"]
-            blk["bytes_written"] += a["bytes_written"]
-        if not a.get("ruled", True):
-            unaccounted.append(f"#{n} {a['op']} in '{a['module']}' ({ph})")
+        cost = _model_cost(node, causal_discount)
+        scaled = cost * node.count
+        ph = node.phase
+        per_phase[ph].append(scaled)
+        if node.op.startswith(("aten.embedding.", "aten.embedding_dense_backward.")):
+            embedding.append(scaled.flops)
+        _add_to(modules[node.generic], ph, scaled)
+        _add_to(comps[node.component], ph, scaled)
+        if node.generic != node.module and node.count.has(L):
+            stack = next(p for p in stacks if node.module.startswith(p + "."))
+            _add_to(per_layer.setdefault(stack, defaultdict(Terms)), ph, cost)
+        if not node.ruled:
+            unaccounted.append(f"#{key} {node.op} in '{node.module}' ({ph})")
     # parameters
     params = Terms()
     params_emb = Terms()
@@ -552,34 +520,36 @@ def aggregate(
         b = next((p for p in stacks if mod.startswith(p + ".")), None)
         if b is not None and param_counts[ph.name].has(L):
             per_layer.setdefault(b, defaultdict(Terms))["params"] += numel
-    f = {k: v.sum() for k, v in flops.items()}
+    total = {ph: Cost.total(cs) for ph, cs in per_phase.items()}
     zero = sympy.Integer(0)
 
-    def of(*keys: str) -> sympy.Expr:
-        return sympy.expand(sympy.Add(*(f.get(k, zero) for k in keys)))
+    def of(field: str, *phases: str) -> sympy.Expr:
+        return sympy.expand(sympy.Add(*(getattr(total[ph], field) for ph in phases if ph in total)))
 
+    every = sorted(total)
+    # recomputation: checkpointing's forward run again (phase 'recompute') and what kernels recompute
+    recompute = sympy.expand(of("flops", "recompute") + of("flops_recompute", *every))
     fl = Flops(
-        forward=of("forward"),
-        backward=of("backward"),
-        optimizer=of("optimizer"),
-        total=of("forward", "backward", "optimizer"),
-        recompute=of("recompute"),
-        hardware=of("forward", "backward", "optimizer", "recompute"),
-        embedding=of("embedding"),
-        other=of("other_forward", "other_backward", "other_optimizer", "other_recompute"),
-        other_recompute=of("other_recompute"),
-        other_forward=of("other_forward"),
-        other_backward=of("other_backward"),
-        other_optimizer=of("other_optimizer"),
+        forward=of("flops", "forward"),
+        backward=of("flops", "backward"),
+        optimizer=of("flops", "optimizer"),
+        total=of("flops", "forward", "backward", "optimizer"),
+        recompute=recompute,
+        hardware=sympy.expand(of("flops", "forward", "backward", "optimizer") + recompute),
+        embedding=sympy.expand(sympy.Add(*embedding)) if embedding else zero,
+        other=of("flops_other", "forward", "backward", "optimizer", "recompute"),
+        other_recompute=of("flops_other", "recompute"),
+        other_forward=of("flops_other", "forward"),
+        other_backward=of("flops_other", "backward"),
+        other_optimizer=of("flops_other", "optimizer"),
     )
-    b = {k: v.sum() for k, v in byts.items()}
     by = Bytes(
-        read=sympy.expand(sympy.Add(*(v for k, v in b.items() if k.startswith("read_")))),
-        written=sympy.expand(sympy.Add(*(v for k, v in b.items() if k.startswith("written_")))),
-        read_forward=sympy.expand(b.get("read_forward", zero)),
-        written_forward=sympy.expand(b.get("written_forward", zero)),
-        read_backward=sympy.expand(b.get("read_backward", zero)),
-        written_backward=sympy.expand(b.get("written_backward", zero)),
+        read=of("bytes_read", *every),
+        written=of("bytes_written", *every),
+        read_forward=of("bytes_read", "forward"),
+        written_forward=of("bytes_written", "forward"),
+        read_backward=of("bytes_read", "backward"),
+        written_backward=of("bytes_written", "backward"),
     )
 
     def finish(d: dict[str, dict[str, Terms]]) -> dict[str, dict[str, Any]]:

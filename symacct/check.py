@@ -29,6 +29,9 @@ from typing import Any
 
 import sympy
 
+from symacct.graph import records
+from symacct.options import dtype_key
+
 TOL = 0.05
 LOOSE = 0.25
 
@@ -77,8 +80,8 @@ def judge(derived: float, claimed: float, *, assumption_holds: bool = False) -> 
 def _derive(model: str, overrides: tuple[tuple[str, Any], ...] = (), **kw: Any) -> Any:
     import torch
 
-    import symacct
     from symacct.models.presets import PRESETS
+    from symacct.pipeline import derive
 
     cls, make = PRESETS[model]
     cfg = make()
@@ -88,7 +91,7 @@ def _derive(model: str, overrides: tuple[tuple[str, Any], ...] = (), **kw: Any) 
         kw["optimizer_options"] = {"fp32_grads": kw.pop("fp32_grads")}
     with torch.device("meta"):
         m = cls(cfg)
-    return symacct.derive(m, **kw)
+    return derive(m, **kw)
 
 
 def _gpt2(**kw: Any) -> Any:
@@ -97,7 +100,7 @@ def _gpt2(**kw: Any) -> Any:
 
 
 def _dt(name: str | None) -> str:
-    return {"torch.bfloat16": "bf16", "torch.float16": "fp16", None: "fp32"}.get(name, str(name))
+    return dtype_key(name)
 
 
 def _e(x: float) -> str:
@@ -146,9 +149,8 @@ def six_nd(acct: Any = None, *, B_: int = 8, S_: int = 1024, label: str = "gpt2 
     scores = _s2_terms(acct.flops.total)
     dense_at = _val(acct, sympy.expand(acct.flops.total - scores), B_, S_)
     scores_at = _val(acct, scores, B_, S_)
-    from symacct.plots import crossover
 
-    cross = crossover(acct)
+    cross = acct.crossover()
     per_token = _per_token(acct, acct.flops.total)
     extra = sympy.expand(per_token - 6 * acct.params)
     details = [
@@ -201,18 +203,18 @@ def _module_ratios(acct: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Matmul FLOPs per concrete module path, forward and backward (with multiplicities)."""
     fwd: dict[str, Any] = {}
     bwd: dict[str, Any] = {}
-    for _, a in acct.graph.nodes(data=True):
-        if a["phase"] in ("forward", "backward") and a["flops"] != 0 and a["count"] != 0:
-            target = fwd if a["phase"] == "forward" else bwd
-            target[a["module"]] = target.get(a["module"], 0) + a["flops"] * a["count"]
+    for _, a in records(acct.graph):
+        if a.phase in ("forward", "backward") and a.cost.flops != 0 and a.count != 0:
+            target = fwd if a.phase == "forward" else bwd
+            target[a.module] = target.get(a.module, 0) + a.cost.flops * a.count
     return fwd, bwd
 
 
 def _reads_raw_input(acct: Any, module: str) -> bool:
     """Whether a forward matmul of ``module`` reads a step input (through views only): its input needs no grad."""
     g = acct.graph
-    for n, a in g.nodes(data=True):
-        if a["phase"] != "forward" or a["module"] != module or a["flops"] == 0:
+    for n, a in records(g):
+        if a.phase != "forward" or a.module != module or a.cost.flops == 0:
             continue
         stack = list(g.predecessors(n))
         seen = set()
@@ -223,8 +225,8 @@ def _reads_raw_input(acct: Any, module: str) -> bool:
             seen.add(m)
             if str(m).startswith("input:"):
                 return True
-            b = g.nodes[m]
-            if b["phase"] == "forward" and b["flops"] == 0 and b["bytes_read"] == 0 and b["bytes_written"] == 0:
+            b = g.nodes[m]["node"]
+            if b.phase == "forward" and b.cost.flops == 0 and b.cost.bytes_read == 0 and b.cost.bytes_written == 0:
                 stack.extend(g.predecessors(m))  # a view: look through it
     return False
 
@@ -272,9 +274,8 @@ def two_nd_forward(acct: Any = None, *, B_: int = 8, S_: int = 1024, label: str 
     fw = at.flops.forward
     fw_dense = _val(acct, sympy.expand(acct.flops.forward - _s2_terms(acct.flops.forward)), B_, S_)
     rule_fw = 2 * at.params * B_ * S_
-    from symacct.plots import crossover
 
-    cross = crossover(acct)
+    cross = acct.crossover()
     return Claim(
         "2nd-forward",
         "forward FLOPs = 2 N D",
@@ -315,9 +316,9 @@ def _val(acct: Any, expr: Any, B: int, S: int) -> int:
 def _linear(factory: Any = None) -> Any:
     import torch
 
-    import symacct
+    from symacct.pipeline import derive
 
-    return symacct.derive(
+    return derive(
         factory or (lambda D, K: torch.nn.Linear(D, K, bias=False)),
         dims={"D": 64, "K": 48},
         inputs=lambda m, B, S: (torch.randn(B, next(x for x in m.modules() if hasattr(x, "in_features")).in_features),),
@@ -354,12 +355,12 @@ def elementwise(
     at = acct.at(B=B_, S=S_, **sizes)
     share_flops = at.flops.other / (at.flops.total + at.flops.other)
     moved = mm_moved = 0
-    for _, a in at.graph.nodes(data=True):
-        if a["phase"] == "input":
+    for _, a in records(at.graph):
+        if a.phase == "input":
             continue
-        b = (a["bytes_read"] + a["bytes_written"]) * a["count"]
+        b = (a.cost.bytes_read + a.cost.bytes_written) * a.count
         moved += b
-        if a["flops"]:
+        if a.cost.flops:
             mm_moved += b
     share_bytes = 1 - mm_moved / moved
     from symacct.timing import roofline

@@ -15,25 +15,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import difflib
-import importlib
 import json
 import math
 import os
 import sys
 import tempfile
-import traceback
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from symacct.errors import SymacctError
-
-
-class _UsageError(Exception):
-    pass
+from symacct.loading import UsageError, load_model, overrides_of
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,141 +36,12 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-_TRUE = ("true", "yes", "on", "1")
-_FALSE = ("false", "no", "off", "0")
-
-
-def _parse_value(text: str) -> Any:
-    """A --config value of a field whose type is not known: bool, int, float, else the string."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _parse_typed(key: str, text: str, kind: Any) -> Any:
-    """A --config value parsed by its field's declared type; what does not parse is refused, never guessed."""
-    if kind is bool:
-        low = text.lower()
-        if low in _TRUE or low in _FALSE:
-            return low in _TRUE
-        raise _UsageError(f"--config {key}={text!r}: {key} is a bool; use true/false (yes/no, on/off, 1/0)")
-    if kind is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise _UsageError(f"--config {key}={text!r}: {key} is an integer (no fraction or exponent)") from None
-    if kind is float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise _UsageError(f"--config {key}={text!r}: {key} is a number") from None
-        if not math.isfinite(v):
-            raise _UsageError(f"--config {key}={text!r}: {key} must be finite")
-        return v
-    if kind is str:
-        return text
-    return _parse_value(text)
-
-
-def _overrides(items: Sequence[str]) -> dict[str, str]:
-    """--config KEY=VALUE items as raw strings; each is parsed by its field's type when the config is known."""
-    out = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip() or not value.strip():
-            raise _UsageError(f"--config expects KEY=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def _build(what: str, make: Any) -> Any:
-    """Call a model constructor or factory; any failure becomes one line naming it (an assert shows its source)."""
-    try:
-        return make()
-    except SymacctError:
-        raise
-    except Exception as e:
-        text = str(e).strip()
-        if not text:  # a bare assert: show its line
-            frames = traceback.extract_tb(e.__traceback__)
-            text = (frames[-1].line or "") if frames else ""
-            text = f"{text} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else text
-        raise _UsageError(f"building {what} failed: {type(e).__name__}: {' '.join(text.split())}") from e
-
-
-def load_model(name: str, overrides: dict[str, Any]) -> Any:
-    """Build a built-in model (on the meta device: nothing real is allocated), import a factory, or build a
-    transformers model from a ``config.json`` (or a folder holding one)."""
-    import torch
-
-    from symacct.hf import config_field_types, is_config_file, model_from_config_file
-    from symacct.models.presets import PRESETS
-
-    if is_config_file(name):  # a transformers config.json (or its folder): built on the meta device
-        kinds = config_field_types(name)
-        return model_from_config_file(name, {k: _parse_typed(k, v, kinds.get(k)) for k, v in overrides.items()})
-    if ":" in name:
-        mod_name, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(mod_name), attr)
-        except Exception as e:
-            raise _UsageError(f"cannot import {name!r}: {type(e).__name__}: {e}") from e
-        if not callable(factory):
-            raise _UsageError(f"{name!r} is not callable: pass a factory that returns an nn.Module")
-        with torch.device("meta"):
-            model = _build(f"{name}()", factory)
-        if not isinstance(model, torch.nn.Module):
-            raise _UsageError(f"{name}() returned {type(model).__name__}, not an nn.Module")
-        if overrides:
-            cfg = getattr(model, "config", None)
-            if cfg is None or not dataclasses.is_dataclass(cfg):
-                raise _UsageError(f"--config needs a model with a dataclass config; {name}() has none")
-            new = _replace_config(cfg, overrides, name)
-            with torch.device("meta"):
-                model = _build(f"{type(model).__name__} with {_shown(overrides)}", lambda: type(model)(new))
-        return model
-    if name not in PRESETS:
-        close = difflib.get_close_matches(name, list(PRESETS), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else f"; built-in models: {', '.join(PRESETS)}"
-        raise _UsageError(f"unknown model {name!r}{hint}")
-    cls, make_config = PRESETS[name]
-    config = _replace_config(make_config(), overrides, name)
-    with torch.device("meta"):
-        return _build(name + (f" with {_shown(overrides)}" if overrides else ""), lambda: cls(config))
-
-
-def _shown(overrides: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in overrides.items())
-
-
-def _replace_config(config: Any, overrides: dict[str, Any], name: str) -> Any:
-    names = {f.name for f in dataclasses.fields(config)}
-    for key in overrides:
-        if key not in names:
-            close = difflib.get_close_matches(key, list(names), n=3)
-            raise _UsageError(
-                f"{name} has no config field {key!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
-            )
-    try:
-        hints = typing.get_type_hints(type(config))
-    except Exception:  # unresolvable annotations: fall back to the value's own look
-        hints = {}
-    values = {k: _parse_typed(k, v, hints.get(k)) if isinstance(v, str) else v for k, v in overrides.items()}
-    return dataclasses.replace(config, **values)
-
-
 def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
-    import symacct
+    from symacct.pipeline import derive
     from symacct.report import summary
 
-    model = load_model(args.model, _overrides(args.config))
-    acct = symacct.derive(model, causal_discount=args.causal_discount, **_step_options(args))
+    model = load_model(args.model, overrides_of(args.config))
+    acct = derive(model, causal_discount=args.causal_discount, **_step_options(args))
     B = args.batch
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     return summary(acct, B=B, S=S, name=args.model)
@@ -202,7 +65,7 @@ def _writable(out: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise _UsageError(f"cannot write to --out {out!r}: {e.strerror or e}") from e
+        raise UsageError(f"cannot write to --out {out!r}: {e.strerror or e}") from e
     return path
 
 
@@ -212,14 +75,14 @@ def _sheet(args: argparse.Namespace) -> int:
     from symacct.reference import SheetConfig, make_sheet
 
     if args.batch <= 0 or args.seq is not None and args.seq <= 0:
-        raise _UsageError("--batch and --seq must be positive integers")
+        raise UsageError("--batch and --seq must be positive integers")
     if not 0 < args.mfu <= 1:
-        raise _UsageError(f"--mfu must be in (0, 1], got {args.mfu:g}")
+        raise UsageError(f"--mfu must be in (0, 1], got {args.mfu:g}")
     get(args.hardware)  # an unknown accelerator fails before the derivation
     out = _writable(args.out) if args.out else None
     from symacct.terminal import progress
 
-    cfg = SheetConfig(args.model, args.batch, args.seq, _step_options(args), _overrides(args.config))
+    cfg = SheetConfig(args.model, args.batch, args.seq, _step_options(args), overrides_of(args.config))
     with progress(f"deriving {args.model}"):
         acct, sh = make_sheet(cfg, hardware=args.hardware, mfu=args.mfu)
     if out is None:
@@ -291,9 +154,9 @@ def _print(report: dict[str, Any], as_json: bool) -> int:
 
 
 def _dtype(name: str | None) -> Any:
-    from symacct.derive import DTYPE_NAMES
+    from symacct.options import torch_dtype
 
-    return DTYPE_NAMES[name] if name else None
+    return torch_dtype("dtype", name) if name else None
 
 
 def _estimate(args: argparse.Namespace) -> dict[str, Any]:
@@ -302,15 +165,15 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
     gpus = args.gpus
     if args.model is None:
         if args.params is None:
-            raise _UsageError("estimate needs --params (6ND form) or a MODEL")
+            raise UsageError("estimate needs --params (6ND form) or a MODEL")
         est = estimate(
             params=args.params, tokens=args.tokens, hardware=args.hardware, gpus=gpus, mfu=args.mfu, dtype=args.dtype
         )
         flops_per_token = 6 * args.params
     else:
-        import symacct
+        from symacct.pipeline import derive
 
-        acct = symacct.derive(load_model(args.model, _overrides(args.config)))
+        acct = derive(load_model(args.model, overrides_of(args.config)))
         S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
         est = train_time(
             acct,
@@ -336,8 +199,8 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fit(args: argparse.Namespace) -> dict[str, Any]:
-    import symacct
     from symacct.hardware import get
+    from symacct.pipeline import derive
     from symacct.timing import fit, max_params
 
     hw = get(args.hardware)
@@ -346,9 +209,7 @@ def _fit(args: argparse.Namespace) -> dict[str, Any]:
         # bytes per parameter read off a derived step (a small reference model), not a table
         from symacct.models import Cruncher, CruncherConfig
 
-        probe = symacct.derive(
-            Cruncher(CruncherConfig()), optimizer=args.optimizer, params_dtype=_dtype(args.params_dtype)
-        )
+        probe = derive(Cruncher(CruncherConfig()), optimizer=args.optimizer, params_dtype=_dtype(args.params_dtype))
         bpp = probe.bytes_per_param()
         n = max_params(hardware=hw, gpus=gpus, bytes_per_param=float(bpp), reserve=args.reserve)
         return {
@@ -360,8 +221,8 @@ def _fit(args: argparse.Namespace) -> dict[str, Any]:
             "hardware": hw.name,
             "gpus": gpus,
         }
-    model = load_model(args.model, _overrides(args.config))
-    acct = symacct.derive(
+    model = load_model(args.model, overrides_of(args.config))
+    acct = derive(
         model, optimizer=args.optimizer, autocast=_dtype(args.autocast), params_dtype=_dtype(args.params_dtype)
     )
     symbol = {"batch": "B", "seq": "S", "layers": "L"}[args.solve]
@@ -391,16 +252,16 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
     from torch.utils._pytree import tree_map
 
-    import symacct
-    from symacct.derive import _optimizer_factory
+    from symacct.options import optimizer_factory
+    from symacct.pipeline import derive
     from symacct.verify import _step_of, profile_match, render, verify
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise _UsageError("--device cuda but CUDA is not available here; use --device cpu")
+        raise UsageError("--device cuda but CUDA is not available here; use --device cpu")
     if args.steps < 1:
-        raise _UsageError(f"--steps must be at least 1, got {args.steps}")
-    meta = load_model(args.model, _overrides(args.config))
-    acct = symacct.derive(meta, optimizer=args.optimizer, autocast=_dtype(args.autocast), device=args.device)
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    meta = load_model(args.model, overrides_of(args.config))
+    acct = derive(meta, optimizer=args.optimizer, autocast=_dtype(args.autocast), device=args.device)
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     torch.manual_seed(0)
     model = type(meta)(meta.config)
@@ -410,7 +271,7 @@ def _verify(args: argparse.Namespace) -> int:
         B=args.batch,
         S=S,
         device=args.device,
-        optimizer=_optimizer_factory(args.optimizer, None),
+        optimizer=optimizer_factory(args.optimizer, None),
         autocast=_dtype(args.autocast),
         steps=args.steps,
         hardware=args.hardware,
@@ -444,6 +305,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _step_args(p: argparse.ArgumentParser) -> None:
+    from symacct.options import LOW_PRECISION
+
     """The model and the step to derive: shared by derive and sheet."""
     p.add_argument("model", help="built-in name (symacct list) or package.module:factory")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
@@ -451,11 +314,13 @@ def _step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=None, help="S at which to evaluate (default: S_max)")
     p.add_argument("--step", choices=("train", "forward"), default="train")
     p.add_argument("--optimizer", default="adamw", help="optimizer traced in the step (default adamw)")
-    p.add_argument("--autocast", choices=("bf16", "fp16"), default=None, help="forward under torch.autocast")
-    p.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None, help="parameters in this dtype")
+    p.add_argument("--autocast", choices=LOW_PRECISION, default=None, help="forward under torch.autocast")
+    p.add_argument("--params-dtype", choices=LOW_PRECISION, default=None, help="parameters in this dtype")
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    from symacct.options import LOW_PRECISION
+
     parser = _Parser(prog="symacct", description="Symbolic resource accounting for PyTorch")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("derive", help="derive and print the FLOP, byte and parameter formulas of a model")
@@ -494,8 +359,8 @@ def _main(argv: Sequence[str] | None) -> int:
         "--gpus", type=_count, default=1, help="devices: data-parallel replicas with a model (global batch B x gpus)"
     )
     f.add_argument("--optimizer", default="adamw")
-    f.add_argument("--params-dtype", choices=("bf16", "fp16"), default=None)
-    f.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
+    f.add_argument("--params-dtype", choices=LOW_PRECISION, default=None)
+    f.add_argument("--autocast", choices=LOW_PRECISION, default=None)
     f.add_argument("--reserve", type=_number, default=0.15, help="fraction kept for what formulas cannot see")
     f.add_argument("--solve", choices=("batch", "seq", "layers"), default="batch")
     f.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
@@ -514,7 +379,7 @@ def _main(argv: Sequence[str] | None) -> int:
     v.add_argument("--batch", type=int, default=2)
     v.add_argument("--seq", type=int, default=None)
     v.add_argument("--optimizer", default="adamw")
-    v.add_argument("--autocast", choices=("bf16", "fp16"), default=None)
+    v.add_argument("--autocast", choices=LOW_PRECISION, default=None)
     v.add_argument(
         "--steps",
         type=int,
@@ -556,9 +421,9 @@ def _main(argv: Sequence[str] | None) -> int:
 
             return _print(diff(args.log_a, args.log_b), args.json)
         if args.batch is not None and args.batch <= 0 or args.seq is not None and args.seq <= 0:
-            raise _UsageError("--batch and --seq must be positive integers")
+            raise UsageError("--batch and --seq must be positive integers")
         report = _derive_report(args)
-    except (SymacctError, _UsageError) as e:
+    except (SymacctError, UsageError) as e:
         print(f"symacct: error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -26,6 +26,7 @@ import networkx as nx
 import sympy
 
 from symacct.errors import SymacctError
+from symacct.graph import records
 from symacct.symbols import evaluate
 
 GROUPED_MM = "aten._grouped_mm"
@@ -93,17 +94,17 @@ def wrong_share_count(shares: int, module: str, experts: int) -> SymacctError:
 
 
 def expert_layers(graph: nx.DiGraph, values: dict[str, int], routing: Sequence[Any] | None) -> list[ExpertLayers]:
-    """The grouped-matmul layers of the graph, one entry per module path (after ``aggregate``: nodes carry
-    ``generic``), with ``routing`` (E shares) checked against each layer's E."""
+    """The grouped-matmul layers of the graph, one entry per module path (its ``generic`` path), with
+    ``routing`` (E shares) checked against each layer's E."""
     found: dict[str, dict[str, Any]] = {}
-    for _, a in graph.nodes(data=True):
-        if not a["op"].startswith(GROUPED_MM) or not a["count"]:
+    for _, a in records(graph):
+        if not a.op.startswith(GROUPED_MM) or not a.count:
             continue
-        entry = found.setdefault(a["generic"], {"flops": sympy.Integer(0), "pairs": None, "experts": None})
-        if a["phase"] in ("forward", "backward"):
-            entry["flops"] += a["flops"] * a["count"]
-        ins = a["in_shapes"]
-        if a["phase"] == "forward" and len(ins) >= 3 and len(ins[0]) == 2 and len(ins[1]) == 3:
+        entry = found.setdefault(a.generic, {"flops": sympy.Integer(0), "pairs": None, "experts": None})
+        if a.phase in ("forward", "backward"):
+            entry["flops"] += a.cost.flops * a.count
+        ins = a.in_shapes
+        if a.phase == "forward" and len(ins) >= 3 and len(ins[0]) == 2 and len(ins[1]) == 3:
             entry["pairs"], entry["experts"] = ins[0][0], ins[2][0]  # (pairs, K) rows; offsets (E,)
     shares = normalised(routing) if routing is not None else None
     if routing is not None and not found:

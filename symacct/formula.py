@@ -186,3 +186,49 @@ def si(v: float, unit: str = "") -> str:
         if abs(v) >= scale:
             return f"{v / scale:.3g} {prefix}{unit}".rstrip()
     return f"{v:g} {unit}".rstrip()
+
+
+# ---- the overview of an accounting (its notebook display) ----------------------------------
+
+_OVERVIEW = (
+    ("params", "N", "parameters"),
+    ("flops.forward", r"C_{\mathrm{fwd}}", "matmul FLOPs, forward"),
+    ("flops.backward", r"C_{\mathrm{bwd}}", "matmul FLOPs, backward"),
+    ("flops.total", r"C_{\mathrm{step}}", "matmul FLOPs, step"),
+    ("flops.other", r"C_{\mathrm{other}}", "other FLOPs, step"),
+    ("memory.params", r"M_{\mathrm{params}}", "memory: parameters (bytes)"),
+    ("memory.grads", r"M_{\mathrm{grads}}", "memory: gradients (bytes)"),
+    ("memory.optimizer", r"M_{\mathrm{opt}}", "memory: optimizer states (bytes)"),
+    ("memory.activations", r"M_{\mathrm{act}}", "memory: saved activations (bytes)"),
+    ("memory.peak", r"M_{\mathrm{peak}}", "memory: peak of the step (bytes)"),
+)
+
+
+def _overview(acct: Any) -> list[tuple[str, str, str]]:
+    """(symbol, label, LaTeX of the formula or of the value) for the main quantities."""
+    rows = []
+    for key, symbol, label in _OVERVIEW:
+        e = acct.formula(key)
+        if acct.values is not None and e.is_Integer:
+            body = f"{int(e):,}".replace(",", r"{,}")
+        else:
+            body = latex(e)
+        rows.append((symbol, label, body))
+    return rows
+
+
+def overview_md(acct: Any) -> str:
+    head = "| quantity | | formula |" if acct.values is None else "| quantity | | value |"
+    at = ""
+    if acct.values is not None:
+        at = "at " + ", ".join(f"{k} = {v:,}" for k, v in sorted(acct.values.items(), key=lambda kv: sort_key(kv[0])))
+        at += "\n\n"
+    lines = [at + head, "|---|---|---|"]
+    for symbol, label, body in _overview(acct):
+        lines.append(f"| {label} | ${symbol}$ | ${body}$ |")
+    return "\n".join(lines) + "\n"
+
+
+def overview_latex(acct: Any) -> str:
+    body = r" \\ ".join(f"{symbol} &= {tex}" for symbol, _, tex in _overview(acct))
+    return rf"$$\begin{{aligned}} {body} \end{{aligned}}$$"

@@ -1,24 +1,19 @@
-"""Recorded step -> networkx graph with a sympy cost on every node.
+"""Recorded step -> networkx graph with a typed, symbolic cost record on every node.
 
 Nodes are the op indices of the step (ints) plus one node per tensor that
 enters from outside (``"param:wte.weight"``, ``"buffer:..."``,
 ``"input:input0"``). Edges run from the op (or placeholder) that last
-wrote a value to every op that reads it. Node attributes:
-
-``op`` (str), ``module`` (path, layer index kept), ``phase``
-(forward / backward / optimizer), ``shapes`` (output shapes, sympy),
-``dtypes``, ``flops`` (matmul family, model FLOPs), ``flops_recompute``
-(matmul FLOPs the kernel runs again, e.g. flash attention's backward
-recomputing Q K^T: hardware FLOPs only), ``flops_other``, ``bytes_read``,
-``bytes_written``, ``saved`` (an output storage is saved for backward),
-``allocated`` (bytes of the new storages it makes), ``count`` (how many
-times the node stands in the real model: ``L`` for a representative block,
-0 for the other probe blocks, 1 elsewhere).
+wrote a value to every op that reads it. Each node's data is one
+:class:`Node` under the key ``"node"`` (``graph.nodes[n]["node"]``, or
+``records(graph)``): what the op is, where it runs, its cost per call
+(:class:`symacct.rules.Cost`) and how many times it stands in the real model
+(``count``). Records are frozen: nothing downstream changes a node; totals
+are ``Cost.total(node.cost * node.count ...)`` over the nodes chosen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,10 +21,61 @@ import networkx as nx
 import sympy
 
 from symacct.errors import SymacctError
+from symacct.layers import generic_path
 from symacct.rules import Call, Cost, default_bytes, lookup
 from symacct.trace import OpRecord, StepTrace, TMeta
 
 ShapeMap = Callable[[int], Any]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of the step graph (see the module docstring).
+
+    ``op``: the aten op (``aten.mm.default``), or the placeholder's kind
+    (``param``, ``buffer``, ``input``); ``module``: the module path it runs
+    in, layer index kept (``blocks.3.attn``); ``generic``: the same with a
+    factored stack's index as ``*``; ``component``: attention, mlp, norm,
+    embedding, head, loss, optimizer or other; ``phase``: forward, backward,
+    recompute, optimizer, or input for a placeholder; ``shapes`` and
+    ``dtypes`` of the outputs, ``in_shapes`` of the tensor inputs (sympy);
+    ``cost``: per call (FLOPs by kind, bytes read and written); ``count``:
+    ``L`` (or ``L - 1``, ...) for a block standing for the stack, 0 for the
+    other probe blocks, 1 elsewhere; ``saved``: an output storage is saved
+    for backward; ``allocated``: bytes of the storages it makes; ``ruled``:
+    False for an op without a rule (``strict=False``), counted as 0.
+    """
+
+    op: str
+    module: str
+    generic: str
+    component: str
+    phase: str
+    shapes: tuple[tuple[Any, ...], ...]
+    in_shapes: tuple[tuple[Any, ...], ...]
+    dtypes: tuple[str, ...]
+    cost: Cost
+    count: Any = 1
+    saved: bool = False
+    allocated: Any = 0
+    ruled: bool = True
+
+    def evaluated(self, ev: Callable[[Any], Any]) -> Node:
+        """The record with every formula passed through ``ev`` (``Accounting.at``)."""
+        return replace(
+            self,
+            shapes=tuple(tuple(ev(d) for d in shape) for shape in self.shapes),
+            in_shapes=tuple(tuple(ev(d) for d in shape) for shape in self.in_shapes),
+            cost=self.cost.map(ev),
+            count=ev(self.count),
+            allocated=ev(self.allocated),
+        )
+
+
+def records(graph: nx.DiGraph) -> Iterator[tuple[Any, Node]]:
+    """(key, record) of every node of a step graph."""
+    for key, data in graph.nodes(data=True):
+        yield key, data["node"]
 
 
 @dataclass
@@ -139,58 +185,54 @@ def cost_ops(
     return out
 
 
-def build_graph(trace: StepTrace, costed: list[CostedOp], counts: list[sympy.Expr], dim: ShapeMap) -> nx.DiGraph:
-    """The networkx graph of the step (see the module docstring for attributes)."""
+def build_graph(
+    trace: StepTrace,
+    costed: list[CostedOp],
+    counts: list[sympy.Expr],
+    dim: ShapeMap,
+    stacks: list[str],
+) -> nx.DiGraph:
+    """The networkx graph of the step (see the module docstring)."""
     g = nx.DiGraph()
+    types = trace.module_types
     writer: dict[int, Any] = {}
+    nothing = Cost(bytes_read=0, bytes_written=0)
     for ph in trace.placeholders:
         key = f"{ph.kind}:{ph.name}"
-        g.add_node(
-            key,
+        module = ph.name.rpartition(".")[0]
+        node = Node(
             op=ph.kind,
-            module=ph.name.rpartition(".")[0],
+            module=module,
+            generic=generic_path(module, stacks),
+            component=component(module, stacks, types, "input"),
             phase="input",
-            shapes=[tuple(dim(s) for s in ph.meta.shape)],
-            in_shapes=[],
-            dtypes=[str(ph.meta.dtype)],
-            flops=0,
-            flops_recompute=0,
-            flops_other=0,
-            bytes_read=0,
-            bytes_written=0,
-            saved=False,
-            allocated=0,
-            count=1,
+            shapes=(tuple(dim(s) for s in ph.meta.shape),),
+            in_shapes=(),
+            dtypes=(str(ph.meta.dtype),),
+            cost=nothing,
         )
+        g.add_node(key, node=node)
         writer[ph.meta.vid] = key
     saved = set(trace.saved_storages)
     for c, n in zip(costed, counts):
         rec = c.rec
-        g.add_node(
-            rec.index,
+        made = {t.storage for t in rec.outputs if trace.storage_producer.get(t.storage) == rec.index}
+        node = Node(
             op=str(rec.op),
             module=rec.module,
+            generic=generic_path(rec.module, stacks),
+            component=component(rec.module, stacks, types, rec.phase),
             phase=rec.phase,
-            shapes=[t.shape for t in c.call.outputs],
-            in_shapes=[t.shape for t in c.call.inputs],
-            dtypes=[str(t.dtype) for t in c.call.outputs],
-            flops=c.cost.flops,
-            flops_recompute=c.cost.flops_recompute,
-            flops_other=c.cost.flops_other,
-            bytes_read=c.cost.bytes_read,
-            bytes_written=c.cost.bytes_written,
-            saved=any(t.storage in saved and trace.storage_producer.get(t.storage) == rec.index for t in rec.outputs),
-            allocated=sum(
-                (
-                    trace.bytes_of(st, dim)
-                    for st in {t.storage for t in rec.outputs}
-                    if trace.storage_producer.get(st) == rec.index
-                ),
-                0,
-            ),  # fmt: skip
+            shapes=tuple(t.shape for t in c.call.outputs),
+            in_shapes=tuple(t.shape for t in c.call.inputs),
+            dtypes=tuple(str(t.dtype) for t in c.call.outputs),
+            cost=c.cost,
             count=n,
+            saved=any(t.storage in saved and trace.storage_producer.get(t.storage) == rec.index for t in rec.outputs),
+            allocated=sum((trace.bytes_of(st, dim) for st in sorted(made)), 0),
             ruled=c.ruled,
         )
+        g.add_node(rec.index, node=node)
         for t in rec.inputs:
             src = writer.get(t.vid)
             if src is not None and src != rec.index:
@@ -200,3 +242,31 @@ def build_graph(trace: StepTrace, costed: list[CostedOp], counts: list[sympy.Exp
         for t in rec.mutated:
             writer[t.vid] = rec.index
     return g
+
+
+def component(module: str, stacks: list[str], types: Mapping[str, str], phase: str) -> str:
+    """Coarse component of a module path: embedding, attention, mlp, norm, head, loss, optimizer, other."""
+    if phase == "optimizer":
+        return "optimizer"
+    parts = module.split(".") if module else []
+    kinds = [types.get(".".join(parts[: i + 1]), "") for i in range(len(parts))]
+    if any("Norm" in k for k in kinds):
+        return "norm"
+    if any("Embedding" in k for k in kinds):
+        return "embedding"
+    low = module.lower()
+    if "att" in low:
+        return "attention"
+    if any(w in low for w in ("mlp", "ffn", "feed_forward", "feedforward", "moe", "expert")):
+        return "mlp"
+    if any("MLP" in k or "FeedForward" in k or k.endswith("FF") for k in kinds):  # T5LayerFF
+        return "mlp"
+    # in a block: a stack factored by L, or a numbered block of one kept at its depth (T5's encoder.block.0)
+    in_stack = generic_path(module, stacks) != module or any(p.isdigit() for p in parts)
+    if not module:
+        return "loss"
+    if not in_stack and kinds and kinds[-1] == "Linear":
+        return "head"
+    if not in_stack and any(w in low for w in ("drop",)):
+        return "embedding"
+    return "other"

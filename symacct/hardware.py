@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from symacct.errors import SymacctError
+from symacct.options import dtype_key
 
 TERA = 10**12
 GIGA = 10**9
@@ -43,7 +44,7 @@ class Accelerator:
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         """Dense peak in FLOP/s for ``dtype`` ('bf16', 'fp16', 'fp8', 'tf32', 'fp32')."""
-        key = _DTYPE_ALIASES.get(dtype, dtype)
+        key = dtype_key(dtype)
         if key not in self.peak:
             raise SymacctError(
                 f"{self.name} has no {key} peak in the catalog",
@@ -60,19 +61,6 @@ class Accelerator:
         """Memory bandwidth in bytes/s."""
         return self.bandwidth_tbs * TERA
 
-
-_DTYPE_ALIASES = {
-    "bfloat16": "bf16",
-    "torch.bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "torch.float16": "fp16",
-    "float32": "fp32",
-    "torch.float32": "fp32",
-    "float8": "fp8",
-    "torch.float8_e4m3fn": "fp8",
-    "torch.float8_e5m2": "fp8",
-}
 
 _NV = "NVIDIA datasheet"
 CATALOG: dict[str, Accelerator] = {

@@ -11,10 +11,14 @@ Conventions (docs/conventions.md, "Memory"):
 - "during op t" counts every storage alive at t (inputs and outputs of t);
   the phase points (after forward, after backward, after the optimizer step
   and zero_grad) count what survives between two ops;
-- the layer stack: the step is traced with 4 and with 5 blocks (same probe
-  sizes); removing one middle block from the second trace aligns it op for
-  op with the first, and live bytes at a point of the real model with L
-  blocks are ``live4(t) + (L - 4) * (live5(t') - live4(t))``.
+- the layer stack: the step is traced with 4 blocks and (the checking
+  trace, at other probe sizes) with 5; removing one middle block from the
+  second aligns it op for op with the first, and live bytes at a point of
+  the real model with L blocks are
+  ``live4(t) + (L - 4) * (live5(t') - live4(t))``, each storage of the
+  second trace counted by its counterpart's formula in the first
+  (``borrowed_intervals``, checked against the bytes it counted; where a
+  storage has none, a trace with 5 blocks at the first probe's sizes).
 
 The symbolic peak is ``Max`` over the points that are largest somewhere in a
 wide sample of the symbol space, with dominated points pruned (a point is
@@ -37,6 +41,7 @@ from typing import Any
 import numpy as np
 import sympy
 
+from symacct.layers import DROP, align_layers, one_block_less, op_blocks
 from symacct.probe import Probe
 from symacct.symbols import evaluate, integer_form, sort_key, sym
 from symacct.trace import StepTrace
@@ -151,7 +156,7 @@ def borrowed_intervals(
 
     base_names = {ph.name: ph.meta.storage for ph in base.placeholders}
     for ph in other.placeholders:
-        b = base_names.get(_one_block_less(ph.name, stacks))
+        b = base_names.get(one_block_less(ph.name, stacks))
         if b is None or not pair(ph.meta.storage, b):
             return None
     for t, o in enumerate(align):
@@ -168,7 +173,7 @@ def borrowed_intervals(
         if b is not None:
             by_block[b].append(j)
     for (stack, i), dropped in by_block.items():
-        if i != _DROP:
+        if i != DROP:
             continue
         twin = by_block.get((stack, 1), [])
         if len(twin) != len(dropped):
@@ -195,23 +200,6 @@ def borrowed_intervals(
         if cache[e] != _counted(other, st):
             return None
     return Intervals(len(other.ops), start, end, {st: expr[st] for st in start})
-
-
-_DROP = 2  # the middle block of the trace with one block more that ``align_layers`` leaves out
-
-
-def _one_block_less(name: str, stacks: list[str]) -> str:
-    """A parameter's name in the trace with one block less: the blocks after the dropped one move down one,
-    the dropped one stands for block 1 (``align_layers``)."""
-    for p in stacks:
-        prefix = p + "." if p else ""
-        if name.startswith(prefix):
-            head, dot, rest = name[len(prefix) :].partition(".")
-            if head.isdigit():
-                i = int(head)
-                i = 1 if i == _DROP else i - 1 if i > _DROP else i
-                return f"{prefix}{i}{dot}{rest}"
-    return name
 
 
 def _nbytes_from_ops(trace: StepTrace, st: int) -> int:
@@ -331,50 +319,6 @@ def _nonnegative(e: sympy.Expr) -> bool:
         return True
     terms = e.as_ordered_terms() if isinstance(e, sympy.Add) else [e]
     return all(t.as_coeff_Mul()[0] >= 0 for t in terms)
-
-
-def op_blocks(ops: list[Any], stacks: list[str]) -> list[tuple[str, int] | None]:
-    """The layer-stack block ``(stack, i)`` each op belongs to, or None outside every block.
-
-    An op belongs to the block whose module path it runs in, and so does an op
-    outside every block that runs between block i-1 and block i of a stack (in
-    the forward, or between i and i-1 in the backward's reverse order), in the
-    same phase: the loop's own per-iteration work, such as the two empty
-    tensors that ``torch.utils.checkpoint`` makes per call in torch 2.11.
-    """
-    own = [block_of(rec.module, stacks) for rec in ops]
-    out = list(own)
-    prev: tuple[tuple[str, int], int] | None = None  # (block, position) of the last op in a block
-    for pos, b in enumerate(own):
-        if b is None:
-            continue
-        if prev is not None and prev[0][0] == b[0] and abs(prev[0][1] - b[1]) == 1:
-            later = max(prev[0], b)
-            for j in range(prev[1] + 1, pos):
-                if ops[j].phase == ops[pos].phase == ops[prev[1]].phase:
-                    out[j] = later
-        prev = (b, pos)
-    return out
-
-
-def block_of(module: str, stacks: list[str]) -> tuple[str, int] | None:
-    """``(stack, i)`` when the module path lies in block i of a stack ('blocks.3.attn' -> ('blocks', 3))."""
-    for p in stacks:
-        prefix = p + "." if p else ""
-        if module.startswith(prefix):
-            head = module[len(prefix) :].split(".", 1)[0]
-            if head.isdigit():
-                return p, int(head)
-    return None
-
-
-def align_layers(base: StepTrace, other: StepTrace, stacks: list[str], layers: int) -> list[int] | None:
-    """Map each op of ``base`` (``layers`` blocks) to ``other`` (one more) by removing a middle block
-    (its ops as ``op_blocks`` assigns them)."""
-    kept = [rec for rec, b in zip(other.ops, op_blocks(other.ops, stacks)) if b is None or b[1] != _DROP]
-    if len(kept) != len(base.ops) or any(str(a.op) != str(b.op) for a, b in zip(base.ops, kept)):
-        return None
-    return [rec.index for rec in kept]
 
 
 @dataclass

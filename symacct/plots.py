@@ -19,10 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import sympy
-
 from symacct.accounting import Accounting
-from symacct.symbols import evaluate, sym
+from symacct.symbols import evaluate
 
 _PARTS = (
     ("params", "parameters"),
@@ -31,22 +29,6 @@ _PARTS = (
     ("activations", "activations saved for backward"),
 )
 _COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd", "#8c8c8c", "#dd8452")
-
-
-def crossover(acct: Accounting) -> float | None:
-    """S at which one layer's S^2 matmul FLOPs equal its other matmul FLOPs (None without a layer stack)."""
-    if not acct.per_layer:
-        return None
-    S = sym("S")
-    block = next(iter(acct.per_layer.values()))
-    mm = sympy.expand(sum((v for k, v in block.items() if k in ("flops_forward", "flops_backward")), 0))
-    fixed = {sym(k): v for k, v in acct.symbols.items()} | {sym("B"): 1}
-    poly = sympy.Poly(mm.xreplace(fixed), S)
-    quad = poly.coeff_monomial(S**2)
-    lin = poly.coeff_monomial(S)
-    if not quad or not lin:
-        return None
-    return float(lin / quad)
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
@@ -154,7 +136,7 @@ def write(acct: Accounting, out: Path, *, name: str, B: int, S: int | None) -> l
     title = f"{name}: memory of {what} against B{label}"
     paths += _memory(acct, "B", xb, fixed, title, out / f"{name}-memory-batch")
     if has_s:
-        cross = crossover(acct)
+        cross = acct.crossover()
         hi = max(acct.symbols.get("S_max", S), S, int(2 * (cross or 0)))
         xs = _sizes(64, 1 << (hi - 1).bit_length())
         xs = xs if len(xs) > 1 else [xs[0], 2 * xs[0]]  # a share plot needs a range (a short --seq, no S_max)

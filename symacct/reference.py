@@ -47,12 +47,12 @@ def make_sheet(cfg: SheetConfig, hardware: str = "H100-SXM", mfu: float = 0.5) -
     """Derive a model and build its sheet: ``symacct sheet`` and the reference sheets both come here."""
     import dataclasses
 
-    import symacct
     from symacct import sheet
-    from symacct.cli import load_model
+    from symacct.loading import load_model
+    from symacct.pipeline import derive
 
     model = load_model(cfg.model, cfg.overrides)
-    acct = symacct.derive(model, **cfg.options)
+    acct = derive(model, **cfg.options)
     config = getattr(model, "config", None)
     config = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None
     return acct, sheet.build(acct, name=cfg.name, B=cfg.B, S=cfg.S, hardware=hardware, mfu=mfu, config=config)

@@ -1,7 +1,7 @@
 """Plain summaries of an accounting: formulas as text, evaluated numbers.
 
-Formulas are printed collected by L (the layer stack reads ``L*(...) + ...``)
-with sympy's deterministic ordering, so output is byte-identical across runs.
+Formulas are printed by the one formula printer (``symacct.formula.text``: the
+layer stack first, ``L*(...) + ...``, leading terms first, deterministic).
 No torch here: reports only read the accounting.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 import sympy
 
 from symacct.accounting import Accounting
-from symacct.formula import si
-from symacct.symbols import MEANING, sort_key, sym
+from symacct.formula import si, text
+from symacct.symbols import MEANING, sort_key
 
 _ROWS = (
     ("params", "parameters N"),
@@ -35,25 +35,13 @@ _ROWS = (
 )
 
 
-def pretty(expr: Any) -> str:
-    """One formula as text: expanded, collected by L, sympy's stable term order."""
-    e = sympy.sympify(expr)
-    if isinstance(e, sympy.Max):
-        return "Max(" + ", ".join(pretty(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
-    e = sympy.expand(e)
-    L = sym("L")
-    if e.has(L):
-        e = sympy.collect(e, L)
-    return sympy.sstr(e, order="grlex")
-
-
 def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
     """A JSON-ready summary: symbols, each formula and its value at (B, S)."""
     at = acct.at(B=B, S=S) if "S" in acct.free_symbols() else acct.at(B=B)
     values = dict(sorted(at.values.items(), key=lambda kv: sort_key(kv[0]))) if at.values else {}
     rows = []
     for key, label in _ROWS:
-        rows.append({"name": key, "label": label, "formula": pretty(acct.formula(key)), "value": int(at.formula(key))})
+        rows.append({"name": key, "label": label, "formula": text(acct.formula(key)), "value": int(at.formula(key))})
     comps = []
     for comp, metrics in acct.components.items():
         mm = sum((v for k, v in metrics.items() if k.startswith("flops_") and k != "flops_other"), sympy.Integer(0))
@@ -61,9 +49,9 @@ def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
         comps.append(
             {
                 "component": comp,
-                "flops": pretty(mm),
+                "flops": text(mm),
                 "flops_value": int(mm_at),
-                "params": pretty(metrics.get("params", 0)),
+                "params": text(metrics.get("params", 0)),
                 "params_value": int(at.components[comp].get("params", 0)),
             }
         )

@@ -35,7 +35,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
 from symacct.errors import SymacctError
-from symacct.memory import op_blocks
+from symacct.layers import op_blocks
 from symacct.trace import StepTrace
 
 Key = tuple[str, str, str]  # phase, op, module path within its block (or the full path outside blocks)

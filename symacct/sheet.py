@@ -28,6 +28,8 @@ import sympy
 
 from symacct.accounting import Accounting
 from symacct.formula import latex, negligible_terms, si, text
+from symacct.graph import records
+from symacct.options import dtype_key
 from symacct.symbols import MEANING, evaluate, sort_key, sym
 
 COMPONENTS = ("embedding", "attention", "mlp", "norm", "head", "loss", "other")
@@ -66,16 +68,16 @@ def _rows(acct: Accounting) -> dict[str, list[tuple[str, list[str], dict[str, An
     order: list[str] = []
     other: dict[str, dict[str, Any]] = defaultdict(lambda: {"forward": zero, "backward": zero})
     ops: dict[str, list[str]] = defaultdict(list)
-    for _, a in acct.graph.nodes(data=True):
-        gp = a["generic"]
-        if a["phase"] != "optimizer" and gp not in comp_of:
-            comp_of[gp] = a["component"]
+    for _, a in records(acct.graph):
+        gp = a.generic
+        if a.phase != "optimizer" and gp not in comp_of:
+            comp_of[gp] = a.component
             order.append(gp)
-        if a["phase"] in _PHASES:
-            other[gp][a["phase"]] += a["flops_other"] * a["count"]
-        moves = a["flops"] or a["flops_other"] or a["bytes_written"]
-        if a["phase"] == "forward" and moves and _short(a["op"]) not in ops[gp]:
-            ops[gp].append(_short(a["op"]))
+        if a.phase in _PHASES:
+            other[gp][a.phase] += a.cost.flops_other * a.count
+        moves = a.cost.flops or a.cost.flops_other or a.cost.bytes_written
+        if a.phase == "forward" and moves and _short(a.op) not in ops[gp]:
+            ops[gp].append(_short(a.op))
     saved = acct.memory.activations_by_module
     out: dict[str, list[tuple[str, list[str], dict[str, Any]]]] = {}
     for gp in order:
@@ -135,8 +137,8 @@ def build(
     hw = get(hardware)
     opts = acct.options
     if dtype is None:
-        low = {str(opts.get("autocast")), str(opts.get("params_dtype"))}
-        dtype = "bf16" if "torch.bfloat16" in low else "fp16" if "torch.float16" in low else "fp32"
+        low = {dtype_key(opts.get("autocast")), dtype_key(opts.get("params_dtype"))}
+        dtype = "bf16" if "bf16" in low else "fp16" if "fp16" in low else "fp32"
     notation = [
         {
             "symbol": k,
@@ -426,46 +428,3 @@ def write(acct: Accounting, sheet: dict[str, Any], out: Path, *, formats: list[s
 
 
 # ---- notebooks (Accounting._repr_markdown_ / _repr_latex_) ------------------------------------
-
-_OVERVIEW = (
-    ("params", "N", "parameters"),
-    ("flops.forward", r"C_{\mathrm{fwd}}", "matmul FLOPs, forward"),
-    ("flops.backward", r"C_{\mathrm{bwd}}", "matmul FLOPs, backward"),
-    ("flops.total", r"C_{\mathrm{step}}", "matmul FLOPs, step"),
-    ("flops.other", r"C_{\mathrm{other}}", "other FLOPs, step"),
-    ("memory.params", r"M_{\mathrm{params}}", "memory: parameters (bytes)"),
-    ("memory.grads", r"M_{\mathrm{grads}}", "memory: gradients (bytes)"),
-    ("memory.optimizer", r"M_{\mathrm{opt}}", "memory: optimizer states (bytes)"),
-    ("memory.activations", r"M_{\mathrm{act}}", "memory: saved activations (bytes)"),
-    ("memory.peak", r"M_{\mathrm{peak}}", "memory: peak of the step (bytes)"),
-)
-
-
-def _overview(acct: Accounting) -> list[tuple[str, str, str]]:
-    """(symbol, label, LaTeX of the formula or of the value) for the main quantities."""
-    rows = []
-    for key, symbol, label in _OVERVIEW:
-        e = acct.formula(key)
-        if acct.values is not None and e.is_Integer:
-            body = f"{int(e):,}".replace(",", r"{,}")
-        else:
-            body = latex(e)
-        rows.append((symbol, label, body))
-    return rows
-
-
-def overview_md(acct: Accounting) -> str:
-    head = "| quantity | | formula |" if acct.values is None else "| quantity | | value |"
-    at = ""
-    if acct.values is not None:
-        at = "at " + ", ".join(f"{k} = {v:,}" for k, v in sorted(acct.values.items(), key=lambda kv: sort_key(kv[0])))
-        at += "\n\n"
-    lines = [at + head, "|---|---|---|"]
-    for symbol, label, body in _overview(acct):
-        lines.append(f"| {label} | ${symbol}$ | ${body}$ |")
-    return "\n".join(lines) + "\n"
-
-
-def overview_latex(acct: Accounting) -> str:
-    body = r" \\ ".join(f"{symbol} &= {tex}" for symbol, _, tex in _overview(acct))
-    return rf"$$\begin{{aligned}} {body} \end{{aligned}}$$"

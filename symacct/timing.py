@@ -23,11 +23,16 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from symacct.accounting import Accounting, generic_path
 from symacct.errors import SymacctError
+from symacct.graph import records
 from symacct.hardware import Accelerator, get
+from symacct.layers import generic_path
+from symacct.options import DTYPES, dtype_key
+
+if TYPE_CHECKING:
+    from symacct.accounting import Accounting
 
 DAY = 86400.0
 DEFAULT_RESERVE = 0.15  # CUDA context, allocator slack, library workspaces: the seed's 15-20 %
@@ -151,25 +156,26 @@ class Roofline:
     memory_bound_seconds: float
     memory_bound: list[tuple[str, float]]  # (op in module, seconds), largest first
     mfu: float  # model FLOPs (flops.total, no recompute) / (seconds * peak of the step's dtype)
-    graph: Any = None  # the evaluated graph; every op node has 'seconds' (one instance) and 'bound'
+    graph: Any = None  # the evaluated graph (acct.at(...).graph)
     hfu: float = 0.0  # hardware FLOPs (flops.hardware: with recomputation) / (seconds * the same peak)
     dtype: str = "bf16"  # the catalog peak MFU and HFU are against (step_dtype)
     formula: str = "node seconds = max(flops / peak(dtype), bytes / bandwidth)"
+    by_node: dict[Any, NodeTime] = field(default_factory=dict)  # graph node -> its time, one instance
 
 
-_DTYPE_KEYS = {
-    "torch.bfloat16": "bf16",
-    "torch.float16": "fp16",
-    "torch.float32": "fp32",
-    "torch.float8_e4m3fn": "fp8",
-    "torch.float8_e5m2": "fp8",
-}
+@dataclass(frozen=True)
+class NodeTime:
+    """One op's roofline time for one call, and which side bounds it."""
+
+    seconds: float
+    bound: str  # 'compute' or 'memory'
 
 
 def _dtype_key(dtypes: list[str], tf32: bool) -> str:
     """The catalog peak a matmul in these dtypes runs at; fp32 matmuls at tf32 only when ``tf32``."""
     d = dtypes[0] if dtypes else "torch.float32"
-    key = _DTYPE_KEYS.get(d, "fp32")
+    key = dtype_key(d)
+    key = key if key in DTYPES else "fp32"  # an integer matmul: the fp32 (vector) peak
     return "tf32" if key == "fp32" and tf32 else key
 
 
@@ -192,9 +198,9 @@ def step_dtype(acct: Accounting, *, tf32: bool = False) -> str:
     from symacct.symbols import evaluate
 
     by: dict[str, Any] = defaultdict(int)
-    for _, a in acct.graph.nodes(data=True):
-        if a["phase"] != "input" and a["flops"] != 0:
-            by[_dtype_key(a["dtypes"], tf32)] += a["flops"] * a["count"]
+    for _, a in records(acct.graph):
+        if a.phase != "input" and a.cost.flops != 0:
+            by[_dtype_key(a.dtypes, tf32)] += a.cost.flops * a.count
     if not by:
         return "tf32" if tf32 else "fp32"
     if acct.values is None:
@@ -219,24 +225,24 @@ def roofline(acct: Accounting, hardware: str | Accelerator, *, tf32: bool = Fals
     mem_bound: dict[str, float] = defaultdict(float)
     stacks = [p for p in acct.per_layer]
     vector = None
-    for _, a in at.graph.nodes(data=True):
-        if a["phase"] == "input":
+    times: dict[Any, NodeTime] = {}
+    for n, a in records(at.graph):
+        if a.phase == "input":
             continue
-        matmul = a["flops"] + a.get("flops_recompute", 0)
+        matmul = a.cost.flops + a.cost.flops_recompute
         compute = 0.0
         if matmul:
-            compute += matmul / _peak(hw, _dtype_key(a["dtypes"], tf32), f"{a['op']} ({a['dtypes'][0]})")
-        if a["flops_other"]:
+            compute += matmul / _peak(hw, _dtype_key(a.dtypes, tf32), f"{a.op} ({a.dtypes[0]})")
+        if a.cost.flops_other:
             vector = vector or _peak(hw, "fp32", "elementwise work (the vector peak)")
-            compute += a["flops_other"] / vector
-        memory = (a["bytes_read"] + a["bytes_written"]) / hw.bandwidth
-        a["seconds"] = max(compute, memory)
-        a["bound"] = "memory" if memory > compute else "compute"
-        t = a["seconds"] * a["count"]
-        phase[a["phase"]] += t
-        module[generic_path(a["module"], stacks)] += t
+            compute += a.cost.flops_other / vector
+        memory = (a.cost.bytes_read + a.cost.bytes_written) / hw.bandwidth
+        times[n] = NodeTime(max(compute, memory), "memory" if memory > compute else "compute")
+        t = times[n].seconds * a.count
+        phase[a.phase] += t
+        module[generic_path(a.module, stacks)] += t
         if memory > compute and t > 0:
-            mem_bound[f"{a['op']} in '{generic_path(a['module'], stacks)}'"] += t
+            mem_bound[f"{a.op} in '{generic_path(a.module, stacks)}'"] += t
     total = sum(phase.values())
     key = step_dtype(at, tf32=tf32)
     peak = _peak(hw, key, "MFU")
@@ -250,6 +256,7 @@ def roofline(acct: Accounting, hardware: str | Accelerator, *, tf32: bool = Fals
         at.graph,
         hfu=at.flops.hardware / (total * peak) if total else 0.0,
         dtype=key,
+        by_node=times,
     )
 
 

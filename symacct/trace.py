@@ -7,7 +7,7 @@ of it sees every aten op that reaches dispatch (the same ops that
 ``torch.utils.flop_counter.FlopCounterMode`` sees), and records:
 
 - the op, its arguments with tensors replaced by :class:`TMeta`,
-- the module path (``blocks.1.attn.c_attn``) from PyTorch's ``ModTracker``,
+- the module path (``blocks.1.attn.c_attn``), named as PyTorch's ``ModTracker`` names it,
 - the phase (forward / backward / optimizer),
 - which storages autograd saves for backward (``saved_tensors_hooks``).
 
@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -368,24 +367,46 @@ _VALUE_READS = (aten._local_scalar_dense.default, aten.nonzero.default)
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, trace: StepTrace, ids: _Ids, tracker: ModTracker, root: str, only_ops: bool = False) -> None:
+    def __init__(self, trace: StepTrace, ids: _Ids, root: str, only_ops: bool = False) -> None:
         super().__init__()
         self.only_ops = only_ops
         self.trace = trace
         self.ids = ids
-        self.tracker = tracker
         self.root = root
+        self.active: list[str] = []  # the forward's module calls under way, outermost first
+        self.known: dict[int, str] = {}  # id(module) -> its name as ModTracker gives it ('GPT2.blocks.0')
+        self.seen: set[int] = set()
         self.phase = "forward"
         self.seq_module: dict[int, str] = {}  # autograd sequence number -> module path
         self.seq_seen = -1  # the last sequence number given a module
         self.names: dict[int, str] = {}  # id(module) -> path
         self.recomputing: list[str] = []  # modules whose forward runs again inside backward
 
+    def _name(self, module: nn.Module) -> str:
+        """A module's name as ``torch.distributed._tools.ModTracker`` names it: the root by its class, each
+        child by its parent's name and its attribute (a module shared by two parents: the later one's)."""
+        key = id(module)
+        if key not in self.known:
+            self.known[key] = type(module).__name__
+        name = self.known[key]
+        if key not in self.seen:
+            for child_name, child in module.named_children():
+                self.known[id(child)] = f"{name}.{child_name}"
+                self._name(child)
+            self.seen.add(key)
+        return name
+
     def pre_hook(self, module: nn.Module, args: Any) -> None:
+        self.active.append(self._name(module))
         if self.phase == "backward" and id(module) in self.names:
             self.recomputing.append(self.names[id(module)])
 
     def post_hook(self, module: nn.Module, args: Any, out: Any) -> None:
+        name = self._name(module)
+        for i in range(len(self.active) - 1, -1, -1):
+            if self.active[i] == name:
+                del self.active[i]
+                break
         if self.phase == "backward" and self.recomputing and id(module) in self.names:
             self.recomputing.pop()
 
@@ -401,7 +422,10 @@ class _Recorder(TorchDispatchMode):
     def module(self) -> str:
         """Innermost module path of the op being dispatched.
 
-        Forward: ModTracker's innermost active module. Backward: the module
+        Forward: the innermost active module (the deepest name among the
+        module calls under way, as ModTracker's ``parents`` gives it; the
+        module hooks here track them without ModTracker's gradient hooks,
+        which only the backward would use). Backward: the module
         whose forward op created the autograd node now running (matched by
         the node's sequence number), or the parameter's module for
         ``AccumulateGrad``.
@@ -422,10 +446,9 @@ class _Recorder(TorchDispatchMode):
             return ""
         if self.phase == "optimizer":
             return ""  # set after the op is recorded, from the parameter its tensors belong to
-        names = [p for p in self.tracker.parents if p != "Global"]
-        if not names:
+        if not self.active:
             return ""
-        inner = max(names, key=lambda n: n.count("."))
+        inner = max(self.active, key=lambda n: n.count("."))
         return inner[len(self.root) + 1 :] if inner.startswith(self.root + ".") else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -629,9 +652,8 @@ def record_step(
         trace.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
         opt = optimizer(model) if (optimizer is not None and step == "train") else None
 
-        tracker = ModTracker()
         root = type(model).__name__
-        recorder = _Recorder(trace, ids, tracker, root, only_ops)
+        recorder = _Recorder(trace, ids, root, only_ops)
         recorder.names = {id(m): n for n, m in model.named_modules()}
         hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(recorder.pre_hook),
@@ -644,7 +666,7 @@ def record_step(
                 trace.saved_storages[st] = t.untyped_storage().nbytes()
             return t
 
-        with tracker, recorder, _removing(hooks), _quiet("torch._subclasses.fake_tensor"):
+        with recorder, _removing(hooks), _quiet("torch._subclasses.fake_tensor"):
             if step == "train":
                 # the loss is part of the step: what it saves for backward is activations too, and it runs
                 # under autocast as the forward does (as PyTorch's AMP recipe has it)

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from symacct.accounting import Accounting
 from symacct.errors import SymacctError
 from symacct.experts import GROUPED_MM
+from symacct.graph import records
 from symacct.measure import measure_cuda_steps, measure_memory_steps, measure_step
 from symacct.trace import call_inputs
 
@@ -96,12 +97,12 @@ def _uncounted(at: Accounting, op: str) -> tuple[int, int]:
     """Derived matmul FLOPs of the kernels FlopCounterMode counts as 0 (forward, backward+recompute): the CPU
     flash-attention kernels, the grouped matmuls."""
     fwd = bwd = 0
-    for _, a in at.graph.nodes(data=True):
-        if a["op"].startswith(op) and a["count"]:
-            if a["phase"] == "forward":
-                fwd += a["flops"] * a["count"]
+    for _, a in records(at.graph):
+        if a.op.startswith(op) and a.count:
+            if a.phase == "forward":
+                fwd += a.cost.flops * a.count
             else:  # the kernel's model FLOPs and what it recomputes: FlopCounterMode misses both
-                bwd += (a["flops"] + a["flops_recompute"]) * a["count"]
+                bwd += (a.cost.flops + a.cost.flops_recompute) * a.count
     return fwd, bwd
 
 
@@ -273,10 +274,10 @@ def profile_match(
     from torch.profiler import ProfilerActivity, profile
 
     predicted: dict[str, int] = {}
-    for _, a in at.graph.nodes(data=True):
-        if a["phase"] in ("forward", "backward", "recompute") and a["count"]:
-            name = "aten::" + a["op"].split(".")[1]
-            predicted[name] = predicted.get(name, 0) + int(a["allocated"]) * int(a["count"])
+    for _, a in records(at.graph):
+        if a.phase in ("forward", "backward", "recompute") and a.count:
+            name = "aten::" + a.op.split(".")[1]
+            predicted[name] = predicted.get(name, 0) + int(a.allocated) * int(a.count)
     known = set(predicted)
     measured: dict[str, int] = {}
     unmatched: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh without a GPU: it must still run from a bare copy (no install, no network)
+"""scripts/gpu_check.sh without a GPU: it must still run from the checkout (no install, no network)
 and write its report, with the CUDA tests skipped and each verify refused in one line (exit 2).
 
 On a GPU machine the script is the real check (minutes), so this plumbing test skips there.
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script is the real check; run it by hand")
-def test_gpu_script_runs_from_a_bare_copy_and_writes_its_report(tmp_path):
+def test_gpu_script_runs_from_the_checkout_and_writes_its_report(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)], env=env, capture_output=True, text=True

@@ -38,13 +38,9 @@ from hypothesis import strategies as st
 import symacct
 from symacct.measure import measure_memory_steps, measure_step
 from symacct.models import GPT2, GPT2Config, LlamaConfig
+from symacct.options import OPTIMIZERS as OPTIMIZERS_BY_NAME
 
-_OPT_CLASSES = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "adagrad": torch.optim.Adagrad,
-}
+_OPT_CLASSES = OPTIMIZERS_BY_NAME  # the classes derive builds from the same names
 
 
 def check(case, opt_choice) -> None:
@@ -231,6 +227,7 @@ def test_ops_between_blocks_are_factored_by_L(L):
 
 def test_unaligned_layer_stack_falls_back_to_a_fixed_L(monkeypatch):
     """When one block's removal does not align the traces, L is fixed rather than a peak guessed."""
+    import symacct.layers
     import symacct.memory
 
     monkeypatch.setattr(symacct.memory, "align_layers", lambda *a: None)
@@ -257,7 +254,7 @@ def _traces_and_memory(model, monkeypatch, **kw):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(sys.modules["symacct.derive"], "record_step", counting)
+    monkeypatch.setattr(sys.modules["symacct.pipeline"], "record_step", counting)
     acct = symacct.derive(model, **kw)
     m = acct.memory
     formulas = [m.after_forward, m.after_backward, m.after_optimizer, m.peak]
@@ -277,12 +274,13 @@ def test_one_block_more_borrowed_from_the_checking_trace(cfg, monkeypatch):
     borrowed from the first trace (3 traces: probe, the user's model, the check); where a storage has no
     counterpart, a fourth trace at the first probe's sizes is taken instead. Both routes give the same
     formulas and the same exact peaks (which test_*_memory checks against real steps)."""
+    import symacct.layers
     import symacct.memory
 
     model = build(cfg)
     n, formulas, peaks = _traces_and_memory(model, monkeypatch, optimizer="adamw")
     assert n == 3
-    monkeypatch.setattr(symacct.memory, "_one_block_less", lambda name, stacks: name)  # no counterpart by name
+    monkeypatch.setattr(symacct.memory, "one_block_less", lambda name, stacks: name)  # no counterpart by name
     n2, formulas2, peaks2 = _traces_and_memory(model, monkeypatch, optimizer="adamw")
     assert n2 == 4
     assert (formulas2, peaks2) == (formulas, peaks)
@@ -291,6 +289,7 @@ def test_one_block_more_borrowed_from_the_checking_trace(cfg, monkeypatch):
 def test_a_borrowed_formula_must_give_the_bytes_counted(monkeypatch):
     """A storage whose borrowed formula does not evaluate to the bytes the checking trace counted is refused
     (None: derive then traces one block more at the first probe's sizes)."""
+    import symacct.layers
     import symacct.memory
 
     seen = []
@@ -300,11 +299,11 @@ def test_a_borrowed_formula_must_give_the_bytes_counted(monkeypatch):
         seen.append((a, k))
         return real(*a, **k)
 
-    monkeypatch.setattr(sys.modules["symacct.derive"], "liveness", keeping)
+    monkeypatch.setattr(sys.modules["symacct.pipeline"], "liveness", keeping)
     symacct.derive(build(_BORROW_CASES[0]))
     (base, other, probe, stacks, layers), kw = seen[0]
     iv = symacct.memory.intervals(base, probe)
-    align = symacct.memory.align_layers(base, other, stacks, layers)
+    align = symacct.layers.align_layers(base, other, stacks, layers)
     values = kw["other_values"]
     assert symacct.memory.borrowed_intervals(other, base, iv, align, stacks, values) is not None
     st = next(s for s in iv.nbytes if s in base.saved_storages)
@@ -323,7 +322,7 @@ def _traces_and_memory(model, monkeypatch, **kw):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(sys.modules["symacct.derive"], "record_step", counting)
+    monkeypatch.setattr(sys.modules["symacct.pipeline"], "record_step", counting)
     acct = symacct.derive(model, **kw)
     m = acct.memory
     formulas = [m.after_forward, m.after_backward, m.after_optimizer, m.peak]

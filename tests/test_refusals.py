@@ -109,7 +109,7 @@ def test_fit_seq_says_it_raised_s_max():
 
 
 def test_config_bools_parse_by_type():
-    from symacct.cli import load_model
+    from symacct.loading import load_model
 
     for text, tied in (("no", False), ("off", False), ("0", False), ("false", False), ("yes", True), ("1", True)):
         model = load_model("gpt2", {"tie_weights": text, "n_layer": "1"})

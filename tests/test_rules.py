@@ -161,3 +161,41 @@ def test_conventions_doc_lists_every_table_entry():
     for table in (PER_ELEMENT, FUSED):
         for op, k in table.items():
             assert f"| `{op}` | {k} |" in doc, f"docs/conventions.md is stale for {op}"
+
+
+def test_cost_adds_and_scales_field_by_field():
+    import sympy
+
+    from symacct.rules import Cost
+    from symacct.symbols import sym
+
+    B, L = sym("B"), sym("L")
+    a = Cost(flops=2 * B, flops_other=3, bytes_read=4, bytes_written=5, flops_recompute=1)
+    b = Cost(flops=B, bytes_read=1, bytes_written=0)
+    assert a + b == Cost(flops=3 * B, flops_other=3, bytes_read=5, bytes_written=5, flops_recompute=1)
+    assert a * L == L * a == Cost(flops=2 * B * L, flops_other=3 * L, bytes_read=4 * L, bytes_written=5 * L,
+                                  flops_recompute=L)  # fmt: skip
+    total = Cost.total([a * L, b, b])
+    assert sympy.expand(total.flops - (2 * B * L + 2 * B)) == 0 and total.bytes_read == 4 * L + 2
+    with pytest.raises(ValueError, match="default"):
+        a + Cost(flops=1)  # bytes left to the default are not 0: they must be filled first
+
+
+def test_graph_records_are_frozen_and_left_alone_downstream():
+    """Nothing downstream changes a node: the roofline's per-node times come back beside the graph."""
+    import dataclasses
+
+    import symacct
+    from symacct.graph import records
+    from symacct.models import Cruncher, CruncherConfig
+    from symacct.timing import roofline
+
+    acct = symacct.derive(Cruncher(CruncherConfig(dim=16, n_layers=2)))
+    before = dict(records(acct.graph))
+    node = next(iter(before.values()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        node.count = 2
+    roof = roofline(acct, "H100-SXM", B=4)
+    acct.at(B=4)
+    assert dict(records(acct.graph)) == before
+    assert set(roof.by_node) == {n for n, a in before.items() if a.phase != "input"}

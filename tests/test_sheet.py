@@ -18,7 +18,6 @@ from symacct import sheet
 from symacct.cli import main
 from symacct.formula import latex, negligible_terms, text
 from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
-from symacct.plots import crossover
 from symacct.symbols import B, D, H, L, S, V, sym
 
 SMALL = {"n_layer": 3, "n_embd": 32, "n_head": 4, "vocab_size": 96, "block_size": 64}
@@ -111,10 +110,10 @@ def test_renderers_hold_every_value(small):
 def test_crossover_is_where_attention_equals_projections():
     """gpt2: 12 B S^2 D = 72 B S D^2 at S = 6D. Llama (H_kv = H): S^2 terms 12 B S^2 D vs 6 B S (4 D^2 + 3 D F)."""
     g = symacct.derive(GPT2(GPT2Config(**SMALL)))
-    assert crossover(g) == 6 * SMALL["n_embd"]
+    assert g.crossover() == 6 * SMALL["n_embd"]
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=50, hidden_dim=96, max_seq_len=32)
     lm = symacct.derive(Llama(cfg))
-    assert crossover(lm) == (4 * 64 + 3 * 96) / 2
+    assert lm.crossover() == (4 * 64 + 3 * 96) / 2
 
 
 def _cli(*args: str, seed: str = "0", cwd: Path | None = None) -> subprocess.CompletedProcess:

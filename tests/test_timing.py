@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import symacct
+from symacct.graph import records
 from symacct.hardware import CATALOG, get, load, validate
 from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig
 from symacct.timing import fit, max_params, roofline
@@ -132,11 +133,12 @@ def test_roofline_sums_and_bounds():
     assert big.seconds == pytest.approx(sum(big.by_module.values()))
     # large bf16 matmuls are compute-bound: the implied MFU approaches the matmul share of the time
     assert 0.5 < big.mfu <= 1.0
-    nodes = [a for _, a in big.graph.nodes(data=True) if a["phase"] != "input"]
-    assert all(a["bound"] in ("compute", "memory") and a["seconds"] >= 0 for a in nodes)
-    mm = next(a for a in nodes if a["op"].startswith("aten.mm") and a["count"])
-    assert mm["bound"] == "compute"
-    assert mm["seconds"] == pytest.approx(mm["flops"] / 989e12)  # bf16 tensor-core peak
+    nodes = {n: a for n, a in records(big.graph) if a.phase != "input"}
+    assert set(big.by_node) == set(nodes)
+    assert all(t.bound in ("compute", "memory") and t.seconds >= 0 for t in big.by_node.values())
+    n, mm = next((n, a) for n, a in nodes.items() if a.op.startswith("aten.mm") and a.count)
+    assert big.by_node[n].bound == "compute"
+    assert big.by_node[n].seconds == pytest.approx(mm.cost.flops / 989e12)  # bf16 tensor-core peak
     small = roofline(acct, "H100-SXM", B=2, D=64, L=2)
     assert small.memory_bound_seconds > 0 and small.mfu < big.mfu
 

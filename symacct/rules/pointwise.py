@@ -43,11 +43,16 @@ def pointwise(call: Call) -> Cost:
     return Cost(flops_other=_per_element(call) * sum((numel(t.shape) for t in distinct(written)), 0))
 
 
-_FOREACH = tuple(
-    getattr(aten, n)
-    for n in dir(aten)
-    if n.startswith("_foreach_") and not n.startswith("_foreach_copy") and not n.startswith("_foreach_zero")
-)
+def _foreach_packets() -> tuple[torch._ops.OpOverloadPacket, ...]:
+    """Every ``aten._foreach_*`` op registered with the dispatcher (``dir(aten)`` lists only the packets some
+    code has touched already, so what it gives depends on what was imported first), copy and zero excepted
+    (memory_ops has their rules)."""
+    names = sorted({n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith("aten::_foreach_")})  # fmt: skip
+    return tuple(getattr(aten, n) for n in names if not n.startswith(("_foreach_copy", "_foreach_zero")))
+
+
+_FOREACH = _foreach_packets()
 
 
 @rule(*_FOREACH)

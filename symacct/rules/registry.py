@@ -37,6 +37,41 @@ class Cost:
     # recomputes Q K^T): hardware FLOPs, left out of model FLOPs (PaLM's convention)
     flops_recompute: Num = 0
 
+    def _fields(self) -> tuple[Num, ...]:
+        values = tuple(getattr(self, f) for f in COST_FIELDS)
+        if any(v is None for v in values):
+            raise ValueError(
+                "a Cost with bytes left to the default (None) has no total: fill them first (graph.cost_ops does)"
+            )
+        return values
+
+    def map(self, fn: Callable[[Num], Num]) -> Cost:
+        """Every field passed through ``fn`` (None kept)."""
+        return Cost(**{f: (None if getattr(self, f) is None else fn(getattr(self, f))) for f in COST_FIELDS})
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(**{f: a + b for f, a, b in zip(COST_FIELDS, self._fields(), other._fields())})
+
+    def __mul__(self, n: Num) -> Cost:
+        """The cost of ``n`` calls (a node's ``count``)."""
+        return Cost(**{f: a * n for f, a in zip(COST_FIELDS, self._fields())})
+
+    __rmul__ = __mul__
+
+    @staticmethod
+    def total(costs: Iterable[Cost]) -> Cost:
+        """The field-wise sum, each field's terms added by sympy at once (``+`` in a loop re-flattens the
+        growing sum every time)."""
+        terms: list[list[Num]] = [[] for _ in COST_FIELDS]
+        for c in costs:
+            for bucket, v in zip(terms, c._fields()):
+                if v != 0:
+                    bucket.append(v)
+        return Cost(**{f: sympy.Add(*t) if t else 0 for f, t in zip(COST_FIELDS, terms)})
+
+
+COST_FIELDS = ("flops", "flops_other", "bytes_read", "bytes_written", "flops_recompute")
+
 
 @dataclass
 class Call:

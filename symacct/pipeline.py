@@ -1,26 +1,29 @@
-"""``derive``: trace a step twice at probe sizes, symbolise, factor the layer stack, verify.
+"""``derive``: one step of a model as formulas, by a short sequence of passes, each from one result to the next.
 
-1. The model is rebuilt as ``type(model)(config)`` with every integer config
-   field replaced by a probe value (``symacct.probe``): L = 4 layers, the
-   other symbols primes. Nothing of real size is built, so the model's own
-   size does not matter (a 405B config, or a model on the meta device).
-2. The step is recorded on fake tensors (``symacct.trace``) and every traced
-   size is read back as a product of symbols; the rules give each op a cost.
-3. Layer stacks (ModuleLists with L children) are factored: blocks 1 and 2
-   must be identical op for op; block 0 may differ (a first layer whose input
-   needs no gradient), giving ``block0 + (L-1)*block`` instead of ``L*block``.
-   Where blocks 1 and 2 differ, the stack is left unfactored (L fixed).
-4. The user's own model (a fake copy; blocks 0, 1, 2 and the last when the
-   middle blocks are built alike) is traced at the probe's B and S and its
-   ops compared with the probe's (``symacct.sameness``): the probe model must
-   be the user's model at other sizes. A difference is refused, after one
-   more try with degenerate sizes tied or kept (H_kv = H, a size of 1).
-5. A second trace with other primes and L = 5 is costed with plain integers,
-   and every total must equal the formulas evaluated at the second probe.
-   A mismatch raises, naming the first node whose size the formulas miss.
+1. ``read_source``: which config fields are sizes (and their letters), the
+   layer count, the step's inputs and loss (a transformers model's task),
+   fields kept at their values; every choice is a note on the result.
+2. ``choose_probes``: two sets of probe sizes (``symacct.probe``), distinct
+   primes; nothing of real size is built, so the model's own size does not
+   matter (a 405B config, or a model on the meta device).
+3. ``trace_first``: the model rebuilt at the first probe's sizes with 4
+   blocks, its step recorded on fake tensors (``symacct.trace``), every size
+   read back as a product of symbols and every op costed (``symacct.rules``),
+   the layer stacks factored (``symacct.layers``).
+4. ``check_same_model``: the user's own model (a fake copy, blocks 0, 1, 2 and
+   the last) runs the probe model's ops (``symacct.sameness``); a difference
+   is refused, after one more try with degenerate sizes tied or kept.
+5. ``trace_check``: the probe model at the second probe's sizes with one block
+   more, costed in plain integers; every total must equal the formulas there.
+6. ``memory_pass``: static bytes, saved activations, live bytes factored by L
+   (the checking trace gives the block more), the phase points and the peak.
+7. ``account``: the graph and its totals, the constraints on the sizes, the
+   experts, the notes (``symacct.accounting``).
 
-Transformers models get their task's step (``symacct.hf``); models with
-strided convolutions or pooling an image side S that halves (S = 64 * prime).
+A pass that finds the layer stack cannot be factored raises ``_FixLayers``:
+derive starts again with L fixed at its value. Transformers models get their
+task's step (``symacct.hf``); models with strided convolutions or pooling an
+image side S that halves (S = 64 * prime).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
-from symacct.accounting import Accounting, aggregate, generic_path
+from symacct.accounting import Accounting, aggregate
 from symacct.constraints import learn as learn_constraints
 from symacct.errors import SymacctError
 from symacct.experts import expert_layers
@@ -61,15 +64,14 @@ from symacct.hf import (
     window_constraints,
 )
 from symacct.hf import task as task_for
-from symacct.memory import block_of, fill_phases, liveness, op_blocks, static_and_activations
+from symacct.layers import METRICS, factor, find_stacks, generic_path, repeated
+from symacct.memory import Liveness, Memory, fill_phases, liveness, static_and_activations
+from symacct.options import optimizer_factory, torch_dtype
 from symacct.probe import FIRST_PRIMES, HEAD_PRIMES, HEAD_WIDTHS, LAYERS, SECOND_PRIMES, Probe, make_probe
-from symacct.recipes import MixedPrecisionAdamW
 from symacct.sameness import NOT_THE_SAME, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import letter_for_field, rational_form, sym
 from symacct.trace import StepTrace, call_inputs, record_step
-
-_METRICS = ("flops", "flops_recompute", "flops_other", "bytes_read", "bytes_written")
 
 
 @dataclasses.dataclass
@@ -97,6 +99,9 @@ class _Source:
     # input sizes besides B and S (a sequence-to-sequence step's decoder length S_dec): probed like them,
     # passed to inputs by keyword
     input_dims: tuple[str, ...] = ()
+    loss: Any = None  # the step's loss (the user's, a transformers task's, or None: the output is the loss)
+    constants: list[str] = dataclasses.field(default_factory=list)  # integer fields that set no size
+    inputs_given: bool = False  # the inputs come from inputs= (or a task), not from model.example_inputs
 
 
 def _config_items(config: Any) -> list[tuple[str, Any]]:
@@ -368,16 +373,6 @@ def _fake_build(src: _Source, overrides: dict[str, int]) -> nn.Module | None:
         return None
 
 
-def _repeated(names: Iterable[str]) -> dict[str, int]:
-    """Module path -> n for every module whose numbered children are exactly 0..n-1 (a ModuleList, a Sequential)."""
-    children: dict[str, set[int]] = defaultdict(set)
-    for name in names:
-        parent, _, last = name.rpartition(".")
-        if last.isdigit():
-            children[parent].add(int(last))
-    return {p: len(idx) for p, idx in children.items() if idx == set(range(len(idx)))}
-
-
 def _shapes(src: _Source, overrides: dict[str, int]) -> tuple[tuple[Any, ...], dict[str, str]] | None:
     """Every parameter's and buffer's shape, the module count, and each module's type by path, of the model
     built with ``overrides`` (on fake tensors); None when it cannot be built so."""
@@ -429,7 +424,7 @@ def _not_sizes(src: _Source) -> list[str]:
 def _repeats(src: _Source, overrides: dict[str, int]) -> dict[str, int]:
     """Module path -> number of numbered children (0..n-1) of the model built with ``overrides``, on fake tensors."""
     model = _fake_build(src, overrides)
-    return {} if model is None else _repeated(name for name, _ in model.named_modules())
+    return {} if model is None else repeated(name for name, _ in model.named_modules())
 
 
 def _layer_field(src: _Source) -> tuple[str, str] | None:
@@ -457,7 +452,7 @@ def _layer_field(src: _Source) -> tuple[str, str] | None:
         finally:
             src.candidate.clear()
         if alone is not None:  # it builds without its per-layer lists following: it must grow a list itself
-            alone_counts = _repeated(name for name, _ in alone.named_modules())
+            alone_counts = repeated(name for name, _ in alone.named_modules())
             grown = {p: c for p, c in grown.items() if alone_counts.get(p) == c}
         paths = [p for p, length in base.items() if length == n and grown.get(p) == n + 1]
         if paths:
@@ -608,89 +603,11 @@ def _same_model(
         compare_ops(user_trace(False), trace, stacks, probe.layers or 1)
 
 
-def _stacks(trace: StepTrace, n: int) -> list[str]:
-    """Paths of ModuleLists with exactly ``n`` numbered children."""
-    return sorted(p for p, count in _repeated(trace.module_names).items() if count == n)
-
-
-def _relative(module: str, stack: str, i: int) -> str:
-    prefix = f"{stack}.{i}" if stack else str(i)
-    return module[len(prefix) :]
-
-
-def _signature(ops: list[CostedOp], trace: StepTrace, stack: str, i: int) -> list[tuple[Any, ...]]:
-    sig = []
-    for c in ops:
-        r = c.rec
-        sig.append(
-            (
-                str(r.op),
-                r.phase,
-                _relative(r.module, stack, i),
-                tuple(t.shape for t in c.call.outputs),
-                tuple(getattr(c.cost, m) for m in _METRICS),
-                any(t.storage in trace.saved_storages for t in r.outputs),
-            )
-        )
-    return sig
-
-
-def _counts(
-    trace: StepTrace, costed: list[CostedOp], stacks: list[str], n: int
-) -> tuple[list[sympy.Expr], dict[str, sympy.Expr], list[str], int] | None:
-    """Multiplicity of every node and parameter, from ``n`` probe blocks per stack.
-
-    The middle blocks (1 .. n-2) must be identical; the first and the last may
-    differ (a first layer whose input needs no gradient, a last layer that
-    feeds the head): ``first + (L-2)*block + last``, or ``L*block`` when all
-    agree. Returns None when the middle blocks differ; the int is the least L
-    for which the formula holds.
-    """
-    L = sym("L")
-    zero, one = sympy.Integer(0), sympy.Integer(1)
-    blocks = op_blocks(trace.ops, stacks)
-    per_block: dict[tuple[str, int], list[CostedOp]] = defaultdict(list)
-    for c in costed:
-        b = blocks[c.rec.index]
-        if b is not None:
-            per_block[b].append(c)
-    block_count: dict[tuple[str, int], sympy.Expr] = {}
-    notes = []
-    min_layers = 1
-    for p in stacks:
-        sigs = [_signature(per_block[(p, i)], trace, p, i) for i in range(n)]
-        if any(sigs[i] != sigs[1] for i in range(2, n - 1)):
-            return None
-        first, last = sigs[0] != sigs[1], sigs[n - 1] != sigs[1]
-        count = {i: zero for i in range(n)}
-        count[1] = L - int(first) - int(last)
-        if first:
-            count[0] = one
-        if last:
-            count[n - 1] = one
-        block_count.update({(p, i): c for i, c in count.items()})
-        min_layers = max(min_layers, int(first) + int(last))
-        name = p or "<root>"
-        shape = " + ".join(
-            ([f"{name}.0"] if first else []) + [f"({count[1]}) * {name}.1"] + ([f"{name}.{n - 1}"] if last else [])
-        )
-        notes.append(f"{name}: layer stack factored as {shape}" + (" (L >= 2)" if first and last else ""))
-    counts = []
-    for c in costed:
-        b = blocks[c.rec.index]
-        counts.append(block_count[b] if b is not None else one)
-    param_counts = {}
-    for ph in trace.placeholders:
-        b = block_of(ph.name.rpartition(".")[0], stacks)
-        param_counts[ph.name] = block_count[b] if b is not None else one
-    return counts, param_counts, notes, min_layers
-
-
 def _terms(costed: list[CostedOp], counts: list[Any]) -> dict[tuple[str, str], list[Any]]:
     """Per (phase, metric): the terms cost * count, one per op."""
     out: dict[tuple[str, str], list[Any]] = defaultdict(list)
     for c, n in zip(costed, counts):
-        for m in _METRICS:
+        for m in METRICS:
             out[(c.rec.phase, m)].append(getattr(c.cost, m) * n)
     return out
 
@@ -750,67 +667,6 @@ def _locate(costed1: list[CostedOp], costed2: list[CostedOp], subs: dict[sympy.S
                         hint="make that size a config field of its own (it then gets a symbol), or keep "
                         "the fields it depends on at their values with derive(..., fixed=[...])",
                     )
-
-
-DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _dtype(arg: str, value: torch.dtype | str | None) -> torch.dtype | None:
-    """A dtype given by name ('bf16', 'fp16', 'fp32') or as a torch.dtype."""
-    if isinstance(value, str):
-        if value not in DTYPE_NAMES:
-            raise SymacctError(f"{arg}={value!r} is not a dtype name", hint="use " + ", ".join(DTYPE_NAMES))
-        return DTYPE_NAMES[value]
-    return value
-
-
-_OPTIMIZERS = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "adagrad": torch.optim.Adagrad,
-    "rmsprop": torch.optim.RMSprop,
-    "adamax": torch.optim.Adamax,
-    "nadam": torch.optim.NAdam,
-    "radam": torch.optim.RAdam,
-    "adadelta": torch.optim.Adadelta,
-    "mixed_adamw": MixedPrecisionAdamW,
-}
-
-
-def _optimizer_factory(
-    optimizer: str | type | None, options: Mapping[str, Any] | None
-) -> Callable[[nn.Module], torch.optim.Optimizer] | None:
-    if optimizer is None:
-        if options:
-            raise SymacctError("optimizer_options given without an optimizer", hint="pass optimizer='adamw' or a class")
-        return None
-    if isinstance(optimizer, str):
-        cls = _OPTIMIZERS.get(optimizer.lower())
-        if cls is None:
-            raise SymacctError(
-                f"unknown optimizer {optimizer!r}", hint="one of: " + ", ".join(_OPTIMIZERS) + ", or a class"
-            )
-    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        cls = optimizer
-    elif isinstance(optimizer, torch.optim.Optimizer):
-        raise SymacctError(
-            f"optimizer= got a {type(optimizer).__name__} instance; symacct builds the optimizer on its own model copy",
-            hint=f"pass the class and its options: optimizer={type(optimizer).__name__}, "
-            "optimizer_options={...} (e.g. the instance's defaults)",
-        )
-    else:
-        shown = repr(optimizer).splitlines()[0][:80]
-        raise SymacctError(f"not an optimizer: {shown}", hint="pass a torch.optim.Optimizer subclass or a name")
-    opts = {"lr": 1e-3, **(options or {})}
-
-    def make(model: nn.Module) -> torch.optim.Optimizer:
-        try:
-            return cls(model.parameters(), **opts)
-        except (TypeError, ValueError) as e:
-            raise SymacctError(f"could not build {cls.__name__}: {e}", hint="check optimizer_options") from e
-
-    return make
 
 
 class _Identity:
@@ -929,11 +785,7 @@ def _derive(
 
     Conventions: docs/conventions.md.
     """
-    autocast, params_dtype = _dtype("autocast", autocast), _dtype("params_dtype", params_dtype)
     kwargs = dict(
-        device=device,
-        autocast=autocast,
-        params_dtype=params_dtype,
         inputs=inputs,
         loss=loss,
         step=step,
@@ -944,17 +796,100 @@ def _derive(
         strict=strict,
         causal_discount=causal_discount,
         embedding_flops=embedding_flops,
+        autocast=autocast,
+        params_dtype=params_dtype,
+        device=device,
         routing=routing,
         _degenerate=_degenerate,
     )
+    req = _request(**kwargs)
+    try:
+        src = read_source(model, req)
+        probes = choose_probes(model, src, req)
+        first = trace_first(src, probes, req)
+        check_same_model(model, src, probes, first, req)
+        second = trace_check(src, probes, first, req)
+        memory, live = memory_pass(src, probes, first, second, req)
+    except _FixLayers as why:  # exact for this L, not factored by it
+        lfields = [f for f, letter in why.src.fields.items() if letter == "L"]
+        acct = _derive(model, **{**kwargs, "fixed": [*req.fixed, *lfields]})
+        acct.notes.insert(0, f"{why.reason}: the layer stack is left unfactored, L fixed at its value")
+        return acct
+    except _Degenerate as first_difference:  # sizes such as H == H_kv or 1 run other ops: tied or fixed
+        try:
+            return _derive(model, **{**kwargs, "_degenerate": True})
+        except SymacctError as again:
+            if again.what.startswith(NOT_THE_SAME):
+                raise first_difference.error from None  # still another model: the first difference is the one
+            raise
+    return account(model, src, probes, first, memory, live, req)
+
+
+# ---- the passes of a derivation, each from one result to the next ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """The options of one derivation, checked: what every pass reads."""
+
+    step: str
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer] | None
+    precision: dict[str, Any]  # autocast, params_dtype, device (record_step's keywords)
+    rule_options: dict[str, Any]  # what the cost rules read (embedding_flops)
+    options: dict[str, Any]  # acct.options
+    inputs: Callable[..., Any] | None
+    loss: Callable[[Any], torch.Tensor] | None
+    dims: Mapping[str, int] | None
+    fixed: tuple[str, ...]
+    strict: bool
+    causal_discount: bool
+    routing: Sequence[Any] | None
+    degenerate: bool
+
+
+class _FixLayers(Exception):
+    """A pass found the layer stack cannot be factored: derive again with L fixed at its value."""
+
+    def __init__(self, src: _Source, reason: str) -> None:
+        super().__init__(reason)
+        self.src, self.reason = src, reason
+
+
+class _Degenerate(Exception):
+    """The user's model runs other ops than the probe model, and a size may be degenerate (H == H_kv, 1)."""
+
+    def __init__(self, error: SymacctError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _request(
+    *,
+    inputs: Callable[..., Any] | None,
+    loss: Callable[[Any], torch.Tensor] | None,
+    step: str,
+    optimizer: str | type | None,
+    optimizer_options: Mapping[str, Any] | None,
+    dims: Mapping[str, int] | None,
+    fixed: Iterable[str],
+    strict: bool,
+    causal_discount: bool,
+    embedding_flops: str,
+    autocast: torch.dtype | str | None,
+    params_dtype: torch.dtype | str | None,
+    device: str,
+    routing: Sequence[Any] | None,
+    _degenerate: bool,
+) -> Request:
+    """Check the options and put them in one record."""
+    autocast, params_dtype = torch_dtype("autocast", autocast), torch_dtype("params_dtype", params_dtype)
     if step not in ("train", "forward"):
         raise SymacctError(f"unknown step {step!r}", hint="use step='train' or step='forward'")
     if embedding_flops not in ("lookup", "matmul"):
         raise SymacctError(f"unknown embedding_flops {embedding_flops!r}", hint="use 'lookup' or 'matmul'")
-    make_opt = _optimizer_factory(optimizer, optimizer_options)
+    make_opt = optimizer_factory(optimizer, optimizer_options)
     if make_opt is not None and step != "train":
         raise SymacctError("an optimizer needs step='train'", hint="drop optimizer= for step='forward'")
-    options = {"embedding_flops": embedding_flops}
     for name, dt in (("autocast", autocast), ("params_dtype", params_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise SymacctError(f"{name}={dt!r} is not a floating dtype", hint="use torch.bfloat16 or torch.float16")
@@ -963,32 +898,64 @@ def _derive(
             f"cannot trace for device {device!r} here",
             hint="device='cuda' needs a CUDA build of torch and a GPU; otherwise use device='cpu'",
         )
-    precision = {"autocast": autocast, "params_dtype": params_dtype, "device": device}
+    return Request(
+        step=step,
+        make_opt=make_opt,
+        precision={"autocast": autocast, "params_dtype": params_dtype, "device": device},
+        rule_options={"embedding_flops": embedding_flops},
+        options={
+            "step": step,
+            "causal_discount": causal_discount,
+            "embedding_flops": embedding_flops,
+            "optimizer": getattr(optimizer, "__name__", optimizer),
+            "optimizer_options": dict(optimizer_options or {}),
+            "autocast": str(autocast) if autocast else None,
+            "params_dtype": str(params_dtype) if params_dtype else None,
+            "device": device,
+        },
+        inputs=inputs,
+        loss=loss,
+        dims=dims,
+        fixed=tuple(fixed),
+        strict=strict,
+        causal_discount=causal_discount,
+        routing=routing,
+        degenerate=_degenerate,
+    )
+
+
+def read_source(model: Any, req: Request) -> _Source:
+    """Pass 1: which config fields are sizes and which letters they get, the layer count, the step's inputs
+    and loss (a transformers model's task), the notes that say what was chosen."""
     if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
         raise SymacctError(
             "the model is a torch.compile wrapper: symacct traces eager PyTorch, and a compiled graph may fuse "
             "ops and keep other tensors",
             hint="pass the eager module, model._orig_mod (the figures are then those of eager execution)",
         )
+    inputs, loss = req.inputs, req.loss
     hf_task = None
     input_dims: tuple[str, ...] = ()
-    if dims is None and is_transformers_model(model):
+    hf = req.dims is None and is_transformers_model(model)
+    if hf:
         if inputs is None or loss is None:
             hf_task = task_for(model)
         if inputs is None:
-            inputs = _drop_labels(hf_task.inputs) if step == "forward" else hf_task.inputs
+            inputs = _drop_labels(hf_task.inputs) if req.step == "forward" else hf_task.inputs
             input_dims = hf_task.dims
-        if loss is None and step == "train":
+        if loss is None and req.step == "train":
             loss = hf_task.loss
-    src = _source(model, inputs, dims, fixed)
+    src = _source(model, inputs, req.dims, req.fixed)
+    src.loss = loss
+    src.inputs_given = inputs is not None
     src.input_dims = input_dims
     src.strided = _strided(model, src)
     if hf_task is not None:
         src.notes.append(hf_task.note)
-    if dims is None and is_transformers_model(model):
+    if hf:
         check_experts_path(model)
-        if routing is not None:
-            check_routing(model, routing)
+        if req.routing is not None:
+            check_routing(model, req.routing)
         _eager_transformers(src)
     layer = _layer_field(src)
     if layer is not None:
@@ -1006,78 +973,142 @@ def _derive(
     if lfield is not None:
         for name, seq in src.lists.items():
             if len(seq) == src.values[lfield] and not _uniform(seq):
-                return _with_fixed_layers(
-                    model, src, kwargs, f"the per-layer list {name} differs between layers (it has one entry a layer)"
-                )
-    src.notes += _follow_heads(src, _degenerate)
-    constants = _not_sizes(src)
-    for f in constants:
+                raise _FixLayers(src, f"the per-layer list {name} differs between layers (it has one entry a layer)")
+    src.notes += _follow_heads(src, req.degenerate)
+    src.constants = _not_sizes(src)
+    for f in src.constants:
         del src.fields[f]
-    if constants:
+    if src.constants:
         src.notes.append(
-            f"{', '.join(constants)} set no tensor size (ids, flags, chunk sizes) or switch which modules are "
+            f"{', '.join(src.constants)} set no tensor size (ids, flags, chunk sizes) or switch which modules are "
             "built: kept at their values"
         )
-    # a fixed field's value is a constant; its prime factors may appear in sizes
+    return src
+
+
+@dataclasses.dataclass(frozen=True)
+class Probes:
+    """The two probe size sets: the first is read back into symbols, the second checks the formulas."""
+
+    first: Probe
+    second: Probe
+
+
+def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
+    """Pass 2: probe sizes, avoiding the primes of every constant (fixed fields, a config-free module's
+    own sizes)."""
     avoid = set()
-    for f in [*fixed, *constants]:
+    for f in [*req.fixed, *src.constants]:
         if f in src.values and abs(src.values[f]) > 1:  # 0, 1, -1 carry no prime
             avoid |= set(sympy.factorint(abs(src.values[f])))
     if src.configless:  # every size of the module is a constant: no probe may collide with one
         for t in [*model.parameters(), *model.buffers()]:
             for d in t.shape:
                 avoid |= set(sympy.factorint(int(d))) if d > 1 else set()
-    probe1 = _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True)
-    probe2 = _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1])
-    trace1 = _record(src, probe1, step, loss, make_opt, precision)
-    stacks = _stacks(trace1, LAYERS[0]) if probe1.layers is not None else []
-    costed1 = cost_ops(trace1, probe1.to_expr, strict=strict, options=options)
-    notes: list[str] = []
-    if stacks:
-        got = _counts(trace1, costed1, stacks, LAYERS[0])
-        if got is None:
-            return _with_fixed_layers(model, src, kwargs, "the blocks of the layer stack differ")
-        counts, param_counts, notes, min_layers = got
-    else:
-        min_layers = 1
-        counts = [sympy.Integer(1)] * len(costed1)
-        param_counts = {ph.name: sympy.Integer(1) for ph in trace1.placeholders}
-    if not src.configless and dims is None:  # the rebuilt model must be the user's (symacct.sameness)
-        try:
-            _same_model(model, src, probe1, trace1, stacks, step, loss, precision, make_opt)
-        except SymacctError as e:
-            if _degenerate or not _degenerate_sizes(src):
-                raise
-            try:  # sizes such as H == H_kv or 1 run other ops: try again with them tied or fixed
-                return _derive(model, **{**kwargs, "_degenerate": True})
-            except SymacctError as again:
-                if again.what.startswith(NOT_THE_SAME):
-                    raise e from None  # still another model: the first difference is the one to show
-                raise
-    trace2 = _record(src, probe2, step, loss, make_opt, precision)
-    if probe1.layers is not None and not stacks:
-        if len(trace2.ops) != len(trace1.ops):
-            raise SymacctError(
-                "the number of ops changes with L, but no ModuleList of L blocks was found",
-                hint="keep the blocks in an nn.ModuleList of length L, or fix L with fixed=[...]",
-            )
-    costed2 = cost_ops(trace2, lambda v: v, strict=strict, options=options)
-    _check(costed1, counts, costed2, probe2, probe2.layers if stacks else None)
-    graph = build_graph(trace1, costed1, counts, probe1.to_expr)
+    return Probes(
+        _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True),
+        _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1]),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstTrace:
+    """The probe model's step, symbolised: each op costed in symbols, each op and parameter counted."""
+
+    trace: StepTrace
+    stacks: list[str]
+    costed: list[CostedOp]
+    counts: list[Any]
+    param_counts: dict[str, Any]
+    notes: list[str]
+    min_layers: int
+
+
+def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
+    """Pass 3: trace the probe model, cost every op in symbols, factor the layer stacks
+    (``symacct.layers.factor``)."""
+    probe = probes.first
+    trace = _record(src, probe, req.step, src.loss, req.make_opt, req.precision)
+    stacks = find_stacks(trace, LAYERS[0]) if probe.layers is not None else []
+    costed = cost_ops(trace, probe.to_expr, strict=req.strict, options=req.rule_options)
+    if not stacks:
+        counts = [sympy.Integer(1)] * len(costed)
+        param_counts = {ph.name: sympy.Integer(1) for ph in trace.placeholders}
+        return FirstTrace(trace, stacks, costed, counts, param_counts, [], 1)
+    got = factor(trace, costed, stacks, LAYERS[0])
+    if got is None:
+        raise _FixLayers(src, "the blocks of the layer stack differ")
+    counts, param_counts, notes, min_layers = got
+    return FirstTrace(trace, stacks, costed, counts, param_counts, notes, min_layers)
+
+
+def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request) -> None:
+    """Pass 4: the user's own model runs the probe model's ops (``symacct.sameness``)."""
+    if src.configless or req.dims is not None:
+        return
+    try:
+        _same_model(
+            model, src, probes.first, first.trace, first.stacks, req.step, src.loss, req.precision, req.make_opt
+        )
+    except SymacctError as e:
+        if req.degenerate or not _degenerate_sizes(src):
+            raise
+        raise _Degenerate(e) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckTrace:
+    """The probe model at the second probe's sizes with one block more, costed in plain integers."""
+
+    trace: StepTrace
+    costed: list[CostedOp]
+
+
+def trace_check(src: _Source, probes: Probes, first: FirstTrace, req: Request) -> CheckTrace:
+    """Pass 5: every formula must predict a trace at other sizes (and one block more)."""
+    probe1, probe2 = probes.first, probes.second
+    trace2 = _record(src, probe2, req.step, src.loss, req.make_opt, req.precision)
+    if probe1.layers is not None and not first.stacks and len(trace2.ops) != len(first.trace.ops):
+        raise SymacctError(
+            "the number of ops changes with L, but no ModuleList of L blocks was found",
+            hint="keep the blocks in an nn.ModuleList of length L, or fix L with fixed=[...]",
+        )
+    costed2 = cost_ops(trace2, lambda v: v, strict=req.strict, options=req.rule_options)
+    _check(first.costed, first.counts, costed2, probe2, probe2.layers if first.stacks else None)
+    return CheckTrace(trace2, costed2)
+
+
+def memory_pass(
+    src: _Source, probes: Probes, first: FirstTrace, second: CheckTrace, req: Request
+) -> tuple[Memory, Liveness]:
+    """Pass 6: static bytes, saved activations (checked at the second probe), live bytes over the step
+    factored by L, the phase points and the peak (``symacct.memory``)."""
+    probe1, probe2, stacks = probes.first, probes.second, first.stacks
+    trace1 = first.trace
     generic = functools.partial(generic_path, stacks=stacks)
-    memory = static_and_activations(trace1, probe1, counts, param_counts, stacks, generic)
-    _check_memory(memory, trace2, probe2, stacks, generic)
+    memory = static_and_activations(trace1, probe1, first.counts, first.param_counts, stacks, generic)
+    _check_memory(memory, second.trace, probe2, stacks, generic)
     if stacks:  # the checking trace has one block more: its liveness, bytes borrowed from the first trace
-        live = liveness(trace1, trace2, probe1, stacks, LAYERS[0], other_values=probe2.values)
+        live = liveness(trace1, second.trace, probe1, stacks, LAYERS[0], other_values=probe2.values)
         if live is None:  # a storage whose bytes it could not borrow: one block more at the first probe's sizes
             probe_more = dataclasses.replace(probe1, layers=LAYERS[1], _cache={})
-            trace_more = _record(src, probe_more, step, loss, make_opt, precision)
+            trace_more = _record(src, probe_more, req.step, src.loss, req.make_opt, req.precision)
             live = liveness(trace1, trace_more, probe1, stacks, LAYERS[0])
     else:
         live = liveness(trace1, None, probe1, stacks, 1)
     if live is None:  # a peak that is wrong at other L would be a silent wrong number
-        return _with_fixed_layers(model, src, kwargs, "the op order outside the blocks changes with L")
+        raise _FixLayers(src, "the op order outside the blocks changes with L")
     fill_phases(memory, live, sorted(set(probe1.values) | ({"L"} if stacks else set())))
+    return memory, live
+
+
+def account(
+    model: Any, src: _Source, probes: Probes, first: FirstTrace, memory: Memory, live: Liveness, req: Request
+) -> Accounting:
+    """Pass 7: the graph and its totals (``symacct.accounting.aggregate``), with the memory, the constraints
+    on the sizes, the experts and the notes."""
+    probe1, stacks = probes.first, first.stacks
+    graph = build_graph(first.trace, first.costed, first.counts, probe1.to_expr, stacks)
     defaults = {}
     field_names = {}
     for f, letter in src.fields.items():
@@ -1085,25 +1116,16 @@ def _derive(
         field_names.setdefault(letter, f)
     acct = aggregate(
         graph,
-        trace1,
+        first.trace,
         probe1,
-        param_counts,
+        first.param_counts,
         stacks,
         defaults=defaults,
         fields=field_names,
-        notes=notes,
-        causal_discount=causal_discount,
-        options={
-            "step": step,
-            "causal_discount": causal_discount,
-            "embedding_flops": embedding_flops,
-            "optimizer": getattr(optimizer, "__name__", optimizer),
-            "optimizer_options": dict(optimizer_options or {}),
-            "autocast": str(autocast) if autocast else None,
-            "params_dtype": str(params_dtype) if params_dtype else None,
-            "device": device,
-        },
-        minimum={"L": min_layers} if stacks else {},
+        notes=list(first.notes),
+        causal_discount=req.causal_discount,
+        options=dict(req.options),
+        minimum={"L": first.min_layers} if stacks else {},
     )
     acct.memory = memory
     acct.liveness = live
@@ -1111,20 +1133,20 @@ def _derive(
     for f in src.values:  # the config field behind a tied letter, for the notation tables
         if letter_for_field(f) in acct.tied:
             acct.fields.setdefault(letter_for_field(f), f)
-    acct.constraints = learn_constraints(trace1, probe1.to_expr)
+    acct.constraints = learn_constraints(first.trace, probe1.to_expr)
     if is_transformers_model(model):
         acct.constraints += window_constraints(model, probe1.values["S"])
     acct.input_sizes = {d: "S" for d in src.input_dims}
-    acct.experts = expert_layers(graph, acct.symbols, routing)
+    acct.experts = expert_layers(graph, acct.symbols, req.routing)
     if acct.experts:
         acct.notes.append(experts_note(acct.experts))
-        acct.options["routing"] = None if routing is None else [str(s) for s in acct.experts[0].shares or ()]
+        acct.options["routing"] = None if req.routing is None else [str(s) for s in acct.experts[0].shares or ()]
     acct.notes[:0] = src.notes
     if "B" not in acct.free_symbols():
         acct.notes.append(
             "B reaches no tensor shape: the inputs do not use their B argument, so every figure is per call "
             "of the inputs, whatever B is passed to at()"
-            + ("" if inputs is None else "; make inputs= build tensors of batch B")
+            + ("; make inputs= build tensors of batch B" if src.inputs_given else "")
         )
     return acct
 
@@ -1170,14 +1192,6 @@ def _internal(e: Exception) -> SymacctError:
         hint="this is a defect of symacct, not of the model: please report it with the model",
         internal=True,
     )
-
-
-def _with_fixed_layers(model: Any, src: Any, kwargs: dict[str, Any], why: str) -> Accounting:
-    """Derive again with the layer count fixed at its value: exact for this L, not factored by it."""
-    lfields = [f for f, letter in src.fields.items() if letter == "L"]
-    acct = _derive(model, **{**kwargs, "fixed": [*kwargs["fixed"], *lfields]})
-    acct.notes.insert(0, f"{why}: the layer stack is left unfactored, L fixed at its value")
-    return acct
 
 
 def _check_memory(memory: Any, trace2: StepTrace, probe2: Probe, stacks: list[str], generic: Any) -> None:
