@@ -1,6 +1,6 @@
 """Where derive's time goes: each stage of one derive of a gpt2-small training step, timed in place.
 
-The stages are the functions ``symacct.derive`` calls (``symacct/derive.py``),
+The stages are the functions ``symacct.derive``'s passes call (``symacct/pipeline.py``),
 wrapped with a timer for one run after a warm-up derive (so that imports and
 first-call caches are not counted); beside them, one FlopCounterMode pass of
 the same step on meta tensors, and the same step on bare fake tensors (no
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -29,12 +29,12 @@ from torch.utils.flop_counter import FlopCounterMode
 import symacct
 from symacct.models import GPT2, GPT2Config
 
-DERIVE = sys.modules["symacct.pipeline"]
+DERIVE = importlib.import_module("symacct.pipeline")  # the module (symacct.derive is the function)
 STAGES = (
-    ("_record", "probe traces (first probe L=4; the check, L=5, other sizes)"),
+    ("_record", "probe traces (the first probe, L=4; the check, L=5, other sizes)"),
     ("_same_model", "the user's model traced and compared (sameness)"),
     ("cost_ops", "rules: a cost per op (symbolic, and plain for the check)"),
-    ("_counts", "layer stack factored"),
+    ("factor", "layer stack factored"),
     ("_check", "formulas checked against the second trace"),
     ("build_graph", "networkx graph"),
     ("static_and_activations", "static bytes, saved activations"),
