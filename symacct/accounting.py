@@ -127,6 +127,26 @@ class Accounting:
                 names |= {s.name for s in e.free_symbols}
         return sorted(names, key=sort_key)
 
+    def _exact_peaks(self, full: Mapping[str, Any]) -> np.ndarray:
+        """The peak at every point of broadcast size arrays, each by ``Liveness.evaluate``."""
+        names = list(full)
+        grids = np.broadcast_arrays(*(np.asarray(full[n]) for n in names))
+        shape = grids[0].shape
+        flat = [g.reshape(-1).tolist() for g in grids]
+        peaks = []
+        for point in zip(*flat):
+            values = self._with_tied({n: int(v) for n, v in zip(names, point)})
+            peaks.append(self.liveness.evaluate(values)[0])
+        return _as_array(peaks, shape)
+
+    def _with_tied(self, values: dict[str, int]) -> dict[str, int]:
+        """``values`` with the sizes that are no symbol here (tied to another, or kept) at the value they have."""
+        for k, target in self.tied.items():
+            value = values.get(target, self.symbols.get(target)) if isinstance(target, str) else target
+            if value is not None:
+                values.setdefault(k, value)
+        return values
+
     def _subs(self, values: Mapping[str, Any]) -> dict[sympy.Symbol, int]:
         full = self._validate(values)
         return {sym(k): int(v) for k, v in full.items()}
@@ -239,11 +259,7 @@ class Accounting:
         kw = {
             f.name: ev(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in ("graph", "liveness")
         }
-        kw["values"] = {s.name: v for s, v in subs.items()}
-        for k, target in self.tied.items():  # sizes that are no symbol here, at the value they have
-            value = kw["values"].get(target, self.symbols.get(target)) if isinstance(target, str) else target
-            if value is not None:
-                kw["values"].setdefault(k, value)
+        kw["values"] = self._with_tied({s.name: v for s, v in subs.items()})
         kw["liveness"] = self.liveness
         if self.liveness is not None:
             # the exact peak at these sizes (every op of the step), not the sampled envelope
@@ -373,16 +389,30 @@ class Accounting:
         Exact int64 results while every value stays below 2**53; above that
         the result is float64 (relative error below 1e-15), never a wrapped
         integer.
+
+        ``memory.peak`` is evaluated op by op at every point of the arrays
+        (the live bytes of every op, as ``at`` does), not from its formula:
+        the formula is the envelope of the points largest somewhere in a
+        sample of sizes, and can lie below the peak elsewhere.
         """
+        full = self._validate(arrays, arrays=True)
+        if name == "memory.peak" and self.liveness is not None:
+            return self._exact_peaks(full)
         expr = self.formula(name)
         names = self.free_symbols()
-        full = self._validate(arrays, arrays=True)
         fn = _lambdified(expr, tuple(names))
         args = [np.asarray(full[n]) for n in names]
         approx = np.asarray(fn(*(a.astype(np.float64) for a in args)), dtype=np.float64)
         if np.all(np.abs(approx) < 2.0**53):
             return np.asarray(fn(*(a.astype(np.int64) for a in args))).astype(np.int64)
         return approx
+
+
+def _as_array(values: list[int], shape: tuple[int, ...]) -> np.ndarray:
+    """Python integers as int64 where they fit (below 2**53 as ``sweep`` promises), float64 otherwise."""
+    if all(abs(v) < 2**53 for v in values):
+        return np.array(values, dtype=np.int64).reshape(shape)
+    return np.array([float(v) for v in values], dtype=np.float64).reshape(shape)
 
 
 def _sizes(name: str, value: Any, arrays: bool) -> Any:

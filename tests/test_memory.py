@@ -328,3 +328,24 @@ def _traces_and_memory(model, monkeypatch, **kw):
     formulas = [m.after_forward, m.after_backward, m.after_optimizer, m.peak]
     peaks = [acct.at(B=b, S=s, L=L).memory.peak for b, s, L in ((1, 7, 1), (3, 5, 2), (2, 9, 6))]
     return len(calls), formulas, peaks
+
+
+def test_sweep_of_the_peak_is_exact_where_the_sampled_envelope_is_not():
+    """memory.peak's formula is the envelope of the points largest somewhere in a sample; at sizes the sample
+    missed it lies below the peak (the GPT-2 reference: AdamW's temporaries for a large embedding when D is
+    small). sweep("memory.peak") evaluates every op's live bytes there, as at() does."""
+    import numpy as np
+
+    from symacct.models.presets import PRESETS
+    from symacct.symbols import evaluate
+
+    cls, make = PRESETS["gpt2"]
+    with torch.device("meta"):
+        model = cls(make())
+    acct = symacct.derive(model, optimizer="adamw", autocast="bf16")
+    points = [dict(B=6, S=3, L=5, D=27, H=27, V=6124, S_max=7), dict(B=8, S=1024, L=12, D=768, H=12, V=50257)]
+    arrays = {k: np.array([p.get(k, acct.symbols.get(k)) for p in points]) for k in points[0]}
+    swept = acct.sweep("memory.peak", **arrays)
+    exact = [acct.at(**p).memory.peak for p in points]
+    assert swept.tolist() == exact and swept.dtype == np.int64
+    assert evaluate(acct.memory.peak, points[0]) < exact[0]  # the envelope's miss that sweep must not copy
