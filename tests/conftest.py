@@ -6,7 +6,7 @@ import os
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "ci", max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    "ci", max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("SYMACCT_PROFILE", "ci"))
