@@ -319,7 +319,7 @@ def _step_args(p: argparse.ArgumentParser) -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    from symacct.options import LOW_PRECISION
+    from symacct.options import DTYPES, LOW_PRECISION
 
     parser = _Parser(prog="symacct", description="Symbolic resource accounting for PyTorch")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -347,7 +347,7 @@ def _main(argv: Sequence[str] | None) -> int:
     e.add_argument("--hardware", required=True, help="accelerator name (see symacct hardware)")
     e.add_argument("--gpus", type=_count, default=1, help="devices, a positive whole number")
     e.add_argument("--mfu", type=_number, default=0.5, help="model FLOPs utilisation in (0, 1]")
-    e.add_argument("--dtype", default="bf16", help="peak to use: bf16, fp16, fp8, tf32, fp32")
+    e.add_argument("--dtype", default="bf16", help="peak to use: " + ", ".join([*DTYPES, "tf32"]))
     e.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
     e.add_argument("--batch", type=int, default=8)
     e.add_argument("--seq", type=int, default=None)
