@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,37 +40,15 @@ import symacct
 from symacct.models import GPT2, GPT2Config
 
 SIDE_BY_SIDE = """
-import statistics, time, torch, symacct
-from torch.utils.flop_counter import FlopCounterMode
-import symacct.pipeline  # the package's names load on first use: loaded before any timer
-from symacct.models import GPT2, GPT2Config
-
-def gpt2(L=12):
-    with torch.device("meta"):
-        return GPT2(GPT2Config(n_layer=L))
-
-def fc(adamw):
-    model = gpt2()
-    with torch.device("meta"):
-        idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
-    opt = torch.optim.AdamW(model.parameters()) if adamw else None
-    t = time.perf_counter()
-    with FlopCounterMode(display=False):
-        model(idx, idx).backward()
-        if opt is not None:
-            opt.step()
-    return time.perf_counter() - t
-
-def derive(adamw):
-    model = gpt2()
-    t = time.perf_counter()
-    symacct.derive(model, optimizer="adamw" if adamw else None)  # the memory pass is part of every derive
-    return time.perf_counter() - t
+import statistics, sys
+sys.path.insert(0, {here!r})
+import symacct
+from yardstick import derive_seconds, flop_counter_pass, gpt2
 
 adamw = {adamw}
-cold = (fc(False), fc(True), derive(adamw))
+cold = (flop_counter_pass(False), flop_counter_pass(True), derive_seconds(adamw))
 symacct.derive(gpt2(2), optimizer="adamw" if adamw else None)
-runs = (lambda: fc(False), lambda: fc(True), lambda: derive(adamw))
+runs = (lambda: flop_counter_pass(False), lambda: flop_counter_pass(True), lambda: derive_seconds(adamw))
 warm = [statistics.median(f() for _ in range({repeats})) for f in runs]
 print(*cold, *warm)
 """
@@ -130,7 +109,7 @@ def main() -> None:
 
     print("\n0. derive vs one FlopCounterMode pass of the same gpt2-small step (L=12) on meta tensors")
     for adamw in (False, True):
-        code = SIDE_BY_SIDE.format(adamw=adamw, repeats=args.repeats)
+        code = SIDE_BY_SIDE.format(here=str(Path(__file__).parent), adamw=adamw, repeats=args.repeats)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         c_fc, c_fca, c_d, w_fc, w_fca, w_d = (float(x) for x in out.stdout.split())
         what = "derive with AdamW" if adamw else "derive"

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
+from yardstick import flop_counter_pass, gpt2
 
 import symacct
 from symacct.models import GPT2, GPT2Config
@@ -46,11 +46,6 @@ STAGES = (
 )
 
 
-def gpt2(L: int = 12) -> GPT2:
-    with torch.device("meta"):
-        return GPT2(GPT2Config(n_layer=L))
-
-
 def _timed(table: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def run(*a: Any, **k: Any) -> Any:
@@ -61,20 +56,6 @@ def _timed(table: dict[str, float], name: str, fn: Callable[..., Any]) -> Callab
             table[name] += time.perf_counter() - t
 
     return run
-
-
-def flop_counter_pass(optimizer: str | None) -> float:
-    """One FlopCounterMode pass of the gpt2-small step (B=1, S=1024) on meta tensors, in seconds."""
-    model = gpt2()
-    with torch.device("meta"):
-        idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
-    opt = torch.optim.AdamW(model.parameters()) if optimizer else None
-    t = time.perf_counter()
-    with FlopCounterMode(display=False):
-        model(idx, idx).backward()
-        if opt is not None:
-            opt.step()
-    return time.perf_counter() - t
 
 
 def bare_fake(L: int) -> float:
@@ -110,7 +91,7 @@ def main() -> None:
                 setattr(DERIVE, name, fn)
         runs.append(table)
     total = statistics.median(totals)
-    fc = statistics.median(flop_counter_pass(args.optimizer) for _ in range(args.repeats))
+    fc = statistics.median(flop_counter_pass(bool(args.optimizer)) for _ in range(args.repeats))
     print(f"torch {torch.__version__}; gpt2-small (L=12) training step, optimizer={args.optimizer}")
     print(f"derive: {total:.3f} s (median of {args.repeats}); FlopCounterMode pass on meta: {fc:.3f} s")
     print(f"ratio derive / FlopCounterMode: {total / fc:.2f}\n")

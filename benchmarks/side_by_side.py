@@ -14,36 +14,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
-import torch
-from torch.utils.flop_counter import FlopCounterMode
+from yardstick import derive_seconds, flop_counter_pass, gpt2
 
 import symacct
-import symacct.pipeline  # noqa: F401  the package's names load on first use: loaded before any timer
-from symacct.models import GPT2, GPT2Config
-
-
-def gpt2(L: int = 12) -> GPT2:
-    with torch.device("meta"):
-        return GPT2(GPT2Config(n_layer=L))
-
-
-def flop_counter_pass() -> float:
-    model = gpt2()
-    with torch.device("meta"):
-        idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
-    t = time.perf_counter()
-    with FlopCounterMode(display=False):
-        model(idx, idx).backward()
-    return time.perf_counter() - t
-
-
-def derive(optimizer: str | None) -> float:
-    model = gpt2()
-    t = time.perf_counter()
-    symacct.derive(model, optimizer=optimizer)  # the memory pass (liveness, the peak) is part of every derive
-    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -54,8 +28,8 @@ def main() -> None:
     fc, plain, adamw = [], [], []
     for _ in range(n):
         fc.append(flop_counter_pass())
-        plain.append(derive(None))
-        adamw.append(derive("adamw"))
+        plain.append(derive_seconds(False))
+        adamw.append(derive_seconds(True))
     f, d, a = (statistics.median(x) for x in (fc, plain, adamw))
     print(f"{symacct.__file__}: FlopCounterMode {f:.3f} s, derive {d:.3f} s ({d / f:.2f}x), "
           f"derive with AdamW + memory {a:.3f} s ({a / f:.2f}x)")  # fmt: skip

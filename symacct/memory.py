@@ -253,19 +253,16 @@ class Liveness:
             return L >= 2  # the last block
         return L >= 3  # a middle block
 
-    def _live_arrays(self, iv: Intervals, values: Mapping[str, int]) -> list[int]:
-        return iv.live(values)
-
     def evaluate(self, values: Mapping[str, int], phases: tuple[str, ...] | None = None) -> tuple[int, int]:
         """(peak bytes, op index) at the given sizes, exactly; over the ops of ``phases`` only, if given."""
-        live = self._live_arrays(self.base, values)
+        live = self.base.live(values)
         chosen = [t for t in range(self.base.n) if phases is None or self.labels[t][3] in phases]
         if not chosen:
             raise ValueError(f"no op in phases {phases}")
         if self.other is None:
             best = max(chosen, key=lambda t: live[t + 1])
             return live[best + 1], best
-        live2 = self._live_arrays(self.other, values)
+        live2 = self.other.live(values)
         L = values.get("L", self.layers)
         k = L - self.layers
         points = [t for t in chosen if self._valid(t, L)]

@@ -16,7 +16,7 @@ Sizes are drawn >= 2 (see test_saved_bytes.py for why size 1 differs).
 from __future__ import annotations
 
 import dataclasses
-import sys
+import importlib
 from functools import cache
 
 import pytest
@@ -254,7 +254,7 @@ def _traces_and_memory(model, monkeypatch, **kw):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(sys.modules["symacct.pipeline"], "record_step", counting)
+    monkeypatch.setattr(importlib.import_module("symacct.pipeline"), "record_step", counting)
     acct = symacct.derive(model, **kw)
     m = acct.memory
     formulas = [m.after_forward, m.after_backward, m.after_optimizer, m.peak]
@@ -274,7 +274,6 @@ def test_one_block_more_borrowed_from_the_checking_trace(cfg, monkeypatch):
     borrowed from the first trace (3 traces: probe, the user's model, the check); where a storage has no
     counterpart, a fourth trace at the first probe's sizes is taken instead. Both routes give the same
     formulas and the same exact peaks (which test_*_memory checks against real steps)."""
-    import symacct.layers
     import symacct.memory
 
     model = build(cfg)
@@ -299,7 +298,7 @@ def test_a_borrowed_formula_must_give_the_bytes_counted(monkeypatch):
         seen.append((a, k))
         return real(*a, **k)
 
-    monkeypatch.setattr(sys.modules["symacct.pipeline"], "liveness", keeping)
+    monkeypatch.setattr(importlib.import_module("symacct.pipeline"), "liveness", keeping)
     symacct.derive(build(_BORROW_CASES[0]))
     (base, other, probe, stacks, layers), kw = seen[0]
     iv = symacct.memory.intervals(base, probe)
@@ -309,25 +308,6 @@ def test_a_borrowed_formula_must_give_the_bytes_counted(monkeypatch):
     st = next(s for s in iv.nbytes if s in base.saved_storages)
     iv.nbytes[st] = iv.nbytes[st] * 2
     assert symacct.memory.borrowed_intervals(other, base, iv, align, stacks, values) is None
-
-
-def _traces_and_memory(model, monkeypatch, **kw):
-    """Derive counting the traces taken; the memory formulas and exact peaks at a few sizes."""
-    import symacct.trace
-
-    calls = []
-    real = symacct.trace.record_step
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(sys.modules["symacct.pipeline"], "record_step", counting)
-    acct = symacct.derive(model, **kw)
-    m = acct.memory
-    formulas = [m.after_forward, m.after_backward, m.after_optimizer, m.peak]
-    peaks = [acct.at(B=b, S=s, L=L).memory.peak for b, s, L in ((1, 7, 1), (3, 5, 2), (2, 9, 6))]
-    return len(calls), formulas, peaks
 
 
 def test_sweep_of_the_peak_is_exact_where_the_sampled_envelope_is_not():

@@ -1,0 +1,45 @@
+"""The yardstick of issue 13, shared by the derive benchmarks: a gpt2-small training step (L = 12) on meta
+tensors under FlopCounterMode, and the same step derived.
+
+Each function builds its model first and times only the pass (or the derive), in seconds. The package's
+names load on first use, so the derive module is imported here, before any timer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import symacct
+from symacct.models import GPT2, GPT2Config
+
+_ = symacct.derive  # the package's names load on first use: loaded here, before any timer
+
+
+def gpt2(L: int = 12) -> GPT2:
+    with torch.device("meta"):
+        return GPT2(GPT2Config(n_layer=L))
+
+
+def flop_counter_pass(adamw: bool = False) -> float:
+    """One FlopCounterMode pass of the step (B=1, S=1024), with AdamW's step when ``adamw``."""
+    model = gpt2()
+    with torch.device("meta"):
+        idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
+    opt = torch.optim.AdamW(model.parameters()) if adamw else None
+    t = time.perf_counter()
+    with FlopCounterMode(display=False):
+        model(idx, idx).backward()
+        if opt is not None:
+            opt.step()
+    return time.perf_counter() - t
+
+
+def derive_seconds(adamw: bool = False) -> float:
+    """One derive of the step, with AdamW when ``adamw`` (the memory pass is part of every derive)."""
+    model = gpt2()
+    t = time.perf_counter()
+    symacct.derive(model, optimizer="adamw" if adamw else None)
+    return time.perf_counter() - t
