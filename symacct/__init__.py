@@ -5,7 +5,7 @@ returns an :class:`Accounting` whose FLOP, byte and parameter counts are
 sympy formulas in the model's own dimensions.
 
 The names below load their module on first use (PEP 562), so that importing
-one stage of the pipeline (``symacct.trace``, ``symacct.graph``, ...) loads
+one stage of the pipeline (``symacct.trace.record``, ``symacct.cost.graph``, ...) loads
 no stage above it (``tests/test_layers.py``).
 """
 
@@ -17,23 +17,33 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from symacct.accounting import Accounting
     from symacct.errors import SymacctError
+    from symacct.measure.track import track
     from symacct.pipeline import derive
-    from symacct.timing import estimate, fit, max_params, mfu, roofline
-    from symacct.track import track
+    from symacct.time.model import estimate, fit, max_params, mfu, roofline
 
 _WHERE = {
     "Accounting": "symacct.accounting",
     "SymacctError": "symacct.errors",
     "derive": "symacct.pipeline",
-    "estimate": "symacct.timing",
-    "fit": "symacct.timing",
-    "max_params": "symacct.timing",
-    "mfu": "symacct.timing",
-    "roofline": "symacct.timing",
-    "track": "symacct.track",
+    "estimate": "symacct.time.model",
+    "fit": "symacct.time.model",
+    "max_params": "symacct.time.model",
+    "mfu": "symacct.time.model",
+    "roofline": "symacct.time.model",
+    "track": "symacct.measure.track",
 }
 
-__all__ = ["Accounting", "SymacctError", "derive", "estimate", "fit", "max_params", "mfu", "roofline", "track"]
+__all__ = [
+    "Accounting",
+    "SymacctError",
+    "derive",
+    "estimate",
+    "fit",
+    "max_params",
+    "mfu",
+    "roofline",
+    "track",
+]
 __version__ = "0.1.0"
 
 

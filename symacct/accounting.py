@@ -19,18 +19,19 @@ import networkx as nx
 import numpy as np
 import sympy
 
-from symacct.constraints import Constraint
-from symacct.constraints import check as check_constraints
+from symacct.cost.graph import Node, component, records
+from symacct.cost.layers import generic_path
+from symacct.cost.rules import Cost
 from symacct.errors import SymacctError
 from symacct.formula import overview_latex, overview_md
-from symacct.graph import Node, component, records
-from symacct.layers import generic_path
-from symacct.memory import Liveness, Memory
-from symacct.probe import Probe
-from symacct.rules import Cost
+from symacct.memory.liveness import Liveness
+from symacct.memory.static import Memory
 from symacct.symbols import Terms, sort_key, sym
-from symacct.timing import train_time
-from symacct.trace import StepTrace
+from symacct.time.model import train_time
+from symacct.trace.constraints import Constraint
+from symacct.trace.constraints import check as check_constraints
+from symacct.trace.probe import Probe
+from symacct.trace.record import StepTrace
 
 Expr = Any  # sympy.Expr, or int once evaluated
 
@@ -96,10 +97,10 @@ class Accounting:
     minimum: dict[str, int] = field(default_factory=dict)  # least value for which the formulas hold
     memory: Memory = field(default_factory=Memory)  # bytes: static, activations, phase points, peak
     liveness: Liveness | None = field(default=None, repr=False)  # for exact peaks in at()
-    constraints: list[Constraint] = field(default_factory=list)  # sizes the model can run (symacct.constraints)
+    constraints: list[Constraint] = field(default_factory=list)  # sizes the model can run (symacct.trace.constraints)
     # sizes that are no symbol in this derivation: letter -> the letter it follows (H_kv = H) or its kept value
     tied: dict[str, str | int] = field(default_factory=dict)
-    # mixture-of-experts layers: routed (token, expert) pairs and their split over the experts (symacct.experts)
+    # mixture-of-experts layers: routed (token, expert) pairs and their split over the experts (symacct.cost.experts)
     experts: list[Any] = field(default_factory=list)
     # input sizes besides B and S, with the size each takes when at() is not given it (S_dec -> S)
     input_sizes: dict[str, str] = field(default_factory=dict)
@@ -297,7 +298,7 @@ class Accounting:
         return out
 
     def time(self, *, hardware: Any, tokens: float, gpus: int = 1, mfu: float = 0.5, **sizes: int) -> Any:
-        """Training time for ``tokens`` with this step's derived FLOPs (``symacct.timing.train_time``)."""
+        """Training time for ``tokens`` with this step's derived FLOPs (``symacct.time.model.train_time``)."""
         return train_time(self, hardware=hardware, tokens=tokens, gpus=gpus, mfu=mfu, **sizes)
 
     def bytes_per_param(self) -> sympy.Expr | None:

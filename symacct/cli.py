@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from symacct.errors import SymacctError
-from symacct.loading import UsageError, load_model, overrides_of
+from symacct.models.loading import UsageError, load_model, overrides_of
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
     from symacct.pipeline import derive
-    from symacct.report import summary
+    from symacct.report.summary import summary
 
     model = load_model(args.model, overrides_of(args.config))
     acct = derive(model, causal_discount=args.causal_discount, **_step_options(args))
@@ -70,9 +70,9 @@ def _writable(out: str) -> Path:
 
 
 def _sheet(args: argparse.Namespace) -> int:
-    from symacct import sheet
-    from symacct.hardware import get
-    from symacct.reference import SheetConfig, make_sheet
+    from symacct.report import sheet
+    from symacct.report.reference import SheetConfig, make_sheet
+    from symacct.time.hardware import get
 
     if args.batch <= 0 or args.seq is not None and args.seq <= 0:
         raise UsageError("--batch and --seq must be positive integers")
@@ -80,14 +80,14 @@ def _sheet(args: argparse.Namespace) -> int:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu:g}")
     get(args.hardware)  # an unknown accelerator fails before the derivation
     out = _writable(args.out) if args.out else None
-    from symacct.terminal import progress
+    from symacct.report.terminal import progress
 
     cfg = SheetConfig(args.model, args.batch, args.seq, _step_options(args), overrides_of(args.config))
     with progress(f"deriving {args.model}"):
         acct, sh = make_sheet(cfg, hardware=args.hardware, mfu=args.mfu)
     if out is None:
         if args.format == "text":
-            from symacct.terminal import print_sheet
+            from symacct.report.terminal import print_sheet
 
             print_sheet(sh)
         else:
@@ -101,8 +101,8 @@ def _sheet(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from symacct.check import catalog, render_md
-    from symacct.terminal import print_claims, progress
+    from symacct.report.check import catalog, render_md
+    from symacct.report.terminal import print_claims, progress
 
     with progress("deriving the reference models"):
         claims = [c.as_dict() for c in catalog()]
@@ -126,8 +126,8 @@ def _number(text: str) -> float:
 
 
 def _count(text: str) -> int:
-    """--gpus: a positive whole number, as ``symacct.timing.check_gpus`` rules in Python."""
-    from symacct.timing import check_gpus
+    """--gpus: a positive whole number, as ``symacct.time.model.check_gpus`` rules in Python."""
+    from symacct.time.model import check_gpus
 
     try:
         return check_gpus(float(text))
@@ -160,7 +160,7 @@ def _dtype(name: str | None) -> Any:
 
 
 def _estimate(args: argparse.Namespace) -> dict[str, Any]:
-    from symacct.timing import estimate, train_time
+    from symacct.time.model import estimate, train_time
 
     gpus = args.gpus
     if args.model is None:
@@ -199,9 +199,9 @@ def _estimate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fit(args: argparse.Namespace) -> dict[str, Any]:
-    from symacct.hardware import get
     from symacct.pipeline import derive
-    from symacct.timing import fit, max_params
+    from symacct.time.hardware import get
+    from symacct.time.model import fit, max_params
 
     hw = get(args.hardware)
     gpus = args.gpus
@@ -252,9 +252,9 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
     from torch.utils._pytree import tree_map
 
+    from symacct.measure.verify import _step_of, profile_match, render, verify
     from symacct.options import optimizer_factory
     from symacct.pipeline import derive
-    from symacct.verify import _step_of, profile_match, render, verify
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda but CUDA is not available here; use --device cpu")
@@ -398,7 +398,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print("\n".join(PRESETS))
             return 0
         if args.cmd == "hardware":
-            from symacct.hardware import CATALOG
+            from symacct.time.hardware import CATALOG
 
             for a in CATALOG.values():
                 peaks = ", ".join(f"{k} {v:g}" for k, v in a.peak.items())
@@ -417,7 +417,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.cmd == "check":
             return _check(args)
         if args.cmd == "diff":
-            from symacct.track import diff
+            from symacct.measure.track import diff
 
             return _print(diff(args.log_a, args.log_b), args.json)
         if args.batch is not None and args.batch <= 0 or args.seq is not None and args.seq <= 0:
@@ -429,7 +429,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.json:
         print(_json(report))
     else:
-        from symacct.report import render_text
+        from symacct.report.summary import render_text
 
         print(render_text(report))
     return 0

@@ -3,13 +3,13 @@
 1. ``read_source``: which config fields are sizes (and their letters), the
    layer count, the step's inputs and loss (a transformers model's task),
    fields kept at their values; every choice is a note on the result.
-2. ``choose_probes``: two sets of probe sizes (``symacct.probe``), distinct
+2. ``choose_probes``: two sets of probe sizes (``symacct.trace.probe``), distinct
    primes; nothing of real size is built, so the model's own size does not
    matter (a 405B config, or a model on the meta device).
 3. ``trace_first``: the model rebuilt at the first probe's sizes with 4
-   blocks, its step recorded on fake tensors (``symacct.trace``), every size
-   read back as a product of symbols and every op costed (``symacct.rules``),
-   the layer stacks factored (``symacct.layers``).
+   blocks, its step recorded on fake tensors (``symacct.trace.record``), every size
+   read back as a product of symbols and every op costed (``symacct.cost.rules``),
+   the layer stacks factored (``symacct.cost.layers``).
 4. ``check_same_model``: the user's own model (a fake copy, blocks 0, 1, 2 and
    the last) runs the probe model's ops (``symacct.sameness``); a difference
    is refused, after one more try with degenerate sizes tied or kept.
@@ -22,7 +22,7 @@
 
 A pass that finds the layer stack cannot be factored raises ``_FixLayers``:
 derive starts again with L fixed at its value. Transformers models get their
-task's step (``symacct.hf``); models with strided convolutions or pooling an
+task's step (``symacct.models.hf``); models with strided convolutions or pooling an
 image side S that halves (S = 64 * prime).
 """
 
@@ -50,12 +50,14 @@ from torch._subclasses.fake_tensor import (
 )
 
 from symacct.accounting import Accounting, aggregate
-from symacct.constraints import learn as learn_constraints
+from symacct.cost.experts import expert_layers
+from symacct.cost.experts import note as experts_note
+from symacct.cost.graph import CostedOp, build_graph, cost_ops
+from symacct.cost.layers import METRICS, factor, find_stacks, generic_path, repeated
 from symacct.errors import SymacctError
-from symacct.experts import expert_layers
-from symacct.experts import note as experts_note
-from symacct.graph import CostedOp, build_graph, cost_ops
-from symacct.hf import (
+from symacct.memory.liveness import Liveness, fill_phases, liveness
+from symacct.memory.static import Memory, static_and_activations
+from symacct.models.hf import (
     carry_checkpointing,
     check_experts_path,
     check_routing,
@@ -63,15 +65,14 @@ from symacct.hf import (
     is_transformers_model,
     window_constraints,
 )
-from symacct.hf import task as task_for
-from symacct.layers import METRICS, factor, find_stacks, generic_path, repeated
-from symacct.memory import Liveness, Memory, fill_phases, liveness, static_and_activations
+from symacct.models.hf import task as task_for
 from symacct.options import optimizer_factory, torch_dtype
-from symacct.probe import FIRST_PRIMES, HEAD_PRIMES, HEAD_WIDTHS, LAYERS, SECOND_PRIMES, Probe, make_probe
 from symacct.sameness import NOT_THE_SAME, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import letter_for_field, rational_form, sym
-from symacct.trace import StepTrace, call_inputs, record_step
+from symacct.trace.constraints import learn as learn_constraints
+from symacct.trace.probe import FIRST_PRIMES, HEAD_PRIMES, HEAD_WIDTHS, LAYERS, SECOND_PRIMES, Probe, make_probe
+from symacct.trace.record import StepTrace, call_inputs, record_step
 
 
 @dataclasses.dataclass
@@ -91,7 +92,7 @@ class _Source:
     strided: bool = False
     # fields that each count the blocks of one of several stacks at the same depth (encoder, decoder)
     repeat_counts: list[str] = dataclasses.field(default_factory=list)
-    # the context every trace runs in (transformers: the eager paths, symacct.hf.eager_paths)
+    # the context every trace runs in (transformers: the eager paths, symacct.models.hf.eager_paths)
     context: Callable[[], Any] = contextlib.nullcontext
     # a field that is a quotient of two others at the user's values (head_dim = hidden_size / heads) and
     # follows them at probe sizes: field -> (numerator field, denominator field or None for the numerator itself)
@@ -747,7 +748,7 @@ def _derive(
         inputs: ``(B, S) -> args`` or ``(model, B, S) -> args``: a tuple of
             positional inputs or a dict of keyword inputs; default
             ``model.example_inputs``, or for a transformers model its task's
-            step (``symacct.hf.task``).
+            step (``symacct.models.hf.task``).
         loss: turns the model's output into the scalar loss (default: the
             output must be the loss; a transformers model: ``output.loss``).
         step: ``"train"`` (forward + backward [+ optimizer]) or ``"forward"``
@@ -777,7 +778,7 @@ def _derive(
         routing: a mixture of experts' split of the routed (token, expert)
             pairs over the E experts, as E non-negative shares (normalised),
             for ``acct.experts``; default balanced. Totals do not depend on
-            it (symacct.experts).
+            it (symacct.cost.experts).
 
     Thread safety: one derivation runs at a time (a process-wide lock):
     PyTorch's module tracking and fake-tensor state are global, so two traces
@@ -1026,7 +1027,7 @@ class FirstTrace:
 
 def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
     """Pass 3: trace the probe model, cost every op in symbols, factor the layer stacks
-    (``symacct.layers.factor``)."""
+    (``symacct.cost.layers.factor``)."""
     probe = probes.first
     trace = _record(src, probe, req.step, src.loss, req.make_opt, req.precision)
     stacks = find_stacks(trace, LAYERS[0]) if probe.layers is not None else []
@@ -1082,7 +1083,7 @@ def memory_pass(
     src: _Source, probes: Probes, first: FirstTrace, second: CheckTrace, req: Request
 ) -> tuple[Memory, Liveness]:
     """Pass 6: static bytes, saved activations (checked at the second probe), live bytes over the step
-    factored by L, the phase points and the peak (``symacct.memory``)."""
+    factored by L, the phase points and the peak (``symacct.memory.liveness``)."""
     probe1, probe2, stacks = probes.first, probes.second, first.stacks
     trace1 = first.trace
     generic = functools.partial(generic_path, stacks=stacks)
@@ -1155,7 +1156,7 @@ derive = _locked(_derive)
 
 
 def _eager_transformers(src: _Source) -> None:
-    """Trace a transformers model on the path an eager run takes (symacct.hf.eager_paths): the inputs' keys
+    """Trace a transformers model on the path an eager run takes (symacct.models.hf.eager_paths): the inputs' keys
     are remembered at each call, to know whether the model numbers the positions itself."""
     keys: list[str] = []
     make = src.inputs

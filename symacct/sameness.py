@@ -34,9 +34,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
+from symacct.cost.layers import op_blocks
 from symacct.errors import SymacctError
-from symacct.layers import op_blocks
-from symacct.trace import StepTrace
+from symacct.trace.record import StepTrace
 
 Key = tuple[str, str, str]  # phase, op, module path within its block (or the full path outside blocks)
 

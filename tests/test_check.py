@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from symacct import check
-from symacct.check import ASSUMING, HOLDS, LOOSE, WRONG, judge, rel
-from symacct.measure import measure_step
+from symacct.measure.run import measure_step
 from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig
 from symacct.recipes import MixedPrecisionAdamW
+from symacct.report import check
+from symacct.report.check import ASSUMING, HOLDS, LOOSE, WRONG, judge, rel
 
 
 @pytest.fixture(scope="module")

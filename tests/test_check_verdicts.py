@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import symacct
-from symacct import check
-from symacct.check import ASSUMING, HOLDS, WRONG
 from symacct.models import GPT2, GPT2Config
+from symacct.report import check
+from symacct.report.check import ASSUMING, HOLDS, WRONG
 
 
 @cache

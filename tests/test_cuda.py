@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import symacct
-from symacct.measure import measure_cuda_memory, measure_cuda_steps
+from symacct.measure.run import measure_cuda_memory, measure_cuda_steps
 from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
 
 pytestmark = [
@@ -74,8 +74,8 @@ def test_cuda_later_steps_time_and_mfu():
         for name in ("after_forward", "after_backward", "after_optimizer", "peak"):
             assert abs(steady[name] - getattr(m, name)) <= 0.03 * getattr(m, name), (name, steady[name], m)
     assert all(s > 0 for s in run.seconds) and all(r >= m.peak for r, m in zip(run.reserved, run.memory))
-    from symacct.timing import mfu
-    from symacct.verify import device_hardware
+    from symacct.measure.verify import device_hardware
+    from symacct.time.model import mfu
 
     achieved = mfu(acct.at(B=B, S=S, **sizes).flops.total, min(run.seconds[1:]), device_hardware())
     assert 0 < achieved <= 1

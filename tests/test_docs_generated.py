@@ -1,4 +1,5 @@
-"""The committed generated documents are what the engine produces today (regenerate: python -m symacct.reference docs).
+"""The committed generated documents are what the engine produces today
+(regenerate: python -m symacct.report.reference docs).
 
 Sheets (md, tex, json), SVG plots and docs/rules-of-thumb.md must be byte-identical. PNG plots are
 compared pixel by pixel: their bytes depend on the FreeType build inside the installed matplotlib
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.image import imread
 
-from symacct.reference import write_all
+from symacct.report.reference import write_all
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -23,7 +24,7 @@ def test_generated_docs_are_fresh(tmp_path):
     fresh = {p.relative_to(tmp_path) for p in written}
     committed = {p.relative_to(DOCS) for p in (DOCS / "sheets").iterdir() if p.name != "README.md"}
     committed.add(Path("rules-of-thumb.md"))
-    assert fresh == committed, "regenerate with: python -m symacct.reference docs"
+    assert fresh == committed, "regenerate with: python -m symacct.report.reference docs"
     stale = []
     for rel in sorted(fresh):
         new, old = tmp_path / rel, DOCS / rel
@@ -33,11 +34,11 @@ def test_generated_docs_are_fresh(tmp_path):
                 stale.append(str(rel))
         elif new.read_bytes() != old.read_bytes():
             stale.append(str(rel))
-    assert not stale, f"stale: {stale}; regenerate with: python -m symacct.reference docs"
+    assert not stale, f"stale: {stale}; regenerate with: python -m symacct.report.reference docs"
 
 
 def test_sheets_readme_lists_every_reference_config():
-    from symacct.reference import SHEETS
+    from symacct.report.reference import SHEETS
 
     readme = (DOCS / "sheets" / "README.md").read_text()
     for cfg in SHEETS:

@@ -77,7 +77,7 @@ class Sorts(DataDependent):
 
 
 def test_op_without_rule_fails_strict_and_is_listed_otherwise(monkeypatch):
-    from symacct.rules import registry
+    from symacct.cost.rules import registry
 
     # pretend the pointwise family has no rule: i0 then has none
     monkeypatch.setattr(registry, "_BY_TAG", {})

@@ -1,7 +1,7 @@
 """Mixtures of experts: derived totals hold for any routing; the split over the experts follows ``routing=``.
 
 The routed work is B*S*k (token, expert) pairs through grouped matmuls
-whatever the routing (symacct.experts). Checked on real CPU steps of a
+whatever the routing (symacct.cost.experts). Checked on real CPU steps of a
 Qwen2-MoE model (routed experts plus a gated shared expert) under several
 random routings and one that sends every token to the same k experts:
 matmul FLOPs (FlopCounterMode plus the grouped matmuls counted group by group
@@ -29,8 +29,8 @@ from torch import nn
 
 import symacct
 from symacct import SymacctError
-from symacct.hf import task
-from symacct.measure import GroupedMmCounter, measure_memory, measure_step
+from symacct.measure.run import GroupedMmCounter, measure_memory, measure_step
+from symacct.models.hf import task
 
 
 @dataclass
@@ -228,7 +228,7 @@ def test_an_expert_width_the_cpu_kernel_refuses_is_refused() -> None:
 
 
 def test_verify_has_a_grouped_matmul_row(derived: tuple[Any, Any]) -> None:
-    from symacct.verify import verify
+    from symacct.measure.verify import verify
 
     model, acct = derived
     rows = verify(model, acct, B=2, S=7, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))

@@ -20,7 +20,7 @@ import torch
 from cases import build, cruncher_cases, derived, gpt2_cases, llama_cases, sizes
 from hypothesis import given
 
-from symacct.measure import measure_step
+from symacct.measure.run import measure_step
 from symacct.models import CruncherConfig, GPT2Config, LlamaConfig
 
 

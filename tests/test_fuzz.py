@@ -1,9 +1,9 @@
 """Fuzzer: random models must match PyTorch's counters exactly or be refused with a SymacctError.
 
-The CI profile draws a few dozen models; ``python -m symacct.fuzz --n 2000``
+The CI profile draws a few dozen models; ``python -m symacct.measure.fuzz --n 2000``
 (or SYMACCT_PROFILE=thorough) runs the thorough one and prints counts and
 reasons. It found, and symacct now corrects, a stride difference between
-the meta and the CPU kernel of batch norm (see symacct/trace.py).
+the meta and the CPU kernel of batch norm (see symacct/trace/record.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from symacct.fuzz import LAYERS, check
+from symacct.measure.fuzz import LAYERS, check
 
 
 @given(
@@ -29,7 +29,7 @@ def test_random_models_match_or_are_refused(kinds, C, vocab, sizes):
 
 
 def test_fuzz_script_reports_counts(capsys):
-    from symacct.fuzz import main
+    from symacct.measure.fuzz import main
 
     assert main(["--n", "5", "--seed", "3"]) == 0
     assert "generated 5 models" in capsys.readouterr().out
@@ -37,7 +37,7 @@ def test_fuzz_script_reports_counts(capsys):
 
 def test_a_crashing_rule_is_a_failure_not_a_refusal(monkeypatch):
     """A SymacctError is a pass only when it refuses by design: a cost rule that crashes fails the fuzzer."""
-    from symacct.rules import registry
+    from symacct.cost.rules import registry
 
     def broken(call):
         raise ZeroDivisionError("a bug in a rule")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import symacct
-from symacct.measure import measure_step
+from symacct.measure.run import measure_step
 from symacct.symbols import sym
 
 

@@ -1,10 +1,12 @@
 """The package's modules form one order, each importing only modules below it: no import cycle, no
-upward import (a lazy import inside a function counts too). The order is the pipeline's:
-trace -> rules -> graph -> memory -> accounting -> derive -> time, reports -> command line."""
+upward import (a lazy import inside a function counts too). The order is the pipeline's, and each
+sub-package is one contiguous stretch of it: base modules -> trace/ -> cost/ -> memory/ -> time/ ->
+accounting -> models/ -> derive (sameness, pipeline) -> measure/ -> report/ -> command line."""
 
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,50 +15,73 @@ import symacct
 
 ROOT = Path(symacct.__file__).parent
 
-# bottom first; a module may import only modules before it in this list
+# bottom first; a module may import only modules before it in this list (a sub-package's files are
+# named package.module; cost.rules and models stand for every file under them)
 ORDER = [
     "errors",
     "symbols",
     "recipes",
     "options",
-    "hardware",
-    "trace",
-    "probe",
-    "constraints",
-    "rules",
-    "layers",
-    "graph",
-    "memory",
-    "experts",
     "formula",
-    "timing",
+    "trace.record",
+    "trace.probe",
+    "trace.constraints",
+    "cost.rules",
+    "cost.layers",
+    "cost.graph",
+    "cost.experts",
+    "memory.static",
+    "memory.liveness",
+    "time.hardware",
+    "time.model",
     "accounting",
     "models",
-    "hf",
+    "models.hf",
+    "models.loading",
     "sameness",
     "pipeline",
-    "measure",
-    "plots",
-    "sheet",
-    "report",
-    "terminal",
-    "verify",
-    "track",
-    "fuzz",
-    "check",
-    "loading",
-    "reference",
+    "measure.run",
+    "measure.verify",
+    "measure.track",
+    "measure.fuzz",
+    "report.plots",
+    "report.sheet",
+    "report.summary",
+    "report.terminal",
+    "report.check",
+    "report.reference",
     "cli",
 ]
+RANK = {name: i for i, name in enumerate(ORDER)}
 
 
-def _stage(path: Path) -> str:
-    """The stage a file belongs to: its top-level module or sub-package under symacct/."""
-    return path.relative_to(ROOT).parts[0].removesuffix(".py")
+def stage_of(module: str) -> str:
+    """The ORDER entry a dotted module (relative to symacct) belongs to: the longest entry it starts with;
+    a sub-package's own __init__ (``cost``) stands with its lowest entry."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in RANK:
+            return ".".join(parts[:n])
+    below = [e for e in ORDER if e.startswith(module + ".")]
+    if below:
+        return below[0]
+    raise AssertionError(f"symacct.{module} is in no stage: add it to ORDER")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _exists(module: str) -> bool:
+    base = ROOT.joinpath(*module.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
 
 
 def _imports(path: Path) -> set[str]:
-    """Stages a file imports from, anywhere in it (functions included), TYPE_CHECKING blocks excepted."""
+    """Modules of symacct a file imports, anywhere in it (functions included), TYPE_CHECKING blocks excepted."""
     tree = ast.parse(path.read_text())
     skip: set[int] = set()
     for node in ast.walk(tree):
@@ -68,48 +93,67 @@ def _imports(path: Path) -> set[str]:
             continue
         names = []
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # from symacct import sheet: the module sheet; from symacct.sheet import build: sheet
-            names = [f"symacct.{a.name}" for a in node.names] if node.module == "symacct" else [node.module]
+            # from symacct.report import sheet: the module report.sheet; from symacct.cost.graph import Node: cost.graph
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                names.append(sub if sub.startswith("symacct.") and _exists(sub[len("symacct.") :]) else node.module)
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         for name in names:
-            parts = name.split(".")
-            if parts[0] == "symacct":
-                out.add(parts[1] if len(parts) > 1 else "symacct")
+            if name == "symacct":
+                out.add("")
+            elif name.startswith("symacct."):
+                out.add(name[len("symacct.") :])
     return out
 
 
-def test_every_stage_is_in_the_order():
-    stages = {_stage(p) for p in ROOT.rglob("*.py")} - {"__init__", "__main__"}
-    assert stages <= set(ORDER), f"add {sorted(stages - set(ORDER))} to ORDER"
+def test_every_module_is_in_the_order():
+    for path in ROOT.rglob("*.py"):
+        if _module(path) not in ("", "__main__"):
+            stage_of(_module(path))
+
+
+def test_each_sub_package_is_one_stretch_of_the_order():
+    packages = [p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()]
+    assert set(packages) >= {"trace", "cost", "memory", "time", "measure", "report", "models"}
+    for pkg in packages:
+        at = [i for i, e in enumerate(ORDER) if e == pkg or e.startswith(pkg + ".")]
+        assert at == list(range(at[0], at[-1] + 1)), f"{pkg}/ is split in ORDER"
+        init = ast.parse((ROOT / pkg / "__init__.py").read_text())
+        assert ast.get_docstring(init), f"{pkg}/__init__.py: say what the sub-package holds"
 
 
 def test_no_module_imports_upward():
-    rank = {name: i for i, name in enumerate(ORDER)}
     wrong = []
     for path in sorted(ROOT.rglob("*.py")):
-        stage = _stage(path)
-        if stage in ("__init__", "__main__"):
+        module = _module(path)
+        if module in ("", "__main__"):
             continue
+        stage = stage_of(module)
         for dep in sorted(_imports(path)):
-            if dep == stage:
-                continue
-            if dep == "symacct" or rank.get(dep, len(ORDER)) > rank[stage]:
-                wrong.append(f"{path.relative_to(ROOT.parent)} imports " + ("symacct" if dep == "symacct" else dep))
+            if dep == "":
+                wrong.append(f"{path.relative_to(ROOT.parent)} imports the package symacct (import the module)")
+            elif RANK[stage_of(dep)] > RANK[stage]:
+                wrong.append(f"{path.relative_to(ROOT.parent)} imports {dep}")
     assert not wrong, "upward imports:\n" + "\n".join(wrong)
 
 
 def test_each_stage_imports_without_the_ones_above_it():
-    """Importing a stage loads no stage above it (the package's own __init__ loads nothing eagerly)."""
+    """Importing a module loads no module above it (the package's and sub-packages' __init__ load nothing
+    eagerly); each import in a fresh interpreter state."""
     code = (
-        "import sys, importlib\n"
+        "import sys, importlib, json\n"
         f"order = {ORDER!r}\n"
-        "for i, stage in enumerate(order):\n"
+        "loaded = {}\n"
+        "for stage in order:\n"
         "    for m in [m for m in sys.modules if m.startswith('symacct')]:\n"
         "        del sys.modules[m]\n"
         "    importlib.import_module('symacct.' + stage)\n"
-        "    above = sorted({m.split('.')[1] for m in sys.modules if m.startswith('symacct.')} & set(order[i + 1:]))\n"
-        "    assert not above, (stage, above)\n"
+        "    loaded[stage] = sorted(m[len('symacct.'):] for m in sys.modules if m.startswith('symacct.'))\n"
+        "print(json.dumps(loaded))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+    loaded = json.loads(done.stdout)
+    above = {stage: [m for m in modules if RANK[stage_of(m)] > RANK[stage]] for stage, modules in loaded.items()}
+    assert not any(above.values()), {k: v for k, v in above.items() if v}

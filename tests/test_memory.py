@@ -3,7 +3,7 @@
 - params, grads and optimizer-state bytes: the sizes of the real tensors after
   a real step, exactly;
 - after forward / after backward / after the optimizer step (and
-  zero_grad(set_to_none=True)): symacct's storage tracker (``symacct.measure``),
+  zero_grad(set_to_none=True)): symacct's storage tracker (``symacct.measure.run``),
   exactly;
 - peak: exactly as well. symacct's trace watches every fake storage through
   a weak reference, so its lifetimes are eager's own (Python locals included:
@@ -36,7 +36,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import symacct
-from symacct.measure import measure_memory_steps, measure_step
+from symacct.measure.run import measure_memory_steps, measure_step
 from symacct.models import GPT2, GPT2Config, LlamaConfig
 from symacct.options import OPTIMIZERS as OPTIMIZERS_BY_NAME
 
@@ -227,10 +227,10 @@ def test_ops_between_blocks_are_factored_by_L(L):
 
 def test_unaligned_layer_stack_falls_back_to_a_fixed_L(monkeypatch):
     """When one block's removal does not align the traces, L is fixed rather than a peak guessed."""
-    import symacct.layers
-    import symacct.memory
+    import symacct.cost.layers
+    import symacct.memory.liveness
 
-    monkeypatch.setattr(symacct.memory, "align_layers", lambda *a: None)
+    monkeypatch.setattr(symacct.memory.liveness, "align_layers", lambda *a: None)
     acct = symacct.derive(_Looped, dims={"width": 6, "L": 5}, inputs=_looped_inputs, optimizer="adamw")
     assert "L fixed at its value" in acct.notes[0] and "L" not in acct.free_symbols()
     model = _Looped(6, 5)
@@ -245,10 +245,10 @@ def test_unaligned_layer_stack_falls_back_to_a_fixed_L(monkeypatch):
 
 def _traces_and_memory(model, monkeypatch, **kw):
     """Derive counting the traces taken; the memory formulas and exact peaks at a few sizes."""
-    import symacct.trace
+    import symacct.trace.record
 
     calls = []
-    real = symacct.trace.record_step
+    real = symacct.trace.record.record_step
 
     def counting(*a, **k):
         calls.append(1)
@@ -274,12 +274,12 @@ def test_one_block_more_borrowed_from_the_checking_trace(cfg, monkeypatch):
     borrowed from the first trace (3 traces: probe, the user's model, the check); where a storage has no
     counterpart, a fourth trace at the first probe's sizes is taken instead. Both routes give the same
     formulas and the same exact peaks (which test_*_memory checks against real steps)."""
-    import symacct.memory
+    import symacct.memory.liveness
 
     model = build(cfg)
     n, formulas, peaks = _traces_and_memory(model, monkeypatch, optimizer="adamw")
     assert n == 3
-    monkeypatch.setattr(symacct.memory, "one_block_less", lambda name, stacks: name)  # no counterpart by name
+    monkeypatch.setattr(symacct.memory.liveness, "one_block_less", lambda name, stacks: name)  # no counterpart by name
     n2, formulas2, peaks2 = _traces_and_memory(model, monkeypatch, optimizer="adamw")
     assert n2 == 4
     assert (formulas2, peaks2) == (formulas, peaks)
@@ -288,11 +288,11 @@ def test_one_block_more_borrowed_from_the_checking_trace(cfg, monkeypatch):
 def test_a_borrowed_formula_must_give_the_bytes_counted(monkeypatch):
     """A storage whose borrowed formula does not evaluate to the bytes the checking trace counted is refused
     (None: derive then traces one block more at the first probe's sizes)."""
-    import symacct.layers
-    import symacct.memory
+    import symacct.cost.layers
+    import symacct.memory.liveness
 
     seen = []
-    real = symacct.memory.liveness
+    real = symacct.memory.liveness.liveness
 
     def keeping(*a, **k):
         seen.append((a, k))
@@ -301,13 +301,13 @@ def test_a_borrowed_formula_must_give_the_bytes_counted(monkeypatch):
     monkeypatch.setattr(importlib.import_module("symacct.pipeline"), "liveness", keeping)
     symacct.derive(build(_BORROW_CASES[0]))
     (base, other, probe, stacks, layers), kw = seen[0]
-    iv = symacct.memory.intervals(base, probe)
-    align = symacct.layers.align_layers(base, other, stacks, layers)
+    iv = symacct.memory.liveness.intervals(base, probe)
+    align = symacct.cost.layers.align_layers(base, other, stacks, layers)
     values = kw["other_values"]
-    assert symacct.memory.borrowed_intervals(other, base, iv, align, stacks, values) is not None
+    assert symacct.memory.liveness.borrowed_intervals(other, base, iv, align, stacks, values) is not None
     st = next(s for s in iv.nbytes if s in base.saved_storages)
     iv.nbytes[st] = iv.nbytes[st] * 2
-    assert symacct.memory.borrowed_intervals(other, base, iv, align, stacks, values) is None
+    assert symacct.memory.liveness.borrowed_intervals(other, base, iv, align, stacks, values) is None
 
 
 def test_sweep_of_the_peak_is_exact_where_the_sampled_envelope_is_not():

@@ -18,7 +18,7 @@ from cases import _SMALL, build, gpt2_cases, llama_cases, sizes, switches
 from hypothesis import given
 
 import symacct
-from symacct.measure import measure_memory, measure_step
+from symacct.measure.run import measure_memory, measure_step
 from symacct.models import GPT2, GPT2Config
 
 

@@ -109,7 +109,7 @@ def test_fit_seq_says_it_raised_s_max():
 
 
 def test_config_bools_parse_by_type():
-    from symacct.loading import load_model
+    from symacct.models.loading import load_model
 
     for text, tied in (("no", False), ("off", False), ("0", False), ("false", False), ("yes", True), ("1", True)):
         model = load_model("gpt2", {"tie_weights": text, "n_layer": "1"})
@@ -209,7 +209,7 @@ def test_model_flops_leave_out_the_flash_kernels_recompute():
 
 
 def test_roofline_refuses_a_missing_peak_and_uses_the_steps_dtype():
-    from symacct.hardware import Accelerator
+    from symacct.time.hardware import Accelerator
 
     fp32 = symacct.derive(Cruncher(CruncherConfig(dim=64, n_layers=2)))
     no_fp32 = Accelerator("X", {"bf16": 100.0}, 10, 1.0, 1.0, "test")
@@ -307,7 +307,7 @@ def test_mixed_recipe_with_fp32_grads_trains_like_adamw(dtype):
 
 
 def test_bytes_per_param_between_steps_and_at_the_step_peak():
-    from symacct.measure import StorageTracker
+    from symacct.measure.run import StorageTracker
 
     model = GPT2(GPT2Config(**SMALL))
     mixed = symacct.derive(model, optimizer="mixed_adamw", params_dtype="bf16")
@@ -466,7 +466,7 @@ def test_derive_from_two_threads_at_once():
 
 
 def test_internal_failures_are_marked_as_such(monkeypatch):
-    from symacct.rules import registry
+    from symacct.cost.rules import registry
 
     def broken(call):
         raise ZeroDivisionError("a bug")
@@ -483,7 +483,7 @@ def test_what_the_loss_function_saves_is_counted(autocast):
     activations, and it runs under autocast as the forward does. Before, they were left out."""
     import torch.nn.functional as F
 
-    from symacct.measure import measure_memory, measure_step
+    from symacct.measure.run import measure_memory, measure_step
 
     model = GPT2(GPT2Config(**SMALL))
 
@@ -535,7 +535,7 @@ def test_sdpa_with_enable_gqa_is_costed_and_its_head_ratio_kept():
     """The rule crashed on symbolic heads (H < H_kv has no truth value). Now exact: FlopCounterMode counts
     the projections; the CPU flash kernel (which it counts 0) is 4*B*H*S*S*Dh forward, 10*B*H*S*S*Dh backward
     with query heads, one fifth of the backward being the recomputed scores."""
-    from symacct.measure import measure_step
+    from symacct.measure.run import measure_step
 
     acct = symacct.derive(
         GQA, dims={"D": 32, "H": 4, "H_kv": 2}, inputs=lambda m, B, S: (torch.randn(B, S, m.q.in_features),)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import symacct
 from symacct import SymacctError
-from symacct.measure import measure_memory, measure_step
+from symacct.measure.run import measure_memory, measure_step
 from symacct.models import ResNet, ResNetConfig
 from symacct.symbols import sym
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from symacct.graph import cost_ops
-from symacct.trace import record_step
+from symacct.cost.graph import cost_ops
+from symacct.trace.record import record_step
 
 aten = torch.ops.aten
 
@@ -111,8 +111,8 @@ def test_sdpa_cpu_kernel_counted_like_flop_counter_formula():
 
 
 def test_registered_ops_are_real_ops_and_duplicates_raise():
-    from symacct.rules import rule
-    from symacct.rules.registry import _BY_OP
+    from symacct.cost.rules import rule
+    from symacct.cost.rules.registry import _BY_OP
 
     # every registration names an aten op that exists in this torch, with overloads to dispatch to
     for packet in _BY_OP:
@@ -154,8 +154,8 @@ def test_conventions_doc_lists_every_table_entry():
     """docs/conventions.md prints the per-element tables; it must not go stale."""
     from pathlib import Path
 
-    from symacct.rules.pointwise import PER_ELEMENT
-    from symacct.rules.reductions import FUSED
+    from symacct.cost.rules.pointwise import PER_ELEMENT
+    from symacct.cost.rules.reductions import FUSED
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "conventions.md").read_text()
     for table in (PER_ELEMENT, FUSED):
@@ -166,7 +166,7 @@ def test_conventions_doc_lists_every_table_entry():
 def test_cost_adds_and_scales_field_by_field():
     import sympy
 
-    from symacct.rules import Cost
+    from symacct.cost.rules import Cost
     from symacct.symbols import sym
 
     B, L = sym("B"), sym("L")
@@ -186,9 +186,9 @@ def test_graph_records_are_frozen_and_left_alone_downstream():
     import dataclasses
 
     import symacct
-    from symacct.graph import records
+    from symacct.cost.graph import records
     from symacct.models import Cruncher, CruncherConfig
-    from symacct.timing import roofline
+    from symacct.time.model import roofline
 
     acct = symacct.derive(Cruncher(CruncherConfig(dim=16, n_layers=2)))
     before = dict(records(acct.graph))

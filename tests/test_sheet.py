@@ -14,10 +14,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import symacct
-from symacct import sheet
 from symacct.cli import main
 from symacct.formula import latex, negligible_terms, text
 from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
+from symacct.report import sheet
 from symacct.symbols import B, D, H, L, S, V, sym
 
 SMALL = {"n_layer": 3, "n_embd": 32, "n_head": 4, "vocab_size": 96, "block_size": 64}
@@ -48,7 +48,7 @@ def small():
 def test_sheet_totals_match_a_real_step(small):
     """The sheet's totals against independent counts of a real CPU step: the parameter count, FlopCounterMode,
     saved_tensors_hooks and the storage tracker (peak and phase points)."""
-    from symacct.measure import measure_memory, measure_step
+    from symacct.measure.run import measure_memory, measure_step
 
     model, _, sh = small
     by_name = {t["name"]: t["value"] for t in sh["totals"]}

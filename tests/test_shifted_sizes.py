@@ -13,10 +13,10 @@ from torch import nn
 
 import symacct
 from symacct import SymacctError
-from symacct.measure import measure_memory, measure_step
+from symacct.measure.run import measure_memory, measure_step
 from symacct.models import GPT2, GPT2Config
-from symacct.probe import FIRST_PRIMES, OFFSETS, make_probe
 from symacct.symbols import sym
+from symacct.trace.probe import FIRST_PRIMES, OFFSETS, make_probe
 
 SMALL = GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import symacct
-from symacct.graph import records
-from symacct.hardware import CATALOG, get, load, validate
+from symacct.cost.graph import records
 from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig
-from symacct.timing import fit, max_params, roofline
+from symacct.time.hardware import CATALOG, get, load, validate
+from symacct.time.model import fit, max_params, roofline
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -29,7 +29,7 @@ def test_seed_training_time_70b_15t_1024_h100():
 
 
 def test_model_based_time_uses_derived_flops():
-    from symacct.measure import measure_step
+    from symacct.measure.run import measure_step
 
     model = GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16))
     acct = symacct.derive(model)

@@ -3,7 +3,7 @@
 Each family is built from a hypothesis-drawn small config, in eager and SDPA
 attention; ``derive(model, optimizer="adamw")`` is then compared, at two
 (B, S) each, with a real CPU step of the same model with the default task
-step (``symacct.hf.task``):
+step (``symacct.models.hf.task``):
 
 - FLOPs: FlopCounterMode, plus the CPU flash-attention kernel (which it counts
   as 0) by flop_counter's own SDPA formulas (``measure.CpuFlashCounter``) and a
@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 
 import symacct
 from symacct import SymacctError
-from symacct.hf import task
-from symacct.measure import measure_memory, measure_step
+from symacct.measure.run import measure_memory, measure_step
+from symacct.models.hf import task
 
 transformers = pytest.importorskip("transformers")  # in the test extra; the skip shows when it is missing
 T = transformers

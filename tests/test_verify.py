@@ -98,7 +98,7 @@ def test_verify_steps_must_be_positive():
 
 def test_gpu_name_maps_to_the_catalog(monkeypatch):
     from symacct.errors import SymacctError
-    from symacct.verify import device_hardware
+    from symacct.measure.verify import device_hardware
 
     for name, entry in (
         ("NVIDIA H200", "H200"),
@@ -123,9 +123,9 @@ def test_cuda_rows_from_given_measurements():
     at the dense peak of the step's dtype: the H200's 989 TFLOP/s for bf16 autocast, 67 TFLOP/s for fp32
     (../shared/REFERENCES.md)."""
     import symacct
-    from symacct.measure import CudaSteps
+    from symacct.measure.run import CudaSteps
+    from symacct.measure.verify import _cuda_rows, render
     from symacct.models import GPT2, GPT2Config
-    from symacct.verify import _cuda_rows, render
 
     model = GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16))
     sizes = {"B": 2, "S": 8}
@@ -145,7 +145,7 @@ def test_cuda_rows_from_given_measurements():
 def test_an_unknown_gpu_is_refused_before_the_run(monkeypatch):
     """Without --hardware, a GPU the catalog lacks stops verify before anything runs on it."""
     import symacct
-    import symacct.verify as v
+    import symacct.measure.verify as v
     from symacct.errors import SymacctError
     from symacct.models import GPT2, GPT2Config
 

@@ -1,0 +1,174 @@
+"""Ops that move or make memory but do no arithmetic: views, copies,
+creation, random draws, gathers and scatters (0 FLOPs each).
+
+Views cost nothing (the registry already gives them 0 bytes): they are
+listed so that an unknown op is never mistaken for one. ``empty*`` only
+allocates: 0 bytes written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from symacct.cost.rules.registry import Call, Cost, nbytes, numel, rule
+
+aten = torch.ops.aten
+
+
+@rule(
+    aten.view,
+    aten._unsafe_view,
+    aten.reshape,
+    aten.t,
+    aten.transpose,
+    aten.permute,
+    aten.expand,
+    aten.slice,
+    aten.select,
+    aten.squeeze,
+    aten.unsqueeze,
+    aten.split,
+    aten.split_with_sizes,
+    aten.unbind,
+    aten.chunk,
+    aten.narrow,
+    aten.as_strided,
+    aten.alias,
+    aten.detach,
+    aten.lift_fresh,
+    aten.view_as_real,
+    aten.view_as_complex,
+    aten.unfold,
+    aten.diagonal,
+    aten.expand_as,
+    aten._reshape_alias,
+    aten.unflatten,
+    aten.flatten,
+    aten.movedim,
+    aten.view_as,
+)
+def view(call: Call) -> Cost:
+    return Cost()
+
+
+@rule(aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided)
+def allocate(call: Call) -> Cost:
+    return Cost(bytes_read=0, bytes_written=0)
+
+
+@rule(
+    aten.zeros,
+    aten.ones,
+    aten.full,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.full_like,
+    aten.new_zeros,
+    aten.new_ones,
+    aten.new_full,
+    aten.arange,
+    aten.scalar_tensor,
+    aten.fill_,
+    aten.zero_,
+    aten.fill,
+    aten.rand,
+    aten.randn,
+    aten.randint,
+    aten.rand_like,
+    aten.randn_like,
+    aten.randint_like,
+    aten.bernoulli_,
+    aten.bernoulli,
+    aten.normal_,
+    aten.uniform_,
+    aten.randperm,
+    aten.eye,
+    aten.linspace,
+    aten.tril,
+    aten.triu,
+)
+def create(call: Call) -> Cost:
+    """Writes its output; reads only a tensor it masks (tril, triu)."""
+    read = sum((nbytes(t) for t in call.inputs if t not in call.mutated), 0)
+    return Cost(bytes_read=read)
+
+
+@rule(
+    aten.clone,
+    aten.copy_,
+    aten._to_copy,
+    aten.copy,
+    aten.cat,
+    aten.stack,
+    aten.contiguous,
+    aten.slice_backward,
+    aten.select_backward,
+    aten.repeat,
+    aten.index_select,
+    aten.gather,
+    aten.index,
+    aten.constant_pad_nd,
+    aten.roll,
+    aten.flip,
+    aten.slice_scatter,
+    aten.select_scatter,
+    aten.masked_select,
+    aten.index_put_,
+    aten.index_put,
+    aten.scatter,
+    aten.unsafe_split,
+    aten.lift_fresh_copy,
+    aten._foreach_copy_,
+)
+def copy(call: Call) -> Cost:
+    """A copy reads its source and writes its result: 0 FLOPs."""
+    if call.op.overloadpacket in (aten.copy_, aten._foreach_copy_):
+        src = call.inputs[len(call.mutated) :]
+        return Cost(bytes_read=sum((nbytes(t) for t in src), 0))
+    return Cost()
+
+
+@rule(aten._foreach_zero_)
+def foreach_zero(call: Call) -> Cost:
+    return Cost(bytes_read=0)
+
+
+def _as_matmul(call: Call) -> bool:
+    """``derive(embedding_flops="matmul")``: count a lookup as the one-hot matmul it stands for."""
+    return call.options.get("embedding_flops") == "matmul"
+
+
+@rule(aten.embedding)
+def embedding(call: Call) -> Cost:
+    """A lookup: reads the indices and the gathered rows, no FLOPs.
+
+    With ``embedding_flops="matmul"`` (Chinchilla's appendix): the one-hot
+    (tokens, V) @ (V, D) product, 2*tokens*V*D matmul FLOPs, for every table
+    looked up (a learned position table too: V is then its S_max rows).
+    """
+    weight, idx = call.inputs[0], call.inputs[1]  # weight: [V, D], idx: [...] (tokens)
+    out = call.outputs[0]
+    if _as_matmul(call):
+        rows, width = weight.shape
+        return Cost(flops=2 * numel(idx.shape) * rows * width, bytes_read=nbytes(idx) + nbytes(out))
+    return Cost(bytes_read=nbytes(idx) + nbytes(out))
+
+
+@rule(aten.embedding_dense_backward)
+def embedding_backward(call: Call) -> Cost:
+    """Scatter-adds every gradient row into a zeroed (V, D) table: 1 FLOP per grad element.
+
+    With ``embedding_flops="matmul"``: twice the forward's one-hot matmul,
+    4*tokens*V*D (the convention's backward = 2 x forward), and no scatter-add.
+    """
+    grad, idx = call.inputs[0], call.inputs[1]  # grad: [..., D], idx: [...] (tokens)
+    if _as_matmul(call):
+        rows, width = call.outputs[0].shape  # the weight's gradient: [V, D]
+        return Cost(flops=4 * numel(idx.shape) * rows * width)
+    return Cost(flops_other=numel(grad.shape))
+
+
+@rule(aten._local_scalar_dense, aten.item)
+def read_scalar(call: Call) -> Cost:
+    """``tensor.item()`` on a one-element tensor: reads its bytes, writes none."""
+    return Cost(bytes_written=0)

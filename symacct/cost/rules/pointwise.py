@@ -1,0 +1,70 @@
+"""Elementwise ops: FLOPs per output element, bytes read and written.
+
+Convention: an elementwise op costs ``k`` FLOPs per element it writes, where
+``k`` counts the arithmetic of its definition (a transcendental such as exp,
+erf, tanh or rsqrt counts 1). ``k = 1`` unless ``PER_ELEMENT`` says
+otherwise; the table is the convention, printed in docs/conventions.md.
+Foreach ops (the optimizers' ``_foreach_*``) apply the same ``k`` to every
+tensor of their list.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from symacct.cost.rules.registry import Call, Cost, distinct, numel, rule
+
+aten = torch.ops.aten
+
+# FLOPs per written element; ops not listed cost 1.
+PER_ELEMENT: dict[str, int] = {
+    "addcmul": 2,  # self + value * t1 * t2 (value == 1 folded)
+    "addcdiv": 2,
+    "lerp": 2,  # self + w * (end - self)
+    "gelu": 5,  # x * 0.5 * (1 + erf(x / sqrt 2))
+    "gelu_backward": 10,  # cdf (3) + pdf (4) + x * pdf, + cdf, * grad (3)
+    "silu": 2,  # x * sigmoid(x)
+    "silu_backward": 6,  # grad * s * (1 + x * (1 - s))
+    "native_dropout_backward": 2,  # grad * mask * scale
+    "threshold_backward": 1,
+    "sigmoid_backward": 3,
+    "tanh_backward": 3,
+}
+
+
+def _per_element(call: Call) -> int:
+    name = call.op.overloadpacket.__name__.removeprefix("_foreach_").rstrip("_")
+    return PER_ELEMENT.get(name, 1)
+
+
+@rule(tag=torch.Tag.pointwise)
+def pointwise(call: Call) -> Cost:
+    written = call.outputs or call.mutated
+    return Cost(flops_other=_per_element(call) * sum((numel(t.shape) for t in distinct(written)), 0))
+
+
+def _foreach_packets() -> tuple[torch._ops.OpOverloadPacket, ...]:
+    """Every ``aten._foreach_*`` op registered with the dispatcher (``dir(aten)`` lists only the packets some
+    code has touched already, so what it gives depends on what was imported first), copy and zero excepted
+    (memory_ops has their rules)."""
+    names = sorted({n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith("aten::_foreach_")})  # fmt: skip
+    return tuple(getattr(aten, n) for n in names if not n.startswith(("_foreach_copy", "_foreach_zero")))
+
+
+_FOREACH = _foreach_packets()
+
+
+@rule(*_FOREACH)
+def foreach(call: Call) -> Cost:
+    """Elementwise over a list: k FLOPs per element of every written tensor."""
+    written = call.outputs or call.mutated
+    if call.op.overloadpacket.__name__.startswith(("_foreach_norm", "_foreach_max")):
+        return Cost(flops_other=sum((numel(t.shape) for t in distinct(call.inputs)), 0))
+    return Cost(flops_other=_per_element(call) * sum((numel(t.shape) for t in distinct(written)), 0))
+
+
+@rule(aten.floor_divide)
+def pointwise_untagged(call: Call) -> Cost:
+    """Elementwise ops PyTorch does not tag ``pointwise`` (``floor_divide``: a routed row's token, perm // k)."""
+    return pointwise(call)

@@ -1,0 +1,135 @@
+"""Reductions and fused normalisation / softmax / loss kernels.
+
+Convention: a reduction costs 1 FLOP per element it reads; so does a scan
+(``cumsum``: one add per element, the position ids of a padding mask), and so
+does a selection (``topk``, ``sort``, ``histc``: a mixture of experts' routing
+compares, it does no arithmetic; the comparisons of a sort are not counted).
+A fused kernel
+costs the FLOPs of its decomposition per element of its largest operand,
+as listed in ``FUSED`` (docs/conventions.md prints the table).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from symacct.cost.rules.registry import Call, Cost, numel, rule
+
+aten = torch.ops.aten
+
+
+@rule(tag=torch.Tag.reduction)
+def reduction(call: Call) -> Cost:
+    return Cost(flops_other=numel(call.inputs[0].shape) if call.inputs else 0)
+
+
+@rule(
+    aten.amax,
+    aten.amin,
+    aten.var,
+    aten.var_mean,
+    aten.linalg_vector_norm,
+    aten.logsumexp,
+    aten.cumsum,
+    aten.cumprod,
+    aten.cummax,
+    aten.cummin,
+    aten.topk,
+    aten.sort,
+    aten.histc,
+)
+def reduction_untagged(call: Call) -> Cost:
+    return reduction(call)
+
+
+# FLOPs per element of the op's first tensor argument.
+FUSED: dict[str, int] = {
+    "_softmax": 5,  # max, sub, exp, sum, div
+    "_safe_softmax": 5,
+    "_softmax_backward_data": 4,  # grad * y, sum, sub, mul
+    "_log_softmax": 5,  # max, sub, exp, sum, sub (log per row not counted)
+    "_log_softmax_backward_data": 4,  # exp(y), sum(grad), mul, sub
+    "native_layer_norm": 7,  # mean, sub, square, mean, mul rstd, * weight, + bias
+    "native_layer_norm_backward": 13,  # xhat (2), g*w, sums (3), combine (4), dw (2), db (1)
+    "native_group_norm": 7,
+    "native_group_norm_backward": 13,
+    "native_batch_norm": 7,
+    "native_batch_norm_backward": 13,
+    "_native_batch_norm_legit": 7,
+    "_native_batch_norm_legit_functional": 7,
+    "_native_batch_norm_legit_no_training": 4,
+    "_fused_rms_norm": 5,  # square, mean, rsqrt-mul, * weight
+    "_fused_rms_norm_backward": 9,
+    "native_dropout": 3,  # mask draw, mul mask, mul scale
+}
+
+
+@rule(*(getattr(aten, n) for n in FUSED if hasattr(aten, n)))
+def fused(call: Call) -> Cost:
+    first = call.inputs[0]
+    return Cost(flops_other=FUSED[call.op.overloadpacket.__name__] * numel(first.shape))
+
+
+@rule(aten.nll_loss_forward, aten.nll_loss2d_forward)
+def nll_loss(call: Call) -> Cost:
+    """Gathers one logit per target and sums: N FLOPs, reads N logits and N targets."""
+    logp, target = call.inputs[0], call.inputs[1]
+    n = numel(target.shape)
+    return Cost(flops_other=n, bytes_read=n * (logp.itemsize + target.itemsize))
+
+
+@rule(aten.nll_loss_backward, aten.nll_loss2d_backward)
+def nll_loss_backward(call: Call) -> Cost:
+    """Writes the whole (N, V) gradient: zeros plus one scaled value per target."""
+    grad_out, target = call.inputs[0], call.inputs[2]
+    n = numel(target.shape)
+    return Cost(flops_other=n, bytes_read=n * target.itemsize + numel(grad_out.shape) * grad_out.itemsize)
+
+
+def _window(call: Call) -> Any:
+    """The kernel area of a pooling call (its kernel_size argument, an int or a per-dimension list)."""
+    k = call.args[1] if len(call.args) > 1 else call.kwargs.get("kernel_size", 1)
+    k = k if isinstance(k, (list, tuple)) else [k]
+    area = 1
+    for x in k:
+        area *= x
+    return area
+
+
+@rule(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices, aten.avg_pool2d, aten.avg_pool3d)
+def pool(call: Call) -> Cost:
+    """One comparison (max) or add (average) per input element of each window: output elements x kernel area."""
+    return Cost(flops_other=numel(call.outputs[0].shape) * _window(call))
+
+
+@rule(
+    aten.max_pool2d_with_indices_backward,
+    aten.max_pool3d_with_indices_backward,
+    aten.avg_pool2d_backward,
+    aten.avg_pool3d_backward,
+)
+def pool_backward(call: Call) -> Cost:
+    """Each output gradient is added into its window's input: one add per element of the gradient read,
+    times the window for an average (spread over the window)."""
+    grad = call.inputs[0]
+    if "max_pool" in call.op.overloadpacket.__name__:
+        return Cost(flops_other=numel(grad.shape))
+    k = call.args[2] if len(call.args) > 2 else call.kwargs.get("kernel_size", 1)  # (grad, self, kernel_size, ...)
+    area = 1
+    for x in k if isinstance(k, (list, tuple)) else [k]:
+        area *= x
+    return Cost(flops_other=numel(grad.shape) * area)
+
+
+@rule(aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
+def adaptive_pool(call: Call) -> Cost:
+    """One add (or comparison) per input element (global pooling reads each once)."""
+    return Cost(flops_other=numel(call.inputs[0].shape))
+
+
+@rule(aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward, aten.adaptive_max_pool2d_backward)
+def adaptive_pool_backward(call: Call) -> Cost:
+    """The gradient spread back over the input: one op per input element."""
+    return Cost(flops_other=numel(call.outputs[0].shape))

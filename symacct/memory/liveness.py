@@ -1,0 +1,382 @@
+"""Live bytes over the step, the phase points and the peak.
+
+Conventions (docs/conventions.md, "Memory"):
+
+- a storage lives from the op that makes it until eager PyTorch frees it:
+  the trace watches every storage through a weak reference, so Python
+  locals, autograd's saved tensors (released as backward consumes them),
+  gradients (freed by ``zero_grad(set_to_none=True)`` after the step),
+  optimizer states, parameters and what the caller holds (the output and the
+  loss) live exactly as long as they do in eager mode;
+- "during op t" counts every storage alive at t (inputs and outputs of t);
+  the phase points (after forward, after backward, after the optimizer step
+  and zero_grad) count what survives between two ops;
+- the layer stack: the step is traced with 4 blocks and (the checking
+  trace, at other probe sizes) with 5; removing one middle block from the
+  second aligns it op for op with the first, and live bytes at a point of
+  the real model with L blocks are
+  ``live4(t) + (L - 4) * (live5(t') - live4(t))``, each storage of the
+  second trace counted by its counterpart's formula in the first
+  (``borrowed_intervals``, checked against the bytes it counted; where a
+  storage has none, a trace with 5 blocks at the first probe's sizes).
+
+The symbolic peak is ``Max`` over the points that are largest somewhere in a
+wide sample of the symbol space, with dominated points pruned (a point is
+dominated when its difference to another expands to nonnegative
+coefficients only). ``Accounting.at`` does not rely on that envelope: it
+evaluates the live bytes of every point exactly at the given sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import sympy
+
+from symacct.cost.layers import DROP, align_layers, one_block_less, op_blocks
+from symacct.symbols import evaluate, integer_form, sort_key, sym
+from symacct.trace.probe import Probe
+from symacct.trace.record import StepTrace
+
+if TYPE_CHECKING:
+    from symacct.memory.static import Memory
+
+Expr = Any
+
+
+@dataclass
+class Intervals:
+    """Lifetimes of the storages of one trace, on op indices (-1: before the step)."""
+
+    n: int  # number of ops
+    start: dict[int, float]
+    end: dict[int, float]
+    nbytes: dict[int, sympy.Expr]
+
+    _layout: tuple[list[sympy.Expr], np.ndarray, np.ndarray, np.ndarray, list[int]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def layout(self) -> tuple[list[sympy.Expr], np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """The distinct byte formulas, each storage's formula, the slot it starts counting at and the slot it
+        stops at (``live``), and how many storages have each formula."""
+        if self._layout is None:
+            exprs = list(dict.fromkeys(self.nbytes[st] for st in self.start))
+            index = {e: i for i, e in enumerate(exprs)}
+            group = np.array([index[self.nbytes[st]] for st in self.start], dtype=np.int64)
+            lo = np.array([int(s0) + 1 for s0 in self.start.values()], dtype=np.int64)
+            hi = np.array([int(min(self.end[st], self.n - 1)) + 2 for st in self.start], dtype=np.int64)
+            counts = np.bincount(group, minlength=len(exprs)).tolist()
+            self._layout = (exprs, group, lo, hi, counts)
+        return self._layout
+
+    def live(self, values: Mapping[str, int]) -> list[int]:
+        """Live bytes at the given sizes, exactly: ``out[t + 1]`` during op t (``out[0]`` before the step).
+
+        Each distinct formula is evaluated once (``integer_form``); the sums run in int64 when no total can
+        overflow it, in Python integers otherwise.
+        """
+        exprs, group, lo, hi, counts = self.layout()
+        b = [integer_form(e)(values) for e in exprs]
+        delta: Any
+        if sum(abs(x) * c for x, c in zip(b, counts)) < 2**62:
+            per = np.array(b, dtype=np.int64)[group]
+            delta = np.zeros(self.n + 3, dtype=np.int64)
+            np.add.at(delta, lo, per)
+            np.add.at(delta, hi, -per)
+            return np.cumsum(delta).tolist()
+        delta = [0] * (self.n + 3)
+        for g, i, j in zip(group.tolist(), lo.tolist(), hi.tolist()):
+            delta[i] += b[g]
+            delta[j] -= b[g]
+        return list(itertools.accumulate(delta))
+
+    def alive_at(self, pos: float) -> list[int]:
+        return [s for s in self.start if self.start[s] <= pos <= self.end[s]]
+
+    def symbolic(self, storages: list[int]) -> sympy.Expr:
+        return sympy.Add(*(self.nbytes[s] for s in storages))
+
+
+def _lifetimes(trace: StepTrace) -> tuple[dict[int, float], dict[int, float]]:
+    """Each storage lives from the op that makes it (or the step's start) to the moment eager frees it."""
+    forever = len(trace.ops) + 2.0
+    start: dict[int, float] = {st: -1.0 for st in trace.external_storages}
+    for rec in trace.ops:
+        for m in (*rec.inputs, *rec.outputs, *rec.mutated):
+            start.setdefault(m.storage, float(trace.storage_producer.get(m.storage, rec.index)))
+    end = {st: trace.storage_end.get(st, forever) for st in start}
+    return start, end
+
+
+def _counted(trace: StepTrace, st: int) -> int:
+    nb = trace.storage_nbytes.get(st)
+    return _nbytes_from_ops(trace, st) if nb is None else nb
+
+
+def intervals(trace: StepTrace, probe: Probe) -> Intervals:
+    """Lifetimes, and each storage's bytes read as a formula at the probe's sizes."""
+    start, end = _lifetimes(trace)
+    nbytes = {st: trace.bytes_of(st, probe.to_expr, _counted(trace, st)) for st in start}
+    return Intervals(len(trace.ops), start, end, nbytes)
+
+
+def borrowed_intervals(
+    other: StepTrace,
+    base: StepTrace,
+    base_iv: Intervals,
+    align: list[int],
+    stacks: list[str],
+    values: Mapping[str, int],
+) -> Intervals | None:
+    """Lifetimes in ``other`` (one block more than ``base``, at other probe sizes ``values``), each storage's
+    bytes the formula of its counterpart in ``base``; None where a counterpart is missing or its formula does
+    not give the bytes ``other`` counted.
+
+    Counterparts: the tensors of each aligned op pair (``align_layers``); the block ``align_layers`` drops
+    (block 2) through block 1 of ``other``, op for op; parameters, buffers and inputs by name, block numbers
+    shifted as ``align_layers`` shifts them. Every formula is evaluated at ``values`` and must equal the bytes
+    ``other`` counted: the probe sizes are products of distinct primes, so a formula that is not the storage's
+    own would not. This spares a trace: the trace that checks the formulas at other sizes also gives the
+    liveness of one block more.
+    """
+    subs = {sym(k): sympy.Integer(v) for k, v in values.items()}
+    expr: dict[int, sympy.Expr] = {}
+
+    def pair(o: int, b: int) -> bool:
+        e = base_iv.nbytes.get(b)
+        if e is None or expr.setdefault(o, e) != e:
+            return False
+        return True
+
+    base_names = {ph.name: ph.meta.storage for ph in base.placeholders}
+    for ph in other.placeholders:
+        b = base_names.get(one_block_less(ph.name, stacks))
+        if b is None or not pair(ph.meta.storage, b):
+            return None
+    for t, o in enumerate(align):
+        rb, ro = base.ops[t], other.ops[o]
+        for mb_list, mo_list in ((rb.inputs, ro.inputs), (rb.outputs, ro.outputs), (rb.mutated, ro.mutated)):
+            if len(mb_list) != len(mo_list):
+                return None
+            for mb, mo in zip(mb_list, mo_list):
+                if not pair(mo.storage, mb.storage):
+                    return None
+    blocks = op_blocks(other.ops, stacks)
+    by_block: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for j, b in enumerate(blocks):
+        if b is not None:
+            by_block[b].append(j)
+    for (stack, i), dropped in by_block.items():
+        if i != DROP:
+            continue
+        twin = by_block.get((stack, 1), [])
+        if len(twin) != len(dropped):
+            return None
+        for j, k in zip(dropped, twin):
+            rd, rt = other.ops[j], other.ops[k]
+            if str(rd.op) != str(rt.op):
+                return None
+            for md_list, mt_list in ((rd.inputs, rt.inputs), (rd.outputs, rt.outputs), (rd.mutated, rt.mutated)):
+                if len(md_list) != len(mt_list):
+                    return None
+                for md, mt in zip(md_list, mt_list):
+                    e = expr.get(mt.storage)
+                    if e is None or expr.setdefault(md.storage, e) != e:
+                        return None
+    start, end = _lifetimes(other)
+    cache: dict[sympy.Expr, int] = {}
+    for st in start:
+        e = expr.get(st)
+        if e is None:
+            return None
+        if e not in cache:
+            cache[e] = int(sympy.sympify(e).xreplace(subs))
+        if cache[e] != _counted(other, st):
+            return None
+    return Intervals(len(other.ops), start, end, {st: expr[st] for st in start})
+
+
+def _nbytes_from_ops(trace: StepTrace, st: int) -> int:
+    for rec in trace.ops:
+        for m in (*rec.inputs, *rec.outputs):
+            if m.storage == st:
+                return math.prod(m.shape) * m.itemsize
+    return 0
+
+
+@dataclass
+class Liveness:
+    """Live bytes at every op, with the layer stack factored; evaluated exactly by ``evaluate``."""
+
+    base: Intervals  # trace with ``layers`` blocks (or the only trace)
+    other: Intervals | None  # trace with ``layers + 1`` blocks, same probe sizes
+    align: list[int]  # op index in ``base`` -> op index in ``other``
+    layers: int
+    labels: list[tuple[int, str, str, str]]  # per op: (index, op, module, phase)
+    marks: dict[str, float]  # phase point -> position in ``base``
+    other_marks: dict[str, float]
+    point_block: list[int | None] = field(default_factory=list)  # probe block of each op (None: outside)
+    states: frozenset[int] = frozenset()  # optimizer-state storages of ``base`` (made during the first step)
+    other_states: frozenset[int] = frozenset()
+
+    def steady(self) -> Liveness:
+        """The same step once the optimizer's states exist: every step after the first.
+
+        Lazily created states (AdamW's m, v and step, the mixed recipe's
+        master weights) are live from the start of the step instead of from
+        the op that made them; everything else is the first step's.
+        """
+
+        def lift(iv: Intervals, states: frozenset[int]) -> Intervals:
+            start = {st: (-1.0 if st in states else s) for st, s in iv.start.items()}
+            return Intervals(iv.n, start, iv.end, iv.nbytes)
+
+        other = lift(self.other, self.other_states) if self.other is not None else None
+        return dataclasses.replace(self, base=lift(self.base, self.states), other=other)
+
+    def mark_value(self, name: str, values: Mapping[str, int]) -> int:
+        """Live bytes at a phase point, evaluated exactly."""
+        return evaluate(self.at_mark(name), dict(values))
+
+    def _valid(self, t: int, L: int) -> bool:
+        """Whether op t of the probe stands for a point of a model with L blocks."""
+        b = self.point_block[t] if self.point_block else None
+        if b is None or b == 0:
+            return True
+        if b == self.layers - 1:
+            return L >= 2  # the last block
+        return L >= 3  # a middle block
+
+    def evaluate(self, values: Mapping[str, int], phases: tuple[str, ...] | None = None) -> tuple[int, int]:
+        """(peak bytes, op index) at the given sizes, exactly; over the ops of ``phases`` only, if given."""
+        live = self.base.live(values)
+        chosen = [t for t in range(self.base.n) if phases is None or self.labels[t][3] in phases]
+        if not chosen:
+            raise ValueError(f"no op in phases {phases}")
+        if self.other is None:
+            best = max(chosen, key=lambda t: live[t + 1])
+            return live[best + 1], best
+        live2 = self.other.live(values)
+        L = values.get("L", self.layers)
+        k = L - self.layers
+        points = [t for t in chosen if self._valid(t, L)]
+        vals = {t: live[t + 1] + k * (live2[self.align[t] + 1] - live[t + 1]) for t in points}
+        best = max(points, key=lambda t: vals[t])
+        return vals[best], best
+
+    def at_point(self, t: int) -> sympy.Expr:
+        e = self.base.symbolic(self.base.alive_at(t))
+        if self.other is None:
+            return sympy.expand(e)
+        e2 = self.other.symbolic(self.other.alive_at(self.align[t]))
+        return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
+
+    def at_mark(self, name: str) -> sympy.Expr:
+        pos = self.marks[name]
+        e = self.base.symbolic([s for s in self.base.start if self.base.start[s] < pos < self.base.end[s]])
+        if self.other is None:
+            return sympy.expand(e)
+        pos2 = self.other_marks[name]
+        e2 = self.other.symbolic([s for s in self.other.start if self.other.start[s] < pos2 < self.other.end[s]])
+        return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
+
+    def symbolic_peak(self, names: list[str], samples: int = 48, seed: int = 0) -> tuple[Expr, list[int]]:
+        """Max over the points largest somewhere in a log-uniform sample of the sizes; dominated ones pruned."""
+        rng = random.Random(seed)
+        candidates: set[int] = set()
+        for _ in range(samples):
+            values = {n: int(2 ** rng.uniform(0, 14)) + 1 for n in names}
+            if "L" in values:
+                values["L"] = self.layers + int(2 ** rng.uniform(0, 8))
+            if "S_max" in values and "S" in values:
+                values["S_max"] = max(values["S_max"], values["S"])
+            candidates.add(self.evaluate(values)[1])
+        exprs = {t: self.at_point(t) for t in sorted(candidates)}
+        keep = []
+        for t, e in exprs.items():
+            dominated = any(
+                u != t and (exprs[u] != e or u < t) and _nonnegative(sympy.expand(exprs[u] - e)) for u in exprs
+            )
+            if not dominated:
+                keep.append(t)
+        if len(keep) == 1:
+            return exprs[keep[0]], keep
+        return sympy.Max(*(exprs[t] for t in keep), evaluate=False), keep  # already pruned
+
+
+def _nonnegative(e: sympy.Expr) -> bool:
+    """True when every coefficient of the expanded polynomial is >= 0 (so e >= 0 for positive symbols)."""
+    if e == 0:
+        return True
+    terms = e.as_ordered_terms() if isinstance(e, sympy.Add) else [e]
+    return all(t.as_coeff_Mul()[0] >= 0 for t in terms)
+
+
+def liveness(
+    base: StepTrace,
+    other: StepTrace | None,
+    probe: Probe,
+    stacks: list[str],
+    layers: int,
+    other_values: Mapping[str, int] | None = None,
+) -> Liveness | None:
+    """Live bytes over the step of ``base``; with ``other`` (one block more), factored by L.
+
+    ``other`` at the same probe sizes has its bytes read by ``probe``; at other sizes (``other_values``, the
+    checking trace) they are borrowed from ``base`` (``borrowed_intervals``). None when the two do not align
+    (or, at other sizes, a storage's bytes cannot be borrowed).
+    """
+    iv = intervals(base, probe)
+    labels = [(r.index, str(r.op), r.module, r.phase) for r in base.ops]
+    marks = _mark_positions(base)
+    states = frozenset(base.state_storages)
+    if other is None:
+        return Liveness(iv, None, [], layers, labels, marks, {}, states=states)
+    align = align_layers(base, other, stacks, layers)
+    if align is None:
+        return None
+    if other_values is None:
+        other_iv: Intervals | None = intervals(other, probe)
+    else:
+        other_iv = borrowed_intervals(other, base, iv, align, stacks, other_values)
+        if other_iv is None:
+            return None
+    blocks = [b[1] if b is not None else None for b in op_blocks(base.ops, stacks)]
+    return Liveness(
+        iv,
+        other_iv,
+        align,
+        layers,
+        labels,
+        marks,
+        _mark_positions(other),
+        blocks,
+        states,
+        frozenset(other.state_storages),
+    )
+
+
+def _mark_positions(trace: StepTrace) -> dict[str, float]:
+    n = len(trace.ops)
+    out = {k: v - 0.5 for k, v in trace.marks.items()}
+    if "after_optimizer" in out:
+        out["after_optimizer"] = n + 0.5
+    return out
+
+
+def fill_phases(mem: Memory, live: Liveness, names: list[str]) -> None:
+    """Phase points and the symbolic peak."""
+    for mark in ("after_forward", "after_backward", "after_optimizer"):
+        if mark in live.marks:
+            setattr(mem, mark, live.at_mark(mark))
+    mem.peak, points = live.symbolic_peak(sorted(names, key=sort_key))
+    mem.peak_at = [f"#{t} {live.labels[t][1]} in '{live.labels[t][2]}' ({live.labels[t][3]})" for t in points]

@@ -1,0 +1,390 @@
+"""Hugging Face transformers models: the step a user would run, chosen from the model's task.
+
+A ``PreTrainedModel`` has no ``example_inputs``; its task (the head class)
+says what one training step is. The convention, per task:
+
+- causal LM (``*ForCausalLM``, ``*LMHeadModel``): ``input_ids`` (B, S) and
+  ``labels`` (a copy of the ids); the loss is ``output.loss``, transformers'
+  own shifted cross-entropy (the last position predicts nothing).
+- sequence-to-sequence (``*ForConditionalGeneration`` of an encoder-decoder,
+  T5): ``input_ids`` (B, S) and ``labels`` (B, S_dec): the decoder's length
+  is a size of its own, S_dec (``acct.at`` takes it, and uses S when it is
+  not given); the forward step feeds the labels as ``decoder_input_ids``;
+- masked LM (``*ForMaskedLM``): ``input_ids`` and ``labels`` (B, S) with
+  every position a target (the cost of the loss does not depend on which
+  positions are masked: ignored positions still go through log-softmax).
+- sequence classification: ``input_ids`` and one label per sequence.
+- image classification: ``pixel_values`` (B, C, image_size, image_size) and
+  one label per image; S reaches no tensor (the image size is a config field).
+- a base model (no head): ``input_ids``; the loss is the sum of the last
+  hidden state (a stand-in objective, said so in the notes).
+
+``use_cache=False`` always: a training step keeps no KV cache.
+
+Mixtures of experts: transformers' default experts path (``grouped_mm``)
+sorts the B*S*k (token, expert) pairs by expert and multiplies them with one
+grouped matmul: every shape is fixed by B, S, k, E and the widths, and only
+the offsets (values) depend on the routing. That path is derived; the
+``eager`` path (a Python loop over the experts the tokens reached, with
+``nonzero``) and ``batched_mm`` (a weight matrix gathered per routed token,
+a decoding kernel) are refused by :func:`check_experts_path`.
+transformers is imported only when the model comes from it.
+
+Eager paths on fake tensors: transformers treats a fake tensor as a graph
+being traced (``is_tracing``) and then skips the checks an eager run makes
+on values. One of them changes the step: with positions 0..S-1 (the model's
+own, when no ``position_ids`` are given) an eager run finds no packed
+sequences and calls SDPA with ``is_causal=True`` and no mask; on fake tensors
+the packed-sequence mask is kept and a (B, 1, S, S) mask built and saved.
+:func:`eager_paths` gives the eager answer while symacct traces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch import nn
+
+from symacct.errors import SymacctError
+
+
+def is_transformers_model(model: Any) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
+    tf = sys.modules.get("transformers")
+    if tf is None:
+        return False
+    base = getattr(tf, "PreTrainedModel", None)
+    return base is not None and isinstance(model, base)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One step of a transformers model: keyword inputs at (B, S) and the loss from the output."""
+
+    name: str
+    inputs: Callable[..., dict[str, Any]]  # (model, B, S, **dims)
+    loss: Callable[[Any], torch.Tensor]
+    note: str
+    dims: tuple[str, ...] = ()  # input sizes besides B and S, passed by keyword (S_dec)
+
+
+def _vocab(model: nn.Module) -> int:
+    v = getattr(model.config, "vocab_size", None)
+    if not isinstance(v, int) or v < 1:
+        raise SymacctError(
+            f"{type(model).__name__}: the config has no vocab_size to draw token ids from",
+            hint="pass inputs=lambda m, B, S: {...} with the model's keyword inputs, and loss=",
+        )
+    return v
+
+
+def _ids(model: nn.Module, B: int, S: int) -> torch.Tensor:
+    return torch.randint(0, _vocab(model), (B, S))
+
+
+def _labels(model: nn.Module) -> int:
+    n = getattr(model.config, "num_labels", None)
+    return n if isinstance(n, int) and n > 0 else 2
+
+
+def _output_loss(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        raise SymacctError(
+            "the model returned no loss for the labels it was given",
+            hint="pass loss=lambda out: ... turning the output into the scalar loss",
+        )
+    return loss
+
+
+def _hidden_sum(out: Any) -> torch.Tensor:
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None:
+        hidden = out[0]
+    return hidden.sum()
+
+
+def _causal(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+    ids = _ids(m, B, S)
+    return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+
+
+def _seq2seq(m: nn.Module, B: int, S: int, S_dec: int | None = None) -> dict[str, Any]:
+    return {"input_ids": _ids(m, B, S), "labels": _ids(m, B, S if S_dec is None else S_dec), "use_cache": False}
+
+
+def _masked(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+    return {"input_ids": _ids(m, B, S), "labels": _ids(m, B, S)}
+
+
+def _classify_text(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+    return {"input_ids": _ids(m, B, S), "labels": torch.randint(0, _labels(m), (B,))}
+
+
+def _classify_image(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+    c = m.config
+    size = getattr(c, "image_size", None)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    channels = getattr(c, "num_channels", 3)
+    if not isinstance(size, int):
+        raise SymacctError(
+            f"{type(m).__name__}: the config has no image_size",
+            hint="pass inputs=lambda m, B, S: {'pixel_values': ..., 'labels': ...}",
+        )
+    return {"pixel_values": torch.randn(B, channels, size, size), "labels": torch.randint(0, _labels(m), (B,))}
+
+
+def _base(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+    return {"input_ids": _ids(m, B, S)}
+
+
+def task(model: nn.Module) -> Task:
+    """The default step of a transformers model, from the name of its class (its head)."""
+    name = type(model).__name__
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        if name.endswith("ForConditionalGeneration"):
+            return Task(
+                "seq2seq-lm",
+                _seq2seq,
+                _output_loss,
+                "sequence-to-sequence step: input_ids (B, S) and labels (B, S_dec), output.loss; S_dec, the "
+                "decoder's length, is a size of its own (at() uses S when S_dec is not given)",
+                dims=("S_dec",),
+            )
+        raise SymacctError(
+            f"{name}: no default step for this encoder-decoder head",
+            hint="pass inputs=lambda m, B, S: {'input_ids': ..., 'labels': ...} and loss=lambda out: out.loss",
+        )
+    if name.endswith("ForCausalLM") or name.endswith("LMHeadModel"):
+        return Task(
+            "causal-lm", _causal, _output_loss, "causal LM step: input_ids (B, S), labels = input_ids, output.loss"
+        )
+    if name.endswith("ForMaskedLM"):
+        return Task(
+            "masked-lm",
+            _masked,
+            _output_loss,
+            "masked LM step: input_ids (B, S), labels (B, S) (every position a target), output.loss",
+        )
+    if name.endswith("ForSequenceClassification"):
+        return Task(
+            "sequence-classification",
+            _classify_text,
+            _output_loss,
+            "sequence classification step: input_ids (B, S), one label a sequence, output.loss",
+        )
+    if name.endswith("ForImageClassification"):
+        return Task(
+            "image-classification",
+            _classify_image,
+            _output_loss,
+            "image classification step: pixel_values (B, C, image_size, image_size), one label an image, "
+            "output.loss; S reaches no tensor",
+        )
+    if name.endswith("Model") and getattr(model, "base_model", None) is model:
+        return Task(
+            "base",
+            _base,
+            _hidden_sum,
+            "base model (no head): input_ids (B, S); the loss is a stand-in, the sum of the last hidden state "
+            "(pass loss= for another)",
+        )
+    raise SymacctError(
+        f"{name}: no default step for this head",
+        hint="pass inputs=lambda m, B, S: {...} (the model's keyword inputs) and loss=lambda out: ...",
+    )
+
+
+@contextlib.contextmanager
+def eager_paths(own_positions: Callable[[], bool]) -> Iterator[None]:
+    """While tracing a transformers model on fake tensors, take the path an eager run takes (see the module doc).
+
+    ``own_positions()``: whether the step passes no ``position_ids`` (the
+    model numbers the positions 0..S-1 itself, so no sequence is packed);
+    only then is the eager answer known. The check's own ops still run.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def unpacked(position_ids: torch.Tensor) -> torch.Tensor | None:
+        mask = original(position_ids)
+        if not own_positions():
+            return mask
+        if mask is not None:  # on fake tensors: the eager check, whose answer here is "not packed"
+            (mask[:, -1] == 0).all()
+        return None
+
+    masking.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def carry_checkpointing(user: nn.Module, probe: nn.Module) -> None:
+    """Gradient checkpointing enabled on the user's model (``gradient_checkpointing_enable()``) lives on its
+    modules, not in the config: set it the same way on the model rebuilt at probe sizes.
+
+    Only when every module that can checkpoint has the same setting (the usual all-layers case); otherwise the
+    rebuilt model differs, and derive's comparison of the two refuses it.
+    """
+    settings = {
+        (type(m), bool(getattr(m, "gradient_checkpointing", False)), getattr(m, "_gradient_checkpointing_func", None))
+        for m in user.modules()
+        if hasattr(m, "gradient_checkpointing")
+    }
+    by_type = {t: (on, fn) for t, on, fn in settings}
+    if len(by_type) != len(settings):
+        return
+    for m in probe.modules():
+        if type(m) in by_type:
+            on, fn = by_type[type(m)]
+            m.gradient_checkpointing = on
+            if fn is not None:
+                m._gradient_checkpointing_func = fn
+
+
+_DERIVED_EXPERTS = ("grouped_mm",)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers' experts modules (classes wrapped by ``use_experts_implementation``), with their paths."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "config")]
+
+
+def check_experts_path(model: nn.Module) -> None:
+    """Refuse an experts path whose shapes depend on the routing, or that no CPU kernel runs (module doc)."""
+    for name, m in experts_modules(model):
+        impl = getattr(m.config, "_experts_implementation", None) or "eager"
+        if impl in _DERIVED_EXPERTS:
+            continue
+        why = {
+            "eager": "loops over the experts the tokens were routed to (nonzero on the routing): its ops and "
+            "shapes depend on tensor values",
+            "batched_mm": "gathers one weight matrix per routed token (B*S*k copies of an expert's weights), "
+            "a decoding kernel",
+        }.get(impl, "is a GPU kernel")
+        raise SymacctError(
+            f"the experts path {impl!r} {why}",
+            module=name,
+            hint="build the model with experts_implementation='grouped_mm' (transformers' default; or call "
+            "model.set_experts_implementation('grouped_mm')): the same routed work with fixed shapes, which "
+            "symacct derives",
+        )
+
+
+def check_routing(model: nn.Module, routing: Any) -> None:
+    """``routing=`` against the model's experts before anything is traced: one share per expert, and a model
+    with experts at all (symacct.cost.experts checks the traced layers again, for any model)."""
+    from symacct.cost.experts import no_expert_layers, normalised, wrong_share_count
+
+    shares = normalised(routing)
+    found = experts_modules(model)
+    if not found:
+        raise no_expert_layers()
+    for name, m in found:
+        n = getattr(m, "num_experts", None)
+        if isinstance(n, int) and n != len(shares):
+            raise wrong_share_count(len(shares), name, n)
+
+
+def is_config_file(name: str) -> bool:
+    """Whether a CLI model name is a transformers config: a ``config.json`` file or a folder holding one."""
+    from pathlib import Path
+
+    p = Path(name)
+    return (p.suffix == ".json" and p.is_file()) or (p.is_dir() and (p / "config.json").is_file())
+
+
+def model_from_config_file(path: str, overrides: dict[str, Any]) -> nn.Module:
+    """The model a published ``config.json`` describes, built on the meta device (no weights, nothing allocated).
+
+    The class is the config's first ``architectures`` entry (``LlamaForCausalLM``); without one, the causal-LM
+    head of its ``model_type``, else the base model. ``overrides`` (already parsed) replace config fields.
+    """
+    file, data = _read_config(path)
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise SymacctError(
+            f"{file} has no model_type: not a transformers config.json",
+            hint="pass the config.json published with a model (it names its model_type)",
+        )
+    try:
+        import transformers
+    except ImportError as e:
+        raise SymacctError(
+            f"{file} is a transformers config, and transformers is not installed",
+            hint='pip install "symacct[hf]"',
+        ) from e
+    data = {**data, **overrides}
+    try:
+        config = transformers.AutoConfig.for_model(**data)
+    except Exception as e:
+        raise SymacctError(
+            f"transformers cannot build the config of {file}: {type(e).__name__}: {' '.join(str(e).split())}",
+            hint="check the model_type and the --config values",
+        ) from e
+    archs = data.get("architectures") or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    try:
+        with torch.device("meta"):
+            if cls is not None:
+                return cls(config)
+            try:
+                return transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError:
+                return transformers.AutoModel.from_config(config)
+    except SymacctError:
+        raise
+    except Exception as e:
+        raise SymacctError(
+            f"transformers cannot build the model of {file}: {type(e).__name__}: {' '.join(str(e).split())}",
+            hint="check the config's architectures and the --config values",
+        ) from e
+
+
+def config_field_types(path: str) -> dict[str, type]:
+    """The JSON type of each field of a config file (to parse --config values by)."""
+    _, data = _read_config(path)
+    if not isinstance(data, dict):
+        return {}
+    return {k: type(v) for k, v in data.items() if isinstance(v, (bool, int, float, str))}
+
+
+def _read_config(path: str) -> tuple[Any, Any]:
+    """The config file of ``path`` (the file, or ``config.json`` in the folder) and its parsed JSON."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    try:
+        return file, json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise SymacctError(f"cannot read {file}: {e}", hint="pass a transformers config.json") from e
+
+
+def window_constraints(model: nn.Module, probe_S: int) -> list[Any]:
+    """A sliding-window attention (``config.sliding_window``, Mistral, Qwen2) takes another path on each side of
+    its window: within it the mask is the causal one (SDPA's ``is_causal``), beyond it a window mask is built.
+    The figures are derived on the side the probe's S falls on, and hold on that side only."""
+    from symacct.symbols import sym
+    from symacct.trace.constraints import Constraint
+
+    w = getattr(model.config, "sliding_window", None)
+    if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
+        return []
+    S = sym("S")
+    where = f"the config's sliding_window = {w} (transformers builds another mask beyond the window)"
+    if probe_S > w:
+        return [Constraint("le", sympy.Integer(w + 1), S, where, path=True)]
+    return [Constraint("le", S, sympy.Integer(w), where, path=True)]

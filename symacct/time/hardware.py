@@ -1,0 +1,286 @@
+"""Accelerator catalog: datasheet figures, each entry with its source.
+
+Units, everywhere in symacct: FLOP/s, bytes, bytes/s. GB means 10**9 bytes
+(the datasheets' and the seeds' unit); a card's nominal 80 GB is 80e9
+bytes, which ``torch.cuda.mem_get_info`` reports as about 74.5 GiB (2**30).
+
+Peaks are **dense** (no structured sparsity): vendors headline the
+with-sparsity figure, twice the dense one, for tensor-core dtypes; that
+figure is kept apart as ``sparse`` so that it can never be used as a peak.
+``fp32`` is the non-tensor (vector) peak, used for elementwise work.
+
+Users add their own entries from a JSON (or, on Python >= 3.11, TOML) file
+with :func:`load`; the file holds a list of objects with the fields of
+:class:`Accelerator` (``peak`` in TFLOP/s per dtype, ``memory_gb``,
+``bandwidth_tbs``, ``interconnect_gbs``, ``source``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from symacct.errors import SymacctError
+from symacct.options import dtype_key
+
+TERA = 10**12
+GIGA = 10**9
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    peak: dict[str, float]  # dtype -> dense TFLOP/s ('bf16', 'fp16', 'fp8', 'tf32', 'fp32')
+    memory_gb: float  # 10**9 bytes
+    bandwidth_tbs: float  # memory bandwidth, 10**12 bytes/s
+    interconnect_gbs: float  # per device, one direction, 10**9 bytes/s
+    source: str
+    sparse: dict[str, float] = field(default_factory=dict)  # the with-sparsity headline, never a peak
+    aliases: tuple[str, ...] = ()
+    notes: str = ""
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        """Dense peak in FLOP/s for ``dtype`` ('bf16', 'fp16', 'fp8', 'tf32', 'fp32')."""
+        key = dtype_key(dtype)
+        if key not in self.peak:
+            raise SymacctError(
+                f"{self.name} has no {key} peak in the catalog",
+                hint=f"{self.name} lists: {', '.join(sorted(self.peak))}",
+            )
+        return self.peak[key] * TERA
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(round(self.memory_gb * GIGA))
+
+    @property
+    def bandwidth(self) -> float:
+        """Memory bandwidth in bytes/s."""
+        return self.bandwidth_tbs * TERA
+
+
+_NV = "NVIDIA datasheet"
+CATALOG: dict[str, Accelerator] = {
+    a.name: a
+    for a in [
+        Accelerator(
+            "A100-SXM-80GB",
+            {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+            80,
+            2.039,
+            300,
+            f"{_NV}: A100 Tensor Core GPU (80GB SXM); NVLink 600 GB/s bidirectional",
+            sparse={"bf16": 624, "fp16": 624, "tf32": 312},
+            aliases=("A100", "A100-80GB", "A100-SXM"),
+            notes="no FP8",
+        ),
+        Accelerator(
+            "A100-40GB",
+            {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+            40,
+            1.555,
+            300,
+            f"{_NV}: A100 Tensor Core GPU (40GB SXM); NVLink 600 GB/s bidirectional",
+            sparse={"bf16": 624, "fp16": 624, "tf32": 312},
+            aliases=("A100-SXM-40GB",),
+            notes="no FP8",
+        ),
+        Accelerator(
+            "H100-SXM",
+            {"bf16": 989, "fp16": 989, "fp8": 1979, "tf32": 494.5, "fp32": 67},
+            80,
+            3.35,
+            450,
+            f"{_NV}: H100 Tensor Core GPU (SXM5); NVLink 900 GB/s bidirectional",
+            sparse={"bf16": 1979, "fp16": 1979, "fp8": 3958, "tf32": 989},
+            aliases=("H100", "H100-SXM5"),
+        ),
+        Accelerator(
+            "H100-PCIe",
+            {"bf16": 756, "fp16": 756, "fp8": 1513, "tf32": 378, "fp32": 51},
+            80,
+            2.0,
+            64,
+            f"{_NV}: H100 Tensor Core GPU (PCIe); PCIe Gen5 x16 128 GB/s bidirectional",
+            sparse={"bf16": 1513, "fp16": 1513, "fp8": 3026, "tf32": 756},
+            aliases=("H100-PCIE",),
+        ),
+        Accelerator(
+            "H200",
+            {"bf16": 989, "fp16": 989, "fp8": 1979, "tf32": 494.5, "fp32": 67},
+            141,
+            4.8,
+            450,
+            f"{_NV}: H200 Tensor Core GPU (SXM); NVLink 900 GB/s bidirectional",
+            sparse={"bf16": 1979, "fp16": 1979, "fp8": 3958, "tf32": 989},
+            aliases=("H200-SXM",),
+        ),
+        Accelerator(
+            "B200",
+            {"bf16": 2250, "fp16": 2250, "fp8": 4500, "tf32": 1125, "fp32": 80},
+            180,
+            8.0,
+            900,
+            f"{_NV}: DGX B200 / HGX B200 (per GPU); NVLink 5 1.8 TB/s bidirectional",
+            sparse={"bf16": 4500, "fp16": 4500, "fp8": 9000, "tf32": 2250},
+        ),
+        Accelerator(
+            "L40S",
+            {"bf16": 362, "fp16": 362, "fp8": 733, "tf32": 183, "fp32": 91.6},
+            48,
+            0.864,
+            32,
+            f"{_NV}: L40S GPU (362.05 dense / 733 sparse BF16 as printed); PCIe Gen4 x16 64 GB/s bidirectional",
+            sparse={"bf16": 733, "fp16": 733, "fp8": 1466, "tf32": 366},
+        ),
+        Accelerator(
+            "RTX-4090",
+            {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+            24,
+            1.008,
+            32,
+            "NVIDIA Ada Lovelace architecture whitepaper (GeForce RTX 4090); PCIe Gen4 x16",
+            sparse={"bf16": 330.4, "fp16": 330.4, "tf32": 165.2},
+            aliases=("4090", "RTX4090"),
+            notes="bf16/fp16 with FP32 accumulate; FP8 omitted: sources disagree",
+        ),
+        Accelerator(
+            "MI300X",
+            {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "tf32": 653.7, "fp32": 163.4},
+            192,
+            5.3,
+            448,
+            "AMD Instinct MI300X data sheet; Infinity Fabric 896 GB/s bidirectional",
+            sparse={"bf16": 2614.9, "fp16": 2614.9, "fp8": 5229.8, "tf32": 1307.4},
+        ),
+        Accelerator(
+            "TPU-v5e",
+            {"bf16": 197},
+            16,
+            0.81,
+            200,
+            "Google Cloud TPU v5e documentation; ICI 1600 Gbps per chip",
+            aliases=("v5e", "TPUv5e"),
+        ),
+        Accelerator(
+            "TPU-v5p",
+            {"bf16": 459},
+            95,
+            2.765,
+            600,
+            "Google Cloud TPU v5p documentation; ICI 4800 Gbps per chip",
+            aliases=("v5p", "TPUv5p"),
+        ),
+    ]
+}
+
+
+def _index() -> dict[str, str]:
+    out = {}
+    for a in CATALOG.values():
+        for n in (a.name, *a.aliases):
+            out[n.lower()] = a.name
+    return out
+
+
+def get(name: str | Accelerator) -> Accelerator:
+    """An accelerator by name or alias (case-insensitive); unknown names list the close ones."""
+    if isinstance(name, Accelerator):
+        return name
+    key = _index().get(str(name).lower())
+    if key is None:
+        names = sorted(_index())
+        close = difflib.get_close_matches(str(name).lower(), names, n=4, cutoff=0.4)
+        close_names = sorted({_index()[c] for c in close})
+        raise SymacctError(
+            f"unknown hardware {name!r}",
+            hint=(f"did you mean {', '.join(close_names)}? " if close_names else "")
+            + f"known: {', '.join(sorted(CATALOG))}",
+        )
+    return CATALOG[key]
+
+
+_VENDOR_WORDS = {"nvidia", "geforce", "tesla", "amd", "instinct"}
+_DROPPABLE = re.compile(r"^(\d+GB|HBM\d*E?|SXM\d*)$", re.IGNORECASE)  # memory size and type, the default form
+
+
+def for_device(name: str) -> Accelerator:
+    """The catalog entry of a GPU as ``torch.cuda.get_device_name`` names it.
+
+    'NVIDIA H200' -> H200, 'NVIDIA H100 80GB HBM3' -> H100-SXM, 'NVIDIA H100 PCIe'
+    -> H100-PCIe, 'NVIDIA A100-SXM4-40GB' -> A100-40GB. The longest leading run
+    of the name's words that the catalog knows wins, and only words naming the
+    memory (80GB, HBM3) or the SXM form may be left over: 'H200 NVL' is not
+    taken for an H200 SXM, whose peaks differ. A memory size in the name must
+    match the entry's.
+    """
+    words = [w for w in re.split(r"[\s_\-]+", name) if w and w.lower() not in _VENDOR_WORDS]
+    size = next((int(w[:-2]) for w in words if re.fullmatch(r"\d+GB", w, re.IGNORECASE)), None)
+    index = _index()
+    for n in range(len(words), 0, -1):
+        if not all(_DROPPABLE.match(w) for w in words[n:]):
+            break
+        key = index.get("-".join(words[:n]).lower())
+        if key is None:
+            continue
+        entry = CATALOG[key]
+        if size is None or entry.memory_gb == size:
+            return entry
+        same = [a for a in CATALOG.values() if a.name.lower().startswith(words[0].lower()) and a.memory_gb == size]
+        if len(same) == 1:
+            return same[0]
+        break
+    raise SymacctError(
+        f"no catalog entry for the GPU {name!r}",
+        hint="pass --hardware NAME (see symacct hardware), or add one with symacct.time.hardware.load",
+    )
+
+
+def load(path: str | Path) -> list[Accelerator]:
+    """Add the accelerators of a JSON or TOML file to the catalog; returns them."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+        if p.suffix == ".toml":
+            import tomllib  # Python >= 3.11
+
+            data = tomllib.loads(text).get("accelerator", [])
+        else:
+            data = json.loads(text)
+        added = []
+        for item in data:
+            a = Accelerator(
+                name=item["name"],
+                peak={k: float(v) for k, v in item["peak"].items()},
+                memory_gb=float(item["memory_gb"]),
+                bandwidth_tbs=float(item["bandwidth_tbs"]),
+                interconnect_gbs=float(item.get("interconnect_gbs", 0)),
+                source=item["source"],
+                sparse={k: float(v) for k, v in item.get("sparse", {}).items()},
+                aliases=tuple(item.get("aliases", ())),
+            )
+            validate(a)
+            CATALOG[a.name] = a
+            added.append(a)
+        return added
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
+        raise SymacctError(
+            f"cannot read hardware file {str(path)!r}: {type(e).__name__}: {e}",
+            hint="a JSON list of objects with name, peak (TFLOP/s per dtype), memory_gb, bandwidth_tbs, source",
+        ) from e
+
+
+def validate(a: Accelerator) -> None:
+    """Units and sanity: positive figures, dense <= sparse, a source."""
+    if not a.source:
+        raise ValueError(f"{a.name}: no source")
+    if a.memory_gb <= 0 or a.bandwidth_tbs <= 0 or a.interconnect_gbs < 0:
+        raise ValueError(f"{a.name}: capacity and bandwidth must be positive")
+    if not a.peak or any(v <= 0 for v in a.peak.values()):
+        raise ValueError(f"{a.name}: peaks must be positive")
+    for k, v in a.sparse.items():
+        if k in a.peak and a.peak[k] > v:
+            raise ValueError(f"{a.name}: dense {k} peak above the sparse one")

@@ -1,0 +1,850 @@
+"""Record one training step at aten level on fake tensors.
+
+The step (forward, backward, optionally the optimizer) runs under
+``FakeTensorMode``: every tensor has a shape, a dtype and a (meta) storage,
+but nothing of real size is allocated. A ``TorchDispatchMode`` stacked on top
+of it sees every aten op that reaches dispatch (the same ops that
+``torch.utils.flop_counter.FlopCounterMode`` sees), and records:
+
+- the op, its arguments with tensors replaced by :class:`TMeta`,
+- the module path (``blocks.1.attn.c_attn``), named as PyTorch's ``ModTracker`` names it,
+- the phase (forward / backward / optimizer),
+- which storages autograd saves for backward (``saved_tensors_hooks``).
+
+Shapes here are concrete integers (the probe sizes); ``symbolize`` turns
+them into sympy expressions afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import compress
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from symacct.errors import SymacctError
+
+aten = torch.ops.aten
+_EXPIRED = torch.UntypedStorage._expired  # type: ignore[attr-defined]  # the C call StorageWeakRef.expired makes
+
+# Metadata queries that are not computation (the same list FlopCounterMode skips).
+_QUERIES = {
+    aten.sym_is_contiguous.default,
+    aten.is_contiguous.default,
+    aten.is_contiguous.memory_format,
+    aten.is_strides_like_format.default,
+    aten.is_non_overlapping_and_dense.default,
+    aten.size.default,
+    aten.sym_size.default,
+    aten.stride.default,
+    aten.sym_stride.default,
+    aten.storage_offset.default,
+    aten.sym_storage_offset.default,
+    aten.numel.default,
+    aten.sym_numel.default,
+    aten.dim.default,
+    torch.ops.prim.layout.default,
+    torch.ops.prim.device.default,
+}
+
+
+@dataclass(frozen=True)
+class TMeta:
+    """A tensor as the rules see it: shape, dtype and the value it belongs to."""
+
+    shape: tuple[Any, ...]  # ints while recording, sympy expressions after symbolize
+    dtype: torch.dtype
+    vid: int  # value id: one per distinct tensor object seen in the step
+    storage: int  # storage id: values that share memory share it
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+@dataclass
+class OpRecord:
+    """One aten op of the step."""
+
+    index: int
+    op: torch._ops.OpOverload
+    module: str  # innermost module path, '' for the root
+    phase: str  # 'forward' | 'backward' | 'optimizer'
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any  # the op's return value with TMeta in place of tensors
+    outputs: list[TMeta]  # flattened tensor outputs
+    inputs: list[TMeta]  # flattened tensor arguments
+    is_view: bool  # every output aliases an input without writing it
+    mutated: list[TMeta]  # arguments the op writes in place
+
+
+@dataclass
+class Placeholder:
+    """A tensor that enters the step from outside: parameter, buffer or input."""
+
+    kind: str  # 'param' | 'buffer' | 'input' | 'state'
+    name: str
+    meta: TMeta
+
+
+@dataclass
+class StepTrace:
+    """All ops of one step in execution order, plus what entered and what was saved."""
+
+    ops: list[OpRecord] = field(default_factory=list)
+    placeholders: list[Placeholder] = field(default_factory=list)
+    saved_storages: dict[int, int] = field(default_factory=dict)  # storage -> nbytes
+    storage_producer: dict[int, int] = field(default_factory=dict)  # storage -> op index
+    storage_nbytes: dict[int, int] = field(default_factory=dict)
+    # storage -> (shape, itemsize) of a tensor that spans it: its size read dimension by dimension
+    storage_shape: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    external_storages: set[int] = field(default_factory=set)  # params, buffers, inputs
+    param_names: dict[int, list[str]] = field(default_factory=dict)  # storage -> names
+    module_names: list[str] = field(default_factory=list)  # named_modules order
+    module_types: dict[str, str] = field(default_factory=dict)  # path -> class name
+    # memory bookkeeping
+    marks: dict[str, int] = field(default_factory=dict)  # 'after_forward' ... -> number of ops before the mark
+    grad_storages: dict[int, str] = field(default_factory=dict)  # storage -> parameter name
+    state_storages: dict[int, tuple[str, str]] = field(default_factory=dict)  # storage -> (parameter, state key)
+    held_storages: set[int] = field(default_factory=set)  # kept alive to the end of the step (the loss)
+    owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
+    storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
+    persistent_buffers: set[int] = field(default_factory=set)  # buffer storages that state_dict() saves
+
+    def note_storage(self, st: int, t: torch.Tensor) -> None:
+        """Record the bytes of storage ``st`` and, when ``t`` spans it, the shape they come from."""
+        nbytes = t.untyped_storage().nbytes()
+        self.storage_nbytes[st] = nbytes
+        if t.numel() * t.element_size() == nbytes:
+            self.storage_shape[st] = (tuple(int(d) for d in t.shape), t.element_size())
+
+    def bytes_of(self, st: int, read: Callable[[int], Any], nbytes: int | None = None) -> Any:
+        """The bytes of a storage as a formula: itemsize times the product of its dimensions read one by one
+        (a product of shifted sizes such as (H + 2*H_kv)*D/H times D reads only so), else the number read whole."""
+        nb = self.storage_nbytes.get(st, nbytes) if nbytes is None else nbytes
+        shape = self.storage_shape.get(st)
+        if shape is not None and shape[0] and math.prod(shape[0]) * shape[1] == nb:
+            dims = [read(d) for d in shape[0]]
+            if all(d is not None for d in dims):
+                return shape[1] * math.prod(dims)
+        return read(nb)
+
+
+class _Ids:
+    """Small ids for the tensors and storages of the step, and when each storage dies.
+
+    Nothing here holds a tensor: storages are watched through weak references,
+    so they die exactly when eager PyTorch (the same Python code, the same
+    references, autograd's saved tensors) lets them go.
+    """
+
+    def __init__(self) -> None:
+        self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._n_values = 0
+        self._storages: dict[int, int] = {}  # live storage address -> storage id
+        self._refs: dict[int, tuple[int, StorageWeakRef]] = {}  # storage id -> (address, weak ref)
+        self._live: dict[int, int] = {}  # storage id -> its weak reference's handle, while alive
+
+    def meta(self, t: torch.Tensor) -> TMeta:
+        vid = self._values.get(t)
+        if vid is None:
+            vid = self._values[t] = self._n_values
+            self._n_values += 1
+        return TMeta(tuple(int(s) for s in t.shape), t.dtype, vid, self.storage(t))
+
+    def storage(self, t: torch.Tensor) -> int:
+        st = t.untyped_storage()
+        key = st._cdata
+        sid = self._storages.get(key)
+        if sid is None or self._refs[sid][1].expired():
+            if sid is not None:  # the address was reused before a reap saw the old storage die: never reaped
+                self._live.pop(sid, None)
+            sid = len(self._refs)
+            self._storages[key] = sid
+            ref = StorageWeakRef(st)
+            self._refs[sid] = (key, ref)
+            self._live[sid] = ref.cdata
+        return sid
+
+    def reap(self) -> list[int]:
+        """Storage ids that died since the last call (called before every op: the check is the one call
+        StorageWeakRef.expired makes, mapped over the handles in C, without a Python frame per storage)."""
+        live = self._live
+        dead = list(compress(live, map(_EXPIRED, live.values())))
+        for sid in dead:
+            del self._live[sid]
+            del self._storages[self._refs[sid][0]]
+        return dead
+
+
+# Ops whose meta (fake) kernel keeps a non-contiguous input's strides where the CPU kernel
+# returns a contiguous output; a later view/reshape then copies in eager but not in the trace.
+# Found by the fuzzer (symacct/measure/fuzz.py): BatchNorm1d on a transposed input.
+_CPU_CONTIGUOUS_OUT = {
+    aten.native_batch_norm.default,
+    aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats,
+    aten._native_batch_norm_legit_functional.default,
+}
+
+
+def _eager_strides(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """Give a fake output the strides the eager CPU kernel gives it, where the two differ."""
+    if func not in _CPU_CONTIGUOUS_OUT or not isinstance(out, tuple) or out[0].device.type != "cpu":
+        return out
+    if out[0].is_contiguous():
+        return out
+    return (out[0].contiguous(), *out[1:])
+
+
+def _grouped_mm_cpu(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``aten._grouped_mm`` on fake CPU tensors, as the CPU kernel does it.
+
+    The meta kernel checks CUDA's rules (bf16 only), so a float32 mixture of
+    experts that runs on a CPU could not be traced. The CPU kernel takes
+    float32, bfloat16 and float16, wants every leading stride a multiple of 16
+    bytes (checked here too, so that a size the kernel refuses is refused),
+    and returns a contiguous tensor: (rows, N) for a 2-d input and 3-d
+    weights (each row multiplied by its group's matrix), (groups, M, N) for
+    two 2-d operands split along the contraction (the weight gradient).
+    """
+    allowed = (torch.float32, torch.bfloat16, torch.float16)
+    if mat_a.dtype not in allowed or mat_b.dtype != mat_a.dtype:
+        raise RuntimeError(f"Expected mat_a to be Float32, BFloat16 or Float16 matrix, got {mat_a.dtype}")
+    for t in (mat_a, mat_b):
+        lead = max(t.stride()[-2:])
+        if (lead * t.element_size()) % 16:
+            raise RuntimeError(f"strides should be multiple of 16 bytes (strides {tuple(t.stride())}, {t.dtype})")
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if a2 and b2:
+        size = [offs.size(0) if offs is not None else 1, mat_a.size(0), mat_b.size(1)]
+    elif a2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+# ops whose meta kernel follows another device's rules than the CPU kernel's: the CPU kernel's rules instead
+_CPU_KERNELS: dict[Any, Callable[..., torch.Tensor]] = {aten._grouped_mm.default: _grouped_mm_cpu}
+
+
+def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run an op on fake tensors: by the CPU kernel's rules where the meta kernel's differ."""
+    own = _CPU_KERNELS.get(func)
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if own is not None and first is not None and first.device.type == "cpu":
+        return own(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
+def _split_lists(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[tuple[Any, Any, Any]]:
+    """A foreach or fused-optimizer op over N tensors, as N one-tensor calls.
+
+    Each parameter's share then has its own node (its module, its
+    multiplicity in the layer stack); every list argument of length N is
+    indexed, other arguments are shared.
+    """
+    name = func.overloadpacket.__name__
+    if not (name.startswith("_foreach_") or name.startswith("_fused_")) or not args:
+        return [(args, kwargs, out)]
+    if not isinstance(args[0], (list, tuple)) or len(args[0]) <= 1:
+        return [(args, kwargs, out)]
+    n = len(args[0])
+
+    def pick(x: Any, i: int) -> Any:
+        return [x[i]] if isinstance(x, (list, tuple)) and len(x) == n else x
+
+    calls = []
+    for i in range(n):
+        o = [out[i]] if isinstance(out, (list, tuple)) and len(out) == n else out
+        calls.append((tuple(pick(a, i) for a in args), {k: pick(v, i) for k, v in kwargs.items()}, o))
+    return calls
+
+
+@functools.cache
+def _mutated_args(op: torch._ops.OpOverload) -> list[int]:
+    """Indices of the arguments the op writes in place, from its schema."""
+    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _metas(x: Any, meta: Callable[[Any], Any], found: list[Any], tensors: list[torch.Tensor] | None = None) -> Any:
+    """``x`` with every tensor replaced by ``meta(tensor)``; the replacements appended to ``found`` (and the
+    tensors to ``tensors``) in the order ``tree_flatten`` gives. An op's arguments and results are tensors,
+    plain scalars and (nested) tuples, lists and dicts: those are walked here directly, for speed (this runs
+    for every op of every trace); any other container goes through pytree."""
+    if isinstance(x, torch.Tensor):
+        m = meta(x)
+        found.append(m)
+        if tensors is not None:
+            tensors.append(x)
+        return m
+    cls = type(x)
+    if cls is tuple or cls is list:
+        return cls(_metas(v, meta, found, tensors) for v in x)
+    if cls is dict:
+        return {k: _metas(v, meta, found, tensors) for k, v in x.items()}
+    if x is None or cls in _LEAVES:
+        return x
+    leaves, spec = tree_flatten(x)
+    if spec.is_leaf():
+        return x
+    return tree_unflatten([_metas(v, meta, found, tensors) for v in leaves], spec)
+
+
+def _tmetas(x: Any, found: list[TMeta]) -> None:
+    """Append every TMeta in (nested) tuples, lists and dicts ``x`` to ``found``."""
+    if isinstance(x, TMeta):
+        found.append(x)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            _tmetas(v, found)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _tmetas(v, found)
+
+
+_LEAVES = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _text(e: BaseException) -> str:
+    """An exception's whole message on one line (the CLI prints errors as one line; nothing is cut)."""
+    return " ".join(str(e).split())
+
+
+def _failure(func: Any, e: Exception) -> tuple[str, str]:
+    """What went wrong when an op failed on fake tensors, and what the user can do about it."""
+    if "convert all Tensors to FakeTensors" in str(e):
+        return (
+            "a real tensor reached the traced step",
+            "keep every tensor the step uses in a parameter or a registered buffer, or make it inside forward; "
+            "a tensor held in a plain attribute or a global is not faked",
+        )
+    name = type(e).__name__
+    if "data-dependent" in name.lower() or "DataDependent" in name or func in _VALUE_READS:
+        return (
+            "the step depends on tensor values (data-dependent control flow or output shape)",
+            "symacct traces with fake tensors and cannot read values: replace the "
+            "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops",
+        )
+    if "grouped_mm" in str(func):
+        return (
+            f"the op failed on fake tensors: {name}: {_text(e)}",
+            "the CPU grouped-matmul kernel (a mixture of experts) takes float32, bfloat16 or float16 and wants "
+            "row strides of a multiple of 16 bytes: widths a multiple of 4 (float32) or 8 (16-bit)",
+        )
+    return (
+        f"the op failed on fake tensors: {name}: {_text(e)}",
+        "the step runs at probe sizes of symacct's choosing (distinct primes): a size typed in rather than "
+        "taken from the config or the inputs (an input of fixed width, a view to a literal size) breaks there; "
+        "derive every size from the model's fields",
+    )
+
+
+_VALUE_READS = (aten._local_scalar_dense.default, aten.nonzero.default)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: StepTrace, ids: _Ids, root: str, only_ops: bool = False) -> None:
+        super().__init__()
+        self.only_ops = only_ops
+        self.trace = trace
+        self.ids = ids
+        self.root = root
+        self.active: list[str] = []  # the forward's module calls under way, outermost first
+        self.known: dict[int, str] = {}  # id(module) -> its name as ModTracker gives it ('GPT2.blocks.0')
+        self.seen: set[int] = set()
+        self.phase = "forward"
+        self.seq_module: dict[int, str] = {}  # autograd sequence number -> module path
+        self.seq_seen = -1  # the last sequence number given a module
+        self.names: dict[int, str] = {}  # id(module) -> path
+        self.recomputing: list[str] = []  # modules whose forward runs again inside backward
+
+    def _name(self, module: nn.Module) -> str:
+        """A module's name as ``torch.distributed._tools.ModTracker`` names it: the root by its class, each
+        child by its parent's name and its attribute (a module shared by two parents: the later one's)."""
+        key = id(module)
+        if key not in self.known:
+            self.known[key] = type(module).__name__
+        name = self.known[key]
+        if key not in self.seen:
+            for child_name, child in module.named_children():
+                self.known[id(child)] = f"{name}.{child_name}"
+                self._name(child)
+            self.seen.add(key)
+        return name
+
+    def pre_hook(self, module: nn.Module, args: Any) -> None:
+        self.active.append(self._name(module))
+        if self.phase == "backward" and id(module) in self.names:
+            self.recomputing.append(self.names[id(module)])
+
+    def post_hook(self, module: nn.Module, args: Any, out: Any) -> None:
+        name = self._name(module)
+        for i in range(len(self.active) - 1, -1, -1):
+            if self.active[i] == name:
+                del self.active[i]
+                break
+        if self.phase == "backward" and self.recomputing and id(module) in self.names:
+            self.recomputing.pop()
+
+    def reap(self, position: float) -> None:
+        for sid in self.ids.reap():
+            self.trace.storage_end.setdefault(sid, position)
+
+    def mark(self, name: str) -> None:
+        """A phase point between two ops; storages freed before it are dead at it."""
+        self.reap(len(self.trace.ops) - 0.75)
+        self.trace.marks[name] = len(self.trace.ops)
+
+    def module(self) -> str:
+        """Innermost module path of the op being dispatched.
+
+        Forward: the innermost active module (the deepest name among the
+        module calls under way, as ModTracker's ``parents`` gives it; the
+        module hooks here track them without ModTracker's gradient hooks,
+        which only the backward would use). Backward: the module
+        whose forward op created the autograd node now running (matched by
+        the node's sequence number), or the parameter's module for
+        ``AccumulateGrad``.
+        """
+        if self.phase == "backward" and self.recomputing:
+            return self.recomputing[-1]  # activation checkpointing: a forward run again in backward
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is None:
+                return ""
+            seq = node._sequence_nr()
+            if seq in self.seq_module:
+                return self.seq_module[seq]
+            var = getattr(node, "variable", None)
+            if var is not None:
+                names = self.trace.param_names.get(self.ids.storage(var), [])
+                return names[0].rpartition(".")[0] if names else ""
+            return ""
+        if self.phase == "optimizer":
+            return ""  # set after the op is recorded, from the parameter its tensors belong to
+        if not self.active:
+            return ""
+        inner = max(self.active, key=lambda n: n.count("."))
+        return inner[len(self.root) + 1 :] if inner.startswith(self.root + ".") else ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _QUERIES or func.namespace == "profiler":
+            return func(*args, **kwargs)
+        if not self.only_ops:
+            self.reap(len(self.trace.ops) - 0.25)  # died before this op
+        try:
+            out = _run(func, args, kwargs)
+        except SymacctError:
+            raise
+        except Exception as e:  # data-dependent ops, missing fake kernels
+            shapes = [tuple(a.shape) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            what, hint = _failure(func, e)
+            raise SymacctError(
+                what, node=f"#{len(self.trace.ops)}", module=self.module(), op=str(func), shapes=shapes, hint=hint
+            ) from e
+        out = _eager_strides(func, args, out)
+        for a, k, o in _split_lists(func, args, kwargs, out):
+            if self.only_ops:
+                self._record_op(func)
+            else:
+                self._record(func, a, k, o)
+        if self.phase == "forward":
+            # every autograd node made since the last op is this op's: an in-place op's node is made before the
+            # clone of the value it overwrites (saved for backward), so it is not always the newest one
+            last = torch.autograd._get_sequence_nr() - 1
+            for seq in range(self.seq_seen + 1, last + 1):
+                self.seq_module.setdefault(seq, self.trace.ops[-1].module)
+            self.seq_seen = max(self.seq_seen, last)
+        return out
+
+    def _record_op(self, func: Any) -> None:
+        """The op, its module and its phase; nothing of its tensors."""
+        phase = "recompute" if self.phase == "backward" and self.recomputing else self.phase
+        index = len(self.trace.ops)
+        self.trace.ops.append(OpRecord(index, func, self.module(), phase, (), {}, None, [], [], False, []))
+
+    def _record(self, func, args, kwargs, out) -> None:
+        meta = self.ids.meta
+        inputs: list[TMeta] = []
+        margs = _metas(args, meta, inputs)
+        mkwargs = _metas(kwargs, meta, inputs)
+        outputs: list[TMeta] = []
+        tensors: list[torch.Tensor] = []
+        mout = _metas(out, meta, outputs, tensors)
+        mutated: list[TMeta] = []
+        for i in _mutated_args(func):
+            # a written argument passed by position, or by name (out= of the .out overloads)
+            name = func._schema.arguments[i].name
+            a = margs[i] if i < len(margs) else mkwargs.get(name)
+            _tmetas(a, mutated)
+        in_storages = {m.storage for m in inputs}
+        # a view: writes nothing and every output shares an input's storage
+        # (by storage, not schema: aten._unsafe_view has no alias annotation)
+        is_view = not mutated and bool(outputs) and all(m.storage in in_storages for m in outputs)
+        rec = OpRecord(
+            index=len(self.trace.ops),
+            op=func,
+            module=self.module(),
+            phase="recompute" if self.phase == "backward" and self.recomputing else self.phase,
+            args=margs,
+            kwargs=mkwargs,
+            out=mout,
+            outputs=outputs,
+            inputs=inputs,
+            is_view=is_view,
+            mutated=mutated,
+        )
+        self.trace.ops.append(rec)
+        if not is_view:
+            for t, m in zip(tensors, outputs):
+                if m.storage not in self.trace.storage_producer and m.storage not in self.trace.external_storages:
+                    self.trace.storage_producer[m.storage] = rec.index
+                    self.trace.note_storage(m.storage, t)
+
+
+def call_inputs(
+    inputs: Callable[..., Any], model: nn.Module, B: int, S: int, **dims: int
+) -> tuple[Any, ...] | dict[str, Any]:
+    """Call an inputs builder given as ``f(B, S)`` or ``f(model, B, S)`` (input sizes besides B and S, such as
+    a decoder's length ``S_dec``, by keyword).
+
+    A tuple (or one tensor) is passed positionally, ``model(*inputs)``; a dict
+    by keyword, ``model(**inputs)`` (``input_ids=..., labels=...``).
+    """
+    try:
+        n = len(inspect.signature(inputs).parameters)
+    except (TypeError, ValueError):
+        n = 2
+    got = inputs(model, B, S, **dims) if n >= 3 else inputs(B, S, **dims)
+    if isinstance(got, dict):
+        bad = [k for k in got if not isinstance(k, str)]
+        if bad:
+            raise SymacctError(
+                f"inputs= returned a dict with keys that are not argument names: {bad}",
+                hint="return a dict of keyword arguments (str keys) or a tuple of positional ones",
+            )
+        return dict(got)
+    return tuple(got) if isinstance(got, (tuple, list)) else (got,)
+
+
+def _invoke(model: nn.Module, args: tuple[Any, ...] | dict[str, Any]) -> Any:
+    return model(**args) if isinstance(args, dict) else model(*args)
+
+
+def record_step(
+    build: Callable[[FakeTensorMode], nn.Module],
+    make_inputs: Callable[[nn.Module], tuple[Any, ...]],
+    *,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    step: str = "train",
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    autocast: torch.dtype | None = None,
+    params_dtype: torch.dtype | None = None,
+    device: str = "cpu",
+    only_ops: bool = False,
+) -> StepTrace:
+    """Build a model and run one step on fake tensors, recording every aten op.
+
+    ``build(fake_mode)`` constructs the model with fake parameters (by
+    building it inside the mode, or by copying a real one with
+    FakeCopyMode); ``make_inputs`` returns the positional inputs; ``loss``
+    turns the model's output into the scalar to differentiate (default: the
+    output itself). ``step`` is 'train' (forward + backward [+ optimizer]) or
+    'forward' (forward under ``torch.no_grad()``). ``only_ops=True`` records
+    each op's name, module and phase only (what ``symacct.sameness``
+    compares: no tensors, storages or saved tensors), and builds the
+    optimizer (hooks it registers run in the backward) without running its
+    ``step()``.
+
+    Factory calls that name no device make CPU tensors, as in eager PyTorch with
+    no default device set, even when ``derive`` is called inside
+    ``with torch.device("meta")`` (where a model too large to build is made):
+    the optimizer's step counters, say, stay fake CPU tensors.
+    """
+    trace = StepTrace()
+    ids = _Ids()
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    try:
+        with torch.device(device):
+            model = build(fake)
+    except SymacctError:
+        raise
+    except Exception as e:
+        raise SymacctError(
+            f"could not build the model at probe sizes: {type(e).__name__}: {_text(e)}",
+            hint="the model must be rebuildable as type(model)(config) with other sizes; "
+            "keep fields it cannot vary fixed with derive(..., fixed=[...])",
+        ) from e
+    # a train step records autograd whatever the caller's grad mode (derive inside torch.no_grad())
+    grad_mode = torch.enable_grad() if step == "train" else contextlib.nullcontext()
+    with fake, torch.device("cpu"), torch.inference_mode(False), grad_mode:
+        try:
+            if params_dtype is not None:
+                _cast_floats(model, params_dtype)
+            with torch.device(device):
+                args = make_inputs(model)
+            if params_dtype is not None:  # float inputs follow the parameters
+                args = tree_map(
+                    lambda a: a.to(params_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a, args
+                )
+        except SymacctError:
+            raise
+        except Exception as e:
+            raise SymacctError(
+                f"could not build the inputs: {type(e).__name__}: {e}",
+                hint="pass inputs=lambda B, S: (...) returning the positional inputs of one step",
+            ) from e
+        if step == "train":
+            model.train()
+        else:
+            model.eval()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            m = ids.meta(p)
+            trace.param_names.setdefault(m.storage, []).append(name)
+        for name, p in model.named_parameters():
+            m = ids.meta(p)
+            trace.owner[m.storage] = name
+            trace.placeholders.append(Placeholder("param", name, m))
+            trace.external_storages.add(m.storage)
+            trace.note_storage(m.storage, p)
+        state_keys = set(model.state_dict(keep_vars=True))
+        for name, b in model.named_buffers():
+            m = ids.meta(b)
+            if name in state_keys:
+                trace.persistent_buffers.add(m.storage)
+            trace.placeholders.append(Placeholder("buffer", name, m))
+            trace.external_storages.add(m.storage)
+            trace.note_storage(m.storage, b)
+        named = list(args.items()) if isinstance(args, dict) else [(f"input{i}", a) for i, a in enumerate(args)]
+        for key, value in named:
+            leaves = [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor)]
+            for j, a in enumerate(leaves):
+                m = ids.meta(a)
+                trace.placeholders.append(Placeholder("input", key if len(leaves) == 1 else f"{key}.{j}", m))
+                trace.external_storages.add(m.storage)
+                trace.note_storage(m.storage, a)
+        trace.module_names = [n for n, _ in model.named_modules()]
+        trace.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
+        opt = optimizer(model) if (optimizer is not None and step == "train") else None
+
+        root = type(model).__name__
+        recorder = _Recorder(trace, ids, root, only_ops)
+        recorder.names = {id(m): n for n, m in model.named_modules()}
+        hooks = [
+            torch.nn.modules.module.register_module_forward_pre_hook(recorder.pre_hook),
+            torch.nn.modules.module.register_module_forward_hook(recorder.post_hook, always_call=True),
+        ]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = ids.storage(t)
+            if st not in trace.external_storages:
+                trace.saved_storages[st] = t.untyped_storage().nbytes()
+            return t
+
+        with recorder, _removing(hooks), _quiet("torch._subclasses.fake_tensor"):
+            if step == "train":
+                # the loss is part of the step: what it saves for backward is activations too, and it runs
+                # under autocast as the forward does (as PyTorch's AMP recipe has it)
+                # hooks are set for a trace of ops only too: their presence changes what some ops run (a detach)
+                saving = torch.autograd.graph.saved_tensors_hooks(_same if only_ops else pack, _same)
+                with saving, _autocast(autocast, device):
+                    out = _call_model(model, args, recorder)
+                    value = _call_loss(loss, out) if loss is not None else out
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    raise SymacctError(
+                        "the step's output is not a scalar loss",
+                        module="",
+                        shapes=[tuple(value.shape)] if isinstance(value, torch.Tensor) else None,
+                        hint="make forward return the loss when targets are given, or pass loss=",
+                    )
+                for t in [value, *tree_flatten(out)[0]]:
+                    if isinstance(t, torch.Tensor):  # the caller still holds the output and the loss
+                        trace.held_storages.add(ids.storage(t))
+                recorder.mark("after_forward")
+                recorder.phase = "backward"
+                if not value.requires_grad:
+                    raise SymacctError(
+                        "the loss does not require grad: no parameter reaches it",
+                        module="",
+                        hint="a training step needs parameters on the path to the loss; use step='forward'",
+                    )
+                value.backward()
+                recorder.mark("after_backward")
+                for name, p in model.named_parameters():
+                    if p.grad is not None:
+                        st = ids.storage(p.grad)
+                        trace.grad_storages[st] = name
+                        trace.owner[st] = name
+                if opt is not None and not only_ops:
+                    _state_storages(opt, model, ids, trace)  # states made before the step (Adagrad)
+                    recorder.phase = "optimizer"
+                    try:
+                        opt.step()
+                    except SymacctError:
+                        raise
+                    except Exception as e:
+                        raise SymacctError(
+                            f"the optimizer step failed on fake tensors: {type(e).__name__}: {_text(e)}",
+                            op=type(opt).__name__,
+                            hint="use an optimizer whose step() runs without a closure and without reading "
+                            "tensor values (SGD, Adam, AdamW, Adagrad, ...)",
+                        ) from e
+                    _state_storages(opt, model, ids, trace)
+                    _attribute_optimizer_ops(trace)
+                    opt.zero_grad(set_to_none=True)
+                recorder.reap(len(trace.ops) + 0.25)  # what zero_grad freed
+                trace.marks["after_optimizer"] = len(trace.ops)
+            else:
+                with torch.no_grad(), _autocast(autocast, device):
+                    out = _call_model(model, args, recorder)
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        trace.held_storages.add(ids.storage(t))
+                recorder.mark("after_forward")
+    return trace
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], recorder: Any) -> Any:
+    """``model(*args)``; an error raised above dispatch (an argument check in Python or C++) is named with
+    the module it happened in and its full text, as a refusal at probe sizes, not as symacct's defect."""
+    try:
+        return _invoke(model, args)
+    except SymacctError:
+        raise
+    except Exception as e:
+        raise SymacctError(
+            f"the model's forward failed at probe sizes: {type(e).__name__}: {_text(e)}",
+            module=recorder.module(),
+            hint="the step runs at sizes of symacct's choosing (distinct primes per symbol): a size relation "
+            "the model needs (heads dividing the width, key/value heads dividing the heads) must come from "
+            "fields symacct knows (n_head, n_kv_heads, ...), or keep those fields at their values with fixed=[...]",
+        ) from e
+
+
+def _call_loss(loss: Callable[[Any], torch.Tensor], out: Any) -> Any:
+    """``loss(out)``; a Python error in the user's loss function is named as such, not as symacct's."""
+    try:
+        return loss(out)
+    except SymacctError:
+        raise
+    except Exception as e:
+        raise SymacctError(
+            f"the loss= function failed on the model's output: {type(e).__name__}: {_text(e)}",
+            hint=f"the output is a {type(out).__name__}; loss= receives exactly what forward returns",
+        ) from e
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Any:
+    """Silence a logger: fake tensors log a traceback for a failing meta kernel, which symacct
+    turns into one SymacctError naming the node, module, op and shapes."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _removing(handles: list[Any]) -> Any:
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for fake parameters (``.to`` would swap tensors, which fake ones refuse).
+
+    Floating parameters and buffers are replaced by cast copies; a parameter
+    shared by several modules (tied weights) stays shared.
+    """
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point():
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            module._parameters[name] = done[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.to(dtype)
+
+
+def _autocast(dtype: torch.dtype | None, device: str) -> Any:
+    """``torch.autocast`` on the device the trace's fake tensors are on, or nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def _attribute_optimizer_ops(trace: StepTrace) -> None:
+    """Give each optimizer op the module of the one parameter whose tensors it touches.
+
+    Single-tensor optimizers touch one parameter (its grad, its states) per op;
+    foreach and fused ops touch all of them and stay at the root ('').
+    """
+    owner = dict(trace.owner)  # grows with the temporaries each parameter's ops make
+    for rec in trace.ops:
+        if rec.phase != "optimizer":
+            continue
+        owners = {owner[m.storage] for m in (*rec.inputs, *rec.outputs, *rec.mutated) if m.storage in owner}
+        if len(owners) == 1:
+            name = owners.pop()
+            rec.module = name.rpartition(".")[0]
+            for m in rec.outputs:
+                owner.setdefault(m.storage, name)
+
+
+def _state_storages(opt: torch.optim.Optimizer, model: nn.Module, ids: _Ids, trace: StepTrace) -> None:
+    """Record the optimizer's per-parameter state tensors; refuse state that is not per-parameter."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        if not isinstance(p, torch.Tensor) or id(p) not in names:
+            raise SymacctError(
+                f"{type(opt).__name__} keeps state that is not keyed by a parameter",
+                op=type(opt).__name__,
+                hint="symacct accounts optimizer state per parameter; this optimizer's state cannot be attributed",
+            )
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor):
+                st = ids.storage(v)
+                if st not in trace.storage_producer:  # made before the step (Adagrad's __init__)
+                    trace.external_storages.add(st)
+                trace.state_storages[st] = (names[id(p)], key)
+                trace.owner[st] = names[id(p)]
+                if st not in trace.storage_nbytes:
+                    trace.note_storage(st, v)
