@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from symacct.accounting import Accounting
+    from symacct.cost.fx import annotate
     from symacct.errors import SymacctError
     from symacct.measure.track import track
     from symacct.pipeline import derive
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "Accounting": "symacct.accounting",
+    "annotate": "symacct.cost.fx",
     "SymacctError": "symacct.errors",
     "derive": "symacct.pipeline",
     "estimate": "symacct.time.model",
@@ -36,6 +38,7 @@ _WHERE = {
 __all__ = [
     "Accounting",
     "SymacctError",
+    "annotate",
     "derive",
     "estimate",
     "fit",

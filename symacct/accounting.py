@@ -13,7 +13,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 import numpy as np
@@ -32,6 +32,9 @@ from symacct.trace.constraints import Constraint
 from symacct.trace.constraints import check as check_constraints
 from symacct.trace.probe import Probe
 from symacct.trace.record import StepTrace
+
+if TYPE_CHECKING:
+    import torch.fx
 
 Expr = Any  # sympy.Expr, or int once evaluated
 
@@ -104,6 +107,19 @@ class Accounting:
     experts: list[Any] = field(default_factory=list)
     # input sizes besides B and S, with the size each takes when at() is not given it (S_dec -> S)
     input_sizes: dict[str, str] = field(default_factory=dict)
+    # the probe trace the graph was costed from: its ops' arguments, for acct.fx
+    step: StepTrace | None = field(default=None, repr=False)
+
+    @property
+    def fx(self) -> torch.fx.GraphModule:
+        """The traced step as a ``torch.fx.GraphModule`` of aten ops (forward, backward, optimizer), each
+        node's ``meta["symacct"]`` the graph's record of it (``symacct.cost.fx.graph_module``); on an
+        evaluated copy the records hold numbers."""
+        from symacct.cost.fx import graph_module
+
+        if self.step is None:
+            raise SymacctError("this accounting keeps no trace", hint="take acct.fx from a derive() result")
+        return graph_module(self.step, self.graph)
 
     @property
     def saved_bytes(self) -> Expr:

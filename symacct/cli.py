@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -304,6 +305,35 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+def _annotate(args: argparse.Namespace) -> int:
+    """symacct annotate: load a saved torch.export program, cost its nodes, print the sheet or JSON."""
+    import torch
+
+    from symacct.cost.fx import annotate
+
+    dims = {}
+    for item in args.dims:
+        name, eq, letter = item.partition("=")
+        if not eq or not name or not letter:
+            raise UsageError(f"--dims takes NAME=LETTER (batch=B), got {item!r}")
+        dims[name] = letter
+    if not Path(args.program).is_file():
+        raise UsageError(f"no such file: {args.program}")
+    quiet = logging.getLogger("torch.export")  # it logs a traceback before raising; the error says it all
+    was, quiet.disabled = quiet.disabled, True
+    try:
+        program = torch.export.load(args.program)
+    except Exception as e:
+        raise UsageError(
+            f"cannot load {args.program} as a torch.export program: {type(e).__name__}: {' '.join(str(e).split())}"
+        ) from e
+    finally:
+        quiet.disabled = was
+    costs = annotate(program, dims=dims)
+    print(_json(costs.to_dict()) if args.json else costs.sheet(), end="\n" if args.json else "")
+    return 0
+
+
 def _step_args(p: argparse.ArgumentParser) -> None:
     from symacct.options import LOW_PRECISION
 
@@ -390,8 +420,14 @@ def _main(argv: Sequence[str] | None) -> int:
     v.add_argument("--hardware", default=None, help="CUDA: catalog entry for the time rows (default: this GPU)")
     v.add_argument("--profile", action="store_true", help="match torch.profiler's per-op memory to graph nodes")
     v.add_argument("--json", action="store_true")
+    an = sub.add_parser("annotate", help="costs of a saved torch.export program (torch.export.save): a Markdown sheet")
+    an.add_argument("program", help="a .pt2 file written by torch.export.save")
+    an.add_argument("--dims", action="append", default=[], metavar="NAME=LETTER", help="rename a dynamic dim (batch=B)")
+    an.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "annotate":
+            return _annotate(args)
         if args.cmd == "list":
             from symacct.models.presets import PRESETS
 

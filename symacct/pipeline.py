@@ -1130,6 +1130,7 @@ def account(
     )
     acct.memory = memory
     acct.liveness = live
+    acct.step = first.trace
     acct.tied = _tied(src)
     for f in src.values:  # the config field behind a tied letter, for the notation tables
         if letter_for_field(f) in acct.tied:

@@ -30,6 +30,7 @@ ORDER = [
     "cost.layers",
     "cost.graph",
     "cost.experts",
+    "cost.fx",
     "memory.static",
     "memory.liveness",
     "time.hardware",

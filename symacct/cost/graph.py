@@ -42,7 +42,8 @@ class Node:
     ``cost``: per call (FLOPs by kind, bytes read and written); ``count``:
     ``L`` (or ``L - 1``, ...) for a block standing for the stack, 0 for the
     other probe blocks, 1 elsewhere; ``saved``: an output storage is saved
-    for backward; ``allocated``: bytes of the storages it makes; ``ruled``:
+    for backward; ``allocated``: bytes of the storages it makes; ``saved_bytes``:
+    the part of those that autograd saves for backward, per call; ``ruled``:
     False for an op without a rule (``strict=False``), counted as 0.
     """
 
@@ -59,6 +60,7 @@ class Node:
     saved: bool = False
     allocated: Any = 0
     ruled: bool = True
+    saved_bytes: Any = 0
 
     def evaluated(self, ev: Callable[[Any], Any]) -> Node:
         """The record with every formula passed through ``ev`` (``Accounting.at``)."""
@@ -69,6 +71,7 @@ class Node:
             cost=self.cost.map(ev),
             count=ev(self.count),
             allocated=ev(self.allocated),
+            saved_bytes=ev(self.saved_bytes),
         )
 
 
@@ -213,7 +216,7 @@ def build_graph(
         )
         g.add_node(key, node=node)
         writer[ph.meta.vid] = key
-    saved = set(trace.saved_storages)
+    saved = trace.saved_storages  # storage -> bytes autograd packed
     for c, n in zip(costed, counts):
         rec = c.rec
         made = {t.storage for t in rec.outputs if trace.storage_producer.get(t.storage) == rec.index}
@@ -231,6 +234,7 @@ def build_graph(
             saved=any(t.storage in saved and trace.storage_producer.get(t.storage) == rec.index for t in rec.outputs),
             allocated=sum((trace.bytes_of(st, dim) for st in sorted(made)), 0),
             ruled=c.ruled,
+            saved_bytes=sum((trace.bytes_of(st, dim, saved[st]) for st in sorted(made) if st in saved), 0),
         )
         g.add_node(rec.index, node=node)
         for t in rec.inputs:
