@@ -361,3 +361,39 @@ def test_cli_annotates_a_saved_program(tmp_path):
     for bad in (["annotate", str(tmp_path / "missing.pt2")], ["annotate", str(path), "--dims", "B"]):
         done = subprocess.run([sys.executable, "-m", "symacct.cli", *bad], capture_output=True, text=True)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("symacct: error:")
+
+
+def test_transformers_export_matmul_flops_equal_derive():
+    """A transformers Llama exported with dynamic B and S: the same products as derive's forward. Its other
+    element-wise costs differ, rightly: under export transformers builds the causal mask as a tensor (the
+    program holds it) where eager SDPA takes is_causal; and export writes size checks into the program
+    (aten._assert_tensor_metadata: no data read)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, labels):
+            return self.m(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+    ids = torch.randint(0, 128, (2, 8))
+    B, S = Dim("B"), Dim("S", max=63)
+    a = annotate(export(Loss(), (ids, ids), dynamic_shapes=({0: B, 1: S}, {0: B, 1: S})))
+    acct = _derived(model)
+    assert a.cost.flops == _forward_at_model_sizes(acct, acct.flops.forward)
+    assert "aten._assert_tensor_metadata" in a.by_op() and a.by_op()["aten._assert_tensor_metadata"].bytes_read == 0

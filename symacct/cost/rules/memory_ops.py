@@ -51,6 +51,28 @@ def view(call: Call) -> Cost:
     return Cost()
 
 
+@rule(
+    aten._assert_tensor_metadata,
+    aten._assert_scalar,
+    aten._functional_assert_scalar,
+    aten.sym_constrain_range,
+    aten.sym_constrain_range_for_size,
+    aten._functional_sym_constrain_range,
+    aten._functional_sym_constrain_range_for_size,
+)
+def size_check(call: Call) -> Cost:
+    """Checks on sizes, dtypes and devices that torch.export writes into a program (eager PyTorch runs
+    none): they read no tensor data."""
+    return Cost(bytes_read=0, bytes_written=0)
+
+
+@rule(aten._assert_async, aten._functional_assert_async)
+def value_check(call: Call) -> Cost:
+    """An assertion on a tensor's value: it reads that tensor (one element, usually), writes nothing but
+    the functional variant's dependency token."""
+    return Cost(bytes_written=0) if call.op.overloadpacket is aten._assert_async else Cost()
+
+
 @rule(aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided)
 def allocate(call: Call) -> Cost:
     return Cost(bytes_read=0, bytes_written=0)
