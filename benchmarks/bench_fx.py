@@ -12,26 +12,17 @@ Every ratio is measured in one run on one machine; machines differ 3-4x in speed
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim, export
 from torch.utils.flop_counter import FlopCounterMode
+from yardstick import median_time
 
 import symacct
 from symacct.models import GPT2, GPT2Config
 from symacct.symbols import sym
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def count(module: torch.nn.Module, B: int, S: int, vocab: int) -> int:

@@ -43,3 +43,15 @@ def derive_seconds(adamw: bool = False) -> float:
     t = time.perf_counter()
     symacct.derive(model, optimizer="adamw" if adamw else None)
     return time.perf_counter() - t
+
+
+def median_time(fn, repeats: int = 3) -> float:
+    """The median wall time of ``repeats`` calls of ``fn``, in seconds."""
+    import statistics
+
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

@@ -106,7 +106,7 @@ class Accounting:
     # mixture-of-experts layers: routed (token, expert) pairs and their split over the experts (symacct.cost.experts)
     experts: list[Any] = field(default_factory=list)
     # input sizes besides B and S, with the size each takes when at() is not given it (S_dec -> S)
-    input_sizes: dict[str, str] = field(default_factory=dict)
+    input_sizes: dict[str, str | None] = field(default_factory=dict)
     # the probe trace the graph was costed from: its ops' arguments, for acct.fx
     step: StepTrace | None = field(default=None, repr=False)
 
@@ -203,8 +203,13 @@ class Accounting:
         """
         values = self._untie(values)
         for k, like in self.input_sizes.items():  # a decoder as long as the encoder unless told
-            if k not in values and like in values:
+            if k not in values and like is not None and like in values:
                 values[k] = values[like]
+        if "S" in values and self.options.get("step") == "decode":
+            raise SymacctError(
+                "a decode step runs one new token a sequence: S is 1, no symbol",
+                hint="give the context as C (positions in the KV cache before the step): acct.at(B=..., C=...)",
+            )
         unknown = [k for k in values if k not in self.symbols and k not in ("B", "S", *self.input_sizes)]
         if unknown:
             by_field = {f: letter for letter, f in self.fields.items()}

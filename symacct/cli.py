@@ -305,6 +305,74 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """symacct serve: a prefill and a decode step derived, the serving figures at --context and --batch."""
+    import torch
+
+    from symacct.pipeline import derive
+    from symacct.time.serving import as_dict, serve
+
+    out = _writable(args.out) if args.out else None
+    with torch.device("meta"):  # nothing of real size: the reference models build on meta
+        model = load_model(args.model, overrides_of(args.config))
+    kw = {"params_dtype": args.params_dtype, "cache_dtype": args.cache_dtype}
+    prefill = derive(model, step="prefill", **kw)
+    decode = derive(model, step="decode", **kw)
+    s = serve(
+        prefill,
+        decode,
+        hardware=args.hardware,
+        context=args.context,
+        batch=args.batch,
+        prompt=args.prompt,
+        reserve=args.reserve,
+        weight_bits=args.weight_bits,
+        group_size=args.group_size,
+    )
+    if out is not None:
+        from symacct.report.plots import serving_memory
+        from symacct.time.hardware import get
+
+        budget = int(get(args.hardware).memory_bytes * (1 - args.reserve))
+        name = Path(args.model).name
+        batches = tuple(sorted({1, args.batch, 8 * args.batch}))
+        for path in serving_memory(decode, out, name=name, batches=batches, budget=budget):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        print(_json(as_dict(s)))
+        return 0
+    gib = 2**30
+    t = s.decode_traffic
+    rows = {
+        "model": f"{args.model} on {s.hardware}, batch {s.batch}, context {s.context} (prompt {s.prompt})",
+        "weights": f"{s.weights_bytes / gib:.2f} GiB"
+        + (
+            f" (linear weights int{s.weight_bits}, {s.bytes_per_weight:.4f} bytes each: re-priced)"
+            if s.weight_bits
+            else ""
+        ),
+        "KV cache a token": f"{s.cache_bytes_per_token:,} bytes = {s.cache_formula} "
+        f"(2*L*H_kv*d_head*bytes: {s.textbook_bytes_per_token:,})",
+        "KV cache": f"{s.cache_bytes / gib:.2f} GiB",
+        "decode peak": f"{s.peak_bytes / gib:.2f} GiB",
+        "time to first token": f"{s.ttft_seconds * 1e3:.1f} ms",
+        "decode step": f"{s.decode_seconds * 1e3:.2f} ms ({s.decode_bound}-bound)",
+        "decode step reads": f"weights {t['weights_read'] / gib:.2f} GiB, cache {t['cache_read'] / gib:.2f} GiB, "
+        f"other {t['other_read'] / gib:.2f} GiB; writes cache {t['cache_written'] / gib:.2f} GiB, "
+        f"other {t['other_written'] / gib:.2f} GiB",
+        "tokens/s": f"{s.tokens_per_second:,.1f} ({s.tokens_per_second_per_sequence:,.1f} a sequence)",
+        "compute-bound from batch": str(s.compute_bound_batch or "-"),
+        "largest batch": str(s.max_batch or "-"),
+        "longest context": str(s.max_context or "-"),
+    }
+    width = max(len(k) for k in rows)
+    for k, v in rows.items():
+        print(f"{k:<{width}}  {v}")
+    for note in s.notes:
+        print(f"note: {note}")
+    return 0
+
+
 def _annotate(args: argparse.Namespace) -> int:
     """symacct annotate: load a saved torch.export program, cost its nodes, print the sheet or JSON."""
     import torch
@@ -349,7 +417,7 @@ def _step_args(p: argparse.ArgumentParser) -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    from symacct.options import DTYPES, LOW_PRECISION
+    from symacct.options import CACHE_DTYPES, DTYPES, LOW_PRECISION
 
     parser = _Parser(prog="symacct", description="Symbolic resource accounting for PyTorch")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -420,6 +488,20 @@ def _main(argv: Sequence[str] | None) -> int:
     v.add_argument("--hardware", default=None, help="CUDA: catalog entry for the time rows (default: this GPU)")
     v.add_argument("--profile", action="store_true", help="match torch.profiler's per-op memory to graph nodes")
     v.add_argument("--json", action="store_true")
+    sv = sub.add_parser("serve", help="serving on one device: KV cache, time to first token, tokens/s, what fits")
+    sv.add_argument("model", help="built-in name (symacct list) or package.module:factory")
+    sv.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    sv.add_argument("--hardware", required=True, help="accelerator name (see symacct hardware)")
+    sv.add_argument("--context", type=_count, required=True, help="sequence length at the last generated token")
+    sv.add_argument("--batch", type=_count, default=1, help="sequences decoded together (default 1)")
+    sv.add_argument("--prompt", type=_count, default=None, help="prompt tokens (default: context - 1)")
+    sv.add_argument("--params-dtype", choices=LOW_PRECISION, default=None, help="weights (and so the cache) dtype")
+    sv.add_argument("--cache-dtype", choices=CACHE_DTYPES, default=None, help="KV cache dtype (default: the weights')")
+    sv.add_argument("--reserve", type=_number, default=0.15, help="fraction of memory kept free (default 0.15)")
+    sv.add_argument("--weight-bits", type=int, choices=(8, 4), default=None, help="weight-only quantization")
+    sv.add_argument("--group-size", type=_count, default=128, help="weights a scale (default 128)")
+    sv.add_argument("--out", default=None, help="write the plot of memory against context and batch here")
+    sv.add_argument("--json", action="store_true")
     an = sub.add_parser("annotate", help="costs of a saved torch.export program (torch.export.save): a Markdown sheet")
     an.add_argument("program", help="a .pt2 file written by torch.export.save")
     an.add_argument("--dims", action="append", default=[], metavar="NAME=LETTER", help="rename a dynamic dim (batch=B)")
@@ -428,6 +510,8 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         if args.cmd == "annotate":
             return _annotate(args)
+        if args.cmd == "serve":
+            return _serve(args)
         if args.cmd == "list":
             from symacct.models.presets import PRESETS
 

@@ -27,6 +27,8 @@ DTYPES: dict[str, tuple[torch.dtype, ...]] = {
 _SPELLINGS = {"half": "fp16", "float8": "fp8"}
 # the dtypes a step can be traced in (autocast=, params_dtype=, --autocast, --params-dtype)
 LOW_PRECISION = ("bf16", "fp16")
+# the dtypes a KV cache can be held in (cache_dtype=, --cache-dtype): fp8 is float8_e4m3fn
+CACHE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -63,13 +65,15 @@ def dtype_key(dtype: torch.dtype | str | None, default: str = "fp32") -> str:
     return _NAMES.get(str(dtype), str(dtype))
 
 
-def torch_dtype(arg: str, value: torch.dtype | str | None) -> torch.dtype | None:
-    """A dtype given by short name (``'bf16'``, ``'fp16'``, ``'fp32'``) or as a torch.dtype; ``arg`` names the
-    option in the error."""
+def torch_dtype(
+    arg: str, value: torch.dtype | str | None, names: tuple[str, ...] = ("bf16", "fp16", "fp32")
+) -> torch.dtype | None:
+    """A dtype given by short name (``'bf16'``, ``'fp16'``, ``'fp32'``; ``names`` says which) or as a
+    torch.dtype; ``arg`` names the option in the error."""
     if isinstance(value, str):
         key = _NAMES.get(value)
-        if key is None or key not in ("bf16", "fp16", "fp32"):
-            raise SymacctError(f"{arg}={value!r} is not a dtype name", hint="use bf16, fp16, fp32")
+        if key is None or key not in names:
+            raise SymacctError(f"{arg}={value!r} is not a dtype name", hint="use " + ", ".join(names))
         return DTYPES[key][0]
     return value
 

@@ -65,8 +65,11 @@ from symacct.models.hf import (
     is_transformers_model,
     window_constraints,
 )
+from symacct.models.hf import (
+    serving_inputs as hf_serving_inputs,
+)
 from symacct.models.hf import task as task_for
-from symacct.options import optimizer_factory, torch_dtype
+from symacct.options import CACHE_DTYPES, optimizer_factory, torch_dtype
 from symacct.sameness import NOT_THE_SAME, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import letter_for_field, rational_form, sym
@@ -103,6 +106,7 @@ class _Source:
     loss: Any = None  # the step's loss (the user's, a transformers task's, or None: the output is the loss)
     constants: list[str] = dataclasses.field(default_factory=list)  # integer fields that set no size
     inputs_given: bool = False  # the inputs come from inputs= (or a task), not from model.example_inputs
+    seq: int | None = None  # S kept at this value, no symbol (a decode step: one new token)
 
 
 def _config_items(config: Any) -> list[tuple[str, Any]]:
@@ -491,10 +495,13 @@ def _probe_for(
     head_primes: tuple[int, ...],
     offsets: bool = False,
 ) -> Probe:
-    letters = sorted({letter for letter in src.fields.values() if letter != "L"} | {"B", "S", *src.input_dims})
+    seq = {"S"} if src.seq is None else set()  # a decode step's one new token is no symbol
+    letters = sorted({letter for letter in src.fields.values() if letter != "L"} | {"B", *seq, *src.input_dims})
     layers_or_none = layers if "L" in src.fields.values() else None
     kept = [v for f, v in src.values.items() if letter_for_field(f) == "H" and f not in src.fields]
     scale = {"S": IMAGE_SCALE} if src.strided else {}
+    if "C" in letters and "S_max" in letters:  # C + S positions must fit the table: S_max a multiple of 4
+        scale["S_max"] = 4
     if "E" in letters:  # grouped matmuls want 16-byte strides: widths are probed as multiples of 16
         scale |= {n: EXPERT_WIDTH_SCALE for n in letters if n not in _COUNTS}
     heads = kept[0] if len(kept) == 1 and isinstance(kept[0], int) and kept[0] > 0 else 1
@@ -527,7 +534,7 @@ def _record(
     src: _Source, probe: Probe, step: str, loss: Any, optimizer: Any, precision: dict[str, Any] | None = None
 ) -> StepTrace:
     vals = _field_values(src, probe)
-    B, S = probe.values["B"], probe.values["S"]
+    B, S = probe.values["B"], probe.values.get("S", src.seq)
 
     def build(fake: FakeTensorMode) -> nn.Module:
         if src.configless:
@@ -549,15 +556,16 @@ def _trace(
     optimizer: Any,
     precision: dict[str, Any],
     only_ops: bool = False,
+    dims: dict[str, int] | None = None,
 ) -> StepTrace:
-    """One step of the model ``build`` makes, at (B, S) and the probe's other input sizes, in the source's
-    context (transformers' eager paths)."""
+    """One step of the model ``build`` makes, at (B, S) and the probe's other input sizes (or ``dims``), in
+    the source's context (transformers' eager paths)."""
     with src.context():
         return record_step(
             build,
-            lambda m: src.inputs(m, B, S, **_input_dims(src, probe)),
+            lambda m: src.inputs(m, B, S, **(dims if dims is not None else _input_dims(src, probe))),
             loss=loss,
-            step=step,
+            step="forward" if step in SERVING else step,
             optimizer=optimizer,
             only_ops=only_ops,
             **precision,
@@ -583,10 +591,13 @@ def _same_model(
     S is kept below the user's position table (S_max) when the model has one, as the probe's S is below its
     S_max (``x[:, :S]`` of a whole table runs no slice op).
     """
-    B, S = probe.values["B"], probe.values["S"]
+    B, S = probe.values["B"], probe.values.get("S", src.seq)
+    dims = _input_dims(src, probe)
     for f, letter in src.fields.items():
         if letter == "S_max":
             S = max(1, min(S, src.values[f] - 1))
+            if "C" in dims:  # cached positions and new ones share the table: C + S < S_max
+                dims["C"] = max(1, min(dims["C"], src.values[f] - S - 1))  # (a whole table runs no slice)
     device = precision.get("device", "cpu")
 
     def user_trace(short: bool) -> StepTrace:
@@ -596,7 +607,7 @@ def _same_model(
             with shortened(model, stacks):  # copied with its stacks shortened, then restored
                 return fake_copy(model, fake, device)
 
-        return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True)
+        return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims)
 
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
         compare_ops(user_trace(True), trace, stacks, probe.layers or 1)
@@ -733,6 +744,7 @@ def _derive(
     params_dtype: torch.dtype | str | None = None,
     device: str = "cpu",
     routing: Sequence[Any] | None = None,
+    cache_dtype: torch.dtype | str | None = None,
     _degenerate: bool = False,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
@@ -751,8 +763,10 @@ def _derive(
             step (``symacct.models.hf.task``).
         loss: turns the model's output into the scalar loss (default: the
             output must be the loss; a transformers model: ``output.loss``).
-        step: ``"train"`` (forward + backward [+ optimizer]) or ``"forward"``
-            (inference under ``torch.no_grad()``).
+        step: ``"train"`` (forward + backward [+ optimizer]), ``"forward"``
+            (inference under ``torch.no_grad()``), ``"prefill"`` (a prompt of S
+            tokens filling an empty KV cache) or ``"decode"`` (one new token
+            after a cache of C positions; S = 1, C a symbol): docs/serving.md.
         optimizer: a name (``"adamw"``, ``"sgd"``, ...) or a
             ``torch.optim.Optimizer`` subclass; its real ``step()`` runs on
             fake tensors inside the traced step (phase ``optimizer``), then
@@ -801,6 +815,7 @@ def _derive(
         params_dtype=params_dtype,
         device=device,
         routing=routing,
+        cache_dtype=cache_dtype,
         _degenerate=_degenerate,
     )
     req = _request(**kwargs)
@@ -846,6 +861,7 @@ class Request:
     causal_discount: bool
     routing: Sequence[Any] | None
     degenerate: bool
+    cache_dtype: torch.dtype | None = None  # the KV cache's dtype (serving steps; None: the compute dtype)
 
 
 class _FixLayers(Exception):
@@ -880,17 +896,21 @@ def _request(
     params_dtype: torch.dtype | str | None,
     device: str,
     routing: Sequence[Any] | None,
+    cache_dtype: torch.dtype | str | None,
     _degenerate: bool,
 ) -> Request:
     """Check the options and put them in one record."""
     autocast, params_dtype = torch_dtype("autocast", autocast), torch_dtype("params_dtype", params_dtype)
-    if step not in ("train", "forward"):
-        raise SymacctError(f"unknown step {step!r}", hint="use step='train' or step='forward'")
+    kv_dtype = torch_dtype("cache_dtype", cache_dtype, names=CACHE_DTYPES)
+    if kv_dtype is not None and step not in SERVING:
+        raise SymacctError("cache_dtype= is for step='prefill' or 'decode'", hint="drop cache_dtype= for this step")
+    if step not in STEPS:
+        raise SymacctError(f"unknown step {step!r}", hint="use step= " + ", ".join(repr(s) for s in STEPS))
     if embedding_flops not in ("lookup", "matmul"):
         raise SymacctError(f"unknown embedding_flops {embedding_flops!r}", hint="use 'lookup' or 'matmul'")
     make_opt = optimizer_factory(optimizer, optimizer_options)
     if make_opt is not None and step != "train":
-        raise SymacctError("an optimizer needs step='train'", hint="drop optimizer= for step='forward'")
+        raise SymacctError("an optimizer needs step='train'", hint=f"drop optimizer= for step={step!r}")
     for name, dt in (("autocast", autocast), ("params_dtype", params_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise SymacctError(f"{name}={dt!r} is not a floating dtype", hint="use torch.bfloat16 or torch.float16")
@@ -912,6 +932,7 @@ def _request(
             "optimizer_options": dict(optimizer_options or {}),
             "autocast": str(autocast) if autocast else None,
             "params_dtype": str(params_dtype) if params_dtype else None,
+            "cache_dtype": str(kv_dtype) if kv_dtype else None,
             "device": device,
         },
         inputs=inputs,
@@ -922,7 +943,38 @@ def _request(
         causal_discount=causal_discount,
         routing=routing,
         degenerate=_degenerate,
+        cache_dtype=kv_dtype,
     )
+
+
+STEPS = ("train", "forward", "prefill", "decode")
+SERVING = ("prefill", "decode")
+_SERVING_NOTE = {
+    "prefill": "step prefill: a prompt of S tokens run with an empty KV cache, which the step fills (no grad)",
+    "decode": "step decode: one new token a sequence after a KV cache of C positions (no grad; S = 1, no symbol)",
+}
+
+
+def _serving_inputs(
+    model: Any, step: str, inputs: Callable[..., Any] | None, cache_dtype: torch.dtype | None = None
+) -> Callable[..., Any]:
+    """The inputs of a prefill or a decode step: given (inputs= taking B, S and, to decode, C), or the model's
+    own ``prefill_inputs(B, S)`` / ``decode_inputs(B, S, C)`` (the reference models have them)."""
+    if inputs is not None:
+        return inputs
+    method = f"{step}_inputs"
+    if not hasattr(model, method):
+        raise SymacctError(
+            f"step={step!r} needs the model's {method}(B, S{', C' if step == 'decode' else ''}) or inputs=",
+            hint="pass inputs=lambda m, B, S"
+            + (", C" if step == "decode" else "")
+            + ": {...} building the step's arguments, with the KV cache under the key 'cache' "
+            + ("(C positions a layer)" if step == "decode" else "(empty: the step fills it)"),
+        )
+    kw = {"cache_dtype": cache_dtype} if cache_dtype is not None else {}
+    if step == "decode":
+        return lambda m, B, S, C: m.decode_inputs(B, S, C, **kw)
+    return lambda m, B, S: m.prefill_inputs(B, S, **kw)
 
 
 def read_source(model: Any, req: Request) -> _Source:
@@ -938,7 +990,7 @@ def read_source(model: Any, req: Request) -> _Source:
     hf_task = None
     input_dims: tuple[str, ...] = ()
     hf = req.dims is None and is_transformers_model(model)
-    if hf:
+    if hf and req.step not in SERVING:
         if inputs is None or loss is None:
             hf_task = task_for(model)
         if inputs is None:
@@ -946,7 +998,22 @@ def read_source(model: Any, req: Request) -> _Source:
             input_dims = hf_task.dims
         if loss is None and req.step == "train":
             loss = hf_task.loss
+    if req.step in SERVING:
+        if req.cache_dtype is not None and (hf or inputs is not None):
+            raise SymacctError(
+                "cache_dtype= needs the model's own prefill_inputs / decode_inputs (the reference models')",
+                hint="a transformers model's quantized caches need their own libraries; with inputs=, build the "
+                "cache in the dtype you want and leave cache_dtype= out",
+            )
+        if hf and inputs is None:
+            inputs = hf_serving_inputs(model, req.step)
+        else:
+            inputs = _serving_inputs(model, req.step, inputs, req.cache_dtype)
     src = _source(model, inputs, req.dims, req.fixed)
+    if req.step in SERVING:
+        input_dims = ("C",) if req.step == "decode" else ()
+        src.seq = 1 if req.step == "decode" else None
+        src.notes.append(_SERVING_NOTE[req.step])
     src.loss = loss
     src.inputs_given = inputs is not None
     src.input_dims = input_dims
@@ -1137,8 +1204,9 @@ def account(
             acct.fields.setdefault(letter_for_field(f), f)
     acct.constraints = learn_constraints(first.trace, probe1.to_expr)
     if is_transformers_model(model):
-        acct.constraints += window_constraints(model, probe1.values["S"])
-    acct.input_sizes = {d: "S" for d in src.input_dims}
+        acct.constraints += window_constraints(model, probe1.values.get("S", src.seq), probe1.values.get("C"))
+    # an input size defaults to S (a decoder as long as the encoder); C (cached positions) has no default
+    acct.input_sizes = {d: None if d == "C" else "S" for d in src.input_dims}
     acct.experts = expert_layers(graph, acct.symbols, req.routing)
     if acct.experts:
         acct.notes.append(experts_note(acct.experts))

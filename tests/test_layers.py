@@ -35,6 +35,7 @@ ORDER = [
     "memory.liveness",
     "time.hardware",
     "time.model",
+    "time.serving",
     "accounting",
     "models",
     "models.hf",

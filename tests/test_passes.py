@@ -39,6 +39,7 @@ OPTIONS = dict(
     params_dtype=None,
     device="cpu",
     routing=None,
+    cache_dtype=None,
     _degenerate=False,
 )
 
@@ -53,6 +54,11 @@ def test_request_refuses_bad_options_before_any_trace():
         _request(**{**OPTIONS, "step": "forward"})
     with pytest.raises(SymacctError, match="not a dtype name"):
         _request(**{**OPTIONS, "autocast": "fp64"})
+    with pytest.raises(SymacctError, match="cache_dtype"):  # a cache dtype for a training step
+        _request(**{**OPTIONS, "cache_dtype": "fp8"})
+    with pytest.raises(SymacctError, match="not a dtype name"):
+        _request(**{**OPTIONS, "step": "decode", "optimizer": None, "cache_dtype": "int3"})
+    assert _request(**{**OPTIONS, "step": "decode", "optimizer": None, "cache_dtype": "fp8"}).cache_dtype is not None
 
 
 def test_read_source_names_the_sizes_and_the_layer_count():

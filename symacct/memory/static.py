@@ -41,6 +41,7 @@ class Memory:
     optimizer_by_state: dict[str, Expr] = field(default_factory=dict)
     autocast_copies: dict[str, Expr] = field(default_factory=dict)  # module -> bytes of autocast's weight casts
     checkpoint: Expr = 0  # tensor bytes of torch.save({model, optimizer state dicts}): params, saved buffers, states
+    kv_cache: Expr = 0  # serving: bytes of the KV cache after the step (prefill: S positions; decode: C + S)
 
 
 def static_and_activations(
@@ -86,6 +87,13 @@ def static_and_activations(
         if ph.kind == "buffer" and ph.meta.storage in trace.persistent_buffers:
             buffers += trace.bytes_of(ph.meta.storage, nb) * names_count.get(ph.name, 1)
     mem.checkpoint = sympy.expand(params + buffers + sum(by_state.values(), sympy.Integer(0)))
+    # the KV cache after a serving step: each storage a layer made, counted as its layer is
+    cache = sympy.Integer(0)
+    for st in trace.cache_storages:
+        producer = trace.storage_producer.get(st)
+        c = counts[producer] if producer is not None else 1
+        cache += trace.bytes_of(st, nb) * c
+    mem.kv_cache = sympy.expand(cache)
     # autocast's low-precision copies of the weights: casts whose input is a parameter
     copies: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
     param_storages = {ph.meta.storage for ph in trace.placeholders if ph.kind == "param"}

@@ -1,7 +1,12 @@
 """GPT-2 in one file (nanoGPT style): learned positions, pre-LayerNorm, GELU MLP.
 
 Letters in the shape comments: B batch, S sequence, D = n_embd, H = n_head,
-Dh = D / H, V = vocab_size, S_max = block_size.
+Dh = D / H, V = vocab_size, S_max = block_size, C cached positions.
+
+Serving: ``forward(idx, cache=[])`` is a prefill (it appends each layer's keys and values, S positions, to
+the list), ``forward(idx, cache=kv)`` with a full list a decode step (S new positions after C cached
+ones: each layer's entry replaced by the concatenation, as transformers' DynamicCache does); with a
+cache, the logits are those of the last position only (what generation samples from).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+
+Cache = list[tuple[torch.Tensor, torch.Tensor]]  # a layer's keys and values, (B, H, C, Dh) each
 
 
 @dataclass
@@ -44,13 +51,17 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
             self.register_buffer("mask", mask, persistent=False)  # (S_max, S_max)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, kv: Cache | None = None, i: int = 0, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         B, S, D = x.shape
         Dh = D // self.n_head
         q, k, v = self.c_attn(x).split(D, dim=2)  # 3 x (B, S, D)
         q = q.view(B, S, self.n_head, Dh).transpose(1, 2)  # (B, H, S, Dh)
         k = k.view(B, S, self.n_head, Dh).transpose(1, 2)  # (B, H, S, Dh)
         v = v.view(B, S, self.n_head, Dh).transpose(1, 2)  # (B, H, S, Dh)
+        if kv is not None:
+            return self._cached(q, k, v, kv, i, dtype)
         if self.sdpa:
             p = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -62,6 +73,31 @@ class CausalSelfAttention(nn.Module):
             y = att @ v  # (B, H, S, Dh)
         y = y.transpose(1, 2).contiguous().view(B, S, D)  # (B, S, D)
         return self.resid_dropout(self.c_proj(y))  # (B, S, D)
+
+    def _cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Cache, i: int, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """Attention of S new positions over the C cached ones and themselves; layer i's cache entry updated.
+        The cache holds ``dtype`` (prefill; decode keeps the cache's own): an fp8 cache is cast up to the
+        compute dtype for attention."""
+        B, _, S, Dh = q.shape
+        if i == len(kv):  # prefill: the layer's keys and values in storages of their own (views would keep
+            # the fused q, k, v output alive), (B, H, S, Dh) each
+            kv.append((k.contiguous(), v.contiguous()) if dtype in (None, k.dtype) else (k.to(dtype), v.to(dtype)))
+            C = 0
+        else:  # decode: (B, H, C, Dh) cached, (B, H, C + S, Dh) after
+            C, held = kv[i][0].size(2), kv[i][0].dtype
+            kv[i] = (torch.cat((kv[i][0], k.to(held)), dim=2), torch.cat((kv[i][1], v.to(held)), dim=2))
+        k, v = kv[i][0].to(q.dtype), kv[i][1].to(q.dtype)  # (B, H, C + S, Dh); a copy only for another dtype
+        if self.sdpa:
+            mask = torch.ones(S, C + S, dtype=torch.bool, device=q.device).tril(diagonal=C)  # (S, C + S)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, S, Dh)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(Dh))  # (B, H, S, C + S)
+            att = att.masked_fill(~self.mask[C : C + S, : C + S], float("-inf"))  # (B, H, S, C + S)
+            y = F.softmax(att, dim=-1) @ v  # (B, H, S, Dh)
+        y = y.transpose(1, 2).contiguous().view(B, S, self.n_head * Dh)  # (B, S, D)
+        return self.c_proj(y)  # (B, S, D)
 
 
 class MLP(nn.Module):
@@ -85,8 +121,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))  # (B, S, D)
+    def forward(
+        self, x: torch.Tensor, kv: Cache | None = None, i: int = 0, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv, i, dtype)  # (B, S, D)
         return x + self.mlp(self.ln_2(x))  # (B, S, D)
 
 
@@ -103,7 +141,15 @@ class GPT2(nn.Module):
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        cache_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        if cache is not None:
+            return self._serve(idx, cache, cache_dtype)
         B, S = idx.shape
         pos = torch.arange(S, device=idx.device)  # (S,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, S, D)
@@ -117,6 +163,29 @@ class GPT2(nn.Module):
             return logits
         V = logits.size(-1)
         return F.cross_entropy(logits.view(B * S, V), targets.view(B * S))  # scalar
+
+    def _serve(self, idx: torch.Tensor, cache: Cache, dtype: torch.dtype | None) -> torch.Tensor:
+        """Prefill (an empty cache) or decode (a full one): the logits of the last position, (B, 1, V)."""
+        B, S = idx.shape
+        C = cache[0][0].size(2) if cache else 0
+        pos = torch.arange(C, C + S, device=idx.device)  # (S,)
+        x = self.wte(idx) + self.wpe(pos)  # (B, S, D)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache, i, dtype)  # (B, S, D)
+        return self.lm_head(self.ln_f(x[:, -1:]))  # (B, 1, V)
+
+    def prefill_inputs(self, B: int, S: int, cache_dtype: torch.dtype | None = None) -> dict[str, object]:
+        """A prompt of S tokens and an empty cache (to hold ``cache_dtype``; default: the compute dtype)."""
+        ids = torch.randint(0, self.config.vocab_size, (B, S))
+        return {"idx": ids, "cache": [], "cache_dtype": cache_dtype}
+
+    def decode_inputs(self, B: int, S: int, C: int, cache_dtype: torch.dtype | None = None) -> dict[str, object]:
+        """S new tokens (derive's decode step: 1) and a cache of C positions: (B, H, C, Dh) keys and values a
+        layer."""
+        H, D = self.config.n_head, self.config.n_embd
+        dt = cache_dtype or self.wte.weight.dtype
+        kv = [(torch.randn(B, H, C, D // H).to(dt), torch.randn(B, H, C, D // H).to(dt)) for _ in self.blocks]
+        return {"idx": torch.randint(0, self.config.vocab_size, (B, S)), "cache": kv}
 
     def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and next-token targets, both (B, S) int64."""

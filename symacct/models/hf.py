@@ -144,6 +144,55 @@ def _base(m: nn.Module, B: int, S: int) -> dict[str, Any]:
     return {"input_ids": _ids(m, B, S)}
 
 
+def _serving_check(model: nn.Module, step: str) -> None:
+    name = type(model).__name__
+    if not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
+        raise SymacctError(
+            f"{name}: step={step!r} runs a causal language model with its KV cache",
+            hint="derive a ...ForCausalLM model, or pass inputs=lambda m, B, S[, C]: {...} with the cache "
+            "under the key 'cache'",
+        )
+
+
+def _cache(m: nn.Module, B: int, C: int) -> Any:
+    """The model's own DynamicCache (sliding-window layers where the config has them), with C positions of
+    keys and values in the parameters' dtype: (B, H_kv, C, head_dim) a layer."""
+    import transformers
+
+    config = m.config
+    cache = transformers.DynamicCache(config=config)
+    if C == 0:
+        return cache
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next(m.parameters()).dtype
+    for i in range(config.num_hidden_layers):
+        k = torch.randn(B, kv_heads, C, head_dim, dtype=dtype)
+        cache.update(k, torch.randn_like(k), i)
+    return cache
+
+
+def serving_inputs(model: nn.Module, step: str) -> Callable[..., dict[str, Any]]:
+    """A causal LM's prefill (``input_ids`` of S tokens, an empty cache) or decode step (one token, a cache of
+    C positions): the cache under ``cache`` (transformers 5's name), ``logits_to_keep=1`` as generation
+    asks for (the head on the last position only)."""
+    _serving_check(model, step)
+    if step == "decode":
+        return lambda m, B, S, C: {
+            "input_ids": _ids(m, B, S),
+            "cache": _cache(m, B, C),
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
+    return lambda m, B, S: {
+        "input_ids": _ids(m, B, S),
+        "cache": _cache(m, B, 0),
+        "use_cache": True,
+        "logits_to_keep": 1,
+    }
+
+
 def task(model: nn.Module) -> Task:
     """The default step of a transformers model, from the name of its class (its head)."""
     name = type(model).__name__
@@ -373,10 +422,11 @@ def _read_config(path: str) -> tuple[Any, Any]:
         raise SymacctError(f"cannot read {file}: {e}", hint="pass a transformers config.json") from e
 
 
-def window_constraints(model: nn.Module, probe_S: int) -> list[Any]:
+def window_constraints(model: nn.Module, probe_S: int, probe_C: int | None = None) -> list[Any]:
     """A sliding-window attention (``config.sliding_window``, Mistral, Qwen2) takes another path on each side of
-    its window: within it the mask is the causal one (SDPA's ``is_causal``), beyond it a window mask is built.
-    The figures are derived on the side the probe's S falls on, and hold on that side only."""
+    its window: within it the mask is the causal one (SDPA's ``is_causal``), beyond it a window mask is built;
+    a decode step's cache stops growing at the window. The figures are derived on the side the probe's
+    sizes fall on (S, and C + S after a cache of C positions), and hold on that side only."""
     from symacct.symbols import sym
     from symacct.trace.constraints import Constraint
 
@@ -385,6 +435,11 @@ def window_constraints(model: nn.Module, probe_S: int) -> list[Any]:
         return []
     S = sym("S")
     where = f"the config's sliding_window = {w} (transformers builds another mask beyond the window)"
+    if probe_C is not None:  # decode: the probe's C + S positions within the window (probes are far smaller)
+        total = sym("C") + probe_S
+        if probe_C + probe_S > w:
+            return [Constraint("le", sympy.Integer(w + 1), total, where, path=True)]
+        return [Constraint("le", total, sympy.Integer(w), where, path=True)]
     if probe_S > w:
         return [Constraint("le", sympy.Integer(w + 1), S, where, path=True)]
     return [Constraint("le", S, sympy.Integer(w), where, path=True)]

@@ -2,7 +2,13 @@
 
 Letters in the shape comments: B batch, S sequence, D = dim, H = n_heads,
 H_kv = n_kv_heads, Dh = D / H, F = hidden_dim, V = vocab_size,
-S_max = max_seq_len. No biases, no dropout, untied output head.
+S_max = max_seq_len, C cached positions. No biases, no dropout, untied output head.
+
+Serving: ``forward(tokens, cache=[])`` is a prefill (each layer's rotated keys and its values, H_kv heads,
+appended to the list), ``forward(tokens, cache=kv)`` with a full list a decode step (S new positions after
+C cached ones, each layer's entry replaced by the concatenation, as transformers' DynamicCache does); the
+cache holds H_kv heads (grouped-query attention repeats them after the cache); with a cache the logits
+are those of the last position only.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+
+Cache = list[tuple[torch.Tensor, torch.Tensor]]  # a layer's keys and values, (B, H_kv, C, Dh) each
 
 
 @dataclass
@@ -62,7 +70,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: Cache | None = None,
+        i: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         B, S, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.wq(x).view(B, S, H, Dh).transpose(1, 2)  # (B, H, S, Dh)
@@ -70,6 +86,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, S, Hkv, Dh).transpose(1, 2)  # (B, H_kv, S, Dh)
         q = q * cos + rotate_half(q) * sin  # (B, H, S, Dh)
         k = k * cos + rotate_half(k) * sin  # (B, H_kv, S, Dh)
+        if kv is not None:
+            return self._cached(q, k, v, kv, i, dtype)
         rep = H // Hkv
         k = k[:, :, None].expand(B, Hkv, rep, S, Dh).reshape(B, H, S, Dh)  # (B, H, S, Dh)
         v = v[:, :, None].expand(B, Hkv, rep, S, Dh).reshape(B, H, S, Dh)  # (B, H, S, Dh)
@@ -79,6 +97,34 @@ class Attention(nn.Module):
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(Dh))  # (B, H, S, S)
             causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()  # (S, S)
             att = att.masked_fill(~causal, float("-inf"))  # (B, H, S, S)
+            y = F.softmax(att, dim=-1) @ v  # (B, H, S, Dh)
+        y = y.transpose(1, 2).reshape(B, S, H * Dh)  # (B, S, D)
+        return self.wo(y)  # (B, S, D)
+
+    def _cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Cache, i: int, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """Attention of S new positions over the C cached ones and themselves; layer i's cache entry updated.
+        The cache holds ``dtype`` (prefill; decode keeps the cache's own): an fp8 cache is cast up to the
+        compute dtype for attention."""
+        B, H, S, Dh = q.shape
+        Hkv = self.n_kv_heads
+        if i == len(kv):  # prefill: (B, H_kv, S, Dh) each (k rotated: a tensor of its own; v a view of wv's output)
+            kv.append((k, v) if dtype in (None, k.dtype) else (k.to(dtype), v.to(dtype)))
+            C = 0
+        else:  # decode: (B, H_kv, C, Dh) cached, (B, H_kv, C + S, Dh) after
+            C, held = kv[i][0].size(2), kv[i][0].dtype
+            kv[i] = (torch.cat((kv[i][0], k.to(held)), dim=2), torch.cat((kv[i][1], v.to(held)), dim=2))
+        k, v = kv[i][0].to(q.dtype), kv[i][1].to(q.dtype)  # a copy only for another dtype
+        T, rep = C + S, H // Hkv
+        k = k[:, :, None].expand(B, Hkv, rep, T, Dh).reshape(B, H, T, Dh)  # (B, H, C + S, Dh)
+        v = v[:, :, None].expand(B, Hkv, rep, T, Dh).reshape(B, H, T, Dh)  # (B, H, C + S, Dh)
+        mask = torch.ones(S, T, dtype=torch.bool, device=q.device).tril(diagonal=C)  # (S, C + S)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, S, Dh)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(Dh))  # (B, H, S, C + S)
+            att = att.masked_fill(~mask, float("-inf"))  # (B, H, S, C + S)
             y = F.softmax(att, dim=-1) @ v  # (B, H, S, Dh)
         y = y.transpose(1, 2).reshape(B, S, H * Dh)  # (B, S, D)
         return self.wo(y)  # (B, S, D)
@@ -103,8 +149,16 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)  # (B, S, D)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: Cache | None = None,
+        i: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, i, dtype)  # (B, S, D)
         return x + self.feed_forward(self.ffn_norm(x))  # (B, S, D)
 
 
@@ -124,7 +178,15 @@ class Llama(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)  # (S_max, Dh)
         self.register_buffer("sin", emb.sin(), persistent=False)  # (S_max, Dh)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        cache_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        if cache is not None:
+            return self._serve(tokens, cache, cache_dtype)
         B, S = tokens.shape
         x = self.tok_embeddings(tokens)  # (B, S, D)
         cos, sin = self.cos[:S], self.sin[:S]  # 2 x (S, Dh)
@@ -138,6 +200,29 @@ class Llama(nn.Module):
             return logits
         V = logits.size(-1)
         return F.cross_entropy(logits.view(B * S, V), targets.view(B * S))  # scalar
+
+    def _serve(self, tokens: torch.Tensor, cache: Cache, dtype: torch.dtype | None) -> torch.Tensor:
+        """Prefill (an empty cache) or decode (a full one): the logits of the last position, (B, 1, V)."""
+        B, S = tokens.shape
+        C = cache[0][0].size(2) if cache else 0
+        x = self.tok_embeddings(tokens)  # (B, S, D)
+        cos, sin = self.cos[C : C + S], self.sin[C : C + S]  # 2 x (S, Dh)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, dtype)  # (B, S, D)
+        return self.output(self.norm(x[:, -1:]))  # (B, 1, V)
+
+    def prefill_inputs(self, B: int, S: int, cache_dtype: torch.dtype | None = None) -> dict[str, object]:
+        """A prompt of S tokens and an empty cache (to hold ``cache_dtype``; default: the compute dtype)."""
+        ids = torch.randint(0, self.config.vocab_size, (B, S))
+        return {"tokens": ids, "cache": [], "cache_dtype": cache_dtype}
+
+    def decode_inputs(self, B: int, S: int, C: int, cache_dtype: torch.dtype | None = None) -> dict[str, object]:
+        """S new tokens (derive's decode step: 1) and a cache of C positions: (B, H_kv, C, Dh) keys and values a
+        layer."""
+        Hkv, Dh = self.config.n_kv_heads, self.config.dim // self.config.n_heads
+        dt = cache_dtype or self.tok_embeddings.weight.dtype
+        kv = [(torch.randn(B, Hkv, C, Dh).to(dt), torch.randn(B, Hkv, C, Dh).to(dt)) for _ in self.layers]
+        return {"tokens": torch.randint(0, self.config.vocab_size, (B, S)), "cache": kv}
 
     def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and next-token targets, both (B, S) int64."""

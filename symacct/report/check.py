@@ -667,16 +667,28 @@ def static_7b(acct: Any = None) -> Claim:
     )
 
 
-def inference_7b(acct: Any = None) -> Claim:
-    acct = acct if acct is not None else _derive("llama", step="forward", params_dtype="bf16")
-    w = acct.at(B=1, S=min(4096, acct.symbols.get("S_max", 4096))).memory.params
+def inference_7b(acct: Any = None, *, context: int = 4096) -> Claim:
+    """The weights alone, and what serving holds: the weights and the KV cache of one sequence at ``context``
+    positions, from the derived decode step (its cache and its exact peak)."""
+    acct = acct if acct is not None else _derive("llama", step="decode", params_dtype="bf16")
+    C = min(context, acct.symbols.get("S_max", context)) - 1  # cached before the last token
+    at = acct.at(B=1, C=C)
+    w, cache, peak = at.memory.params, at.memory.kv_cache, at.memory.peak
+    weights_verdict = judge(w, 14e9)
+    verdict = judge(w + cache, 14e9, assumption_holds=weights_verdict == HOLDS)
     return Claim(
         "7b-14gb-inference",
         "7B model, bf16 inference: about 14 GB",
         "003: 2 bytes per parameter",
-        f"Llama 2 7B config, params {_dt(acct.options['params_dtype'])}: weights {_gb(w)}",
-        judge(w, 14e9),
-        numbers={"weights": w, "claimed": 14e9},
+        f"Llama 2 7B config, params {_dt(acct.options['params_dtype'])}, a decode step at a {C + 1}-token "
+        f"context, batch 1: weights {_gb(w)}; KV cache {_gb(cache)} ({_formula(acct.memory.kv_cache)}); "
+        f"weights + cache {_gb(w + cache)}; the step's peak {_gb(peak)}",
+        verdict,
+        ""
+        if verdict == HOLDS
+        else f"the weights only ({_gb(w)}): serving one {C + 1}-token sequence holds "
+        f"{_gb(w + cache)} with its KV cache, and the cache grows with batch and context",
+        numbers={"weights": w, "kv_cache": cache, "decode_peak": peak, "context": C + 1, "claimed": 14e9},
     )
 
 

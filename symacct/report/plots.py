@@ -142,3 +142,30 @@ def write(acct: Accounting, out: Path, *, name: str, B: int, S: int | None) -> l
         xs = xs if len(xs) > 1 else [xs[0], 2 * xs[0]]  # a share plot needs a range (a short --seq, no S_max)
         paths += _flops_share(acct, xs, B, cross, name, out / f"{name}-flops-share")
     return paths
+
+
+def serving_memory(
+    decode: Accounting, out: Path, *, name: str, batches: tuple[int, ...] = (1, 8, 32), budget: int | None = None
+) -> list[Path]:
+    """The exact peak of a decode step (weights, KV cache, the step's working set) against the context, one
+    line a batch; the device's budget dashed when given. Writes ``{name}-serving-memory.png`` and ``.svg``."""
+    fig, ax = _figure()
+    top = decode.symbols.get("S_max", 1 << 17)
+    xs = _sizes(64, top)
+    for b, color in zip(batches, _COLORS):
+        ax.plot(
+            xs, [decode.peak(B=b, C=x - 1) / 1e9 for x in xs], marker="o", markersize=3, color=color, label=f"B = {b}"
+        )
+    weights = evaluate(decode.memory.params, decode.with_defaults(B=1, C=1)) / 1e9
+    ax.axhline(weights, color="gray", linestyle=":", linewidth=1, label="weights")
+    if budget is not None:
+        ax.axhline(budget / 1e9, color="black", linestyle="--", linewidth=1, label="device budget")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xticks(xs, [str(x) for x in xs], fontsize=7)
+    ax.set_xlabel("context (tokens in the sequence at the generated one)")
+    ax.set_ylabel("peak of a decode step (GB, 10^9 bytes)")
+    ax.set_title(f"{name}: serving memory against context, one line a batch")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(True, alpha=0.3)
+    return _save(fig, out / f"{name}-serving-memory")

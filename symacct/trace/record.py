@@ -121,6 +121,7 @@ class StepTrace:
     grad_storages: dict[int, str] = field(default_factory=dict)  # storage -> parameter name
     state_storages: dict[int, tuple[str, str]] = field(default_factory=dict)  # storage -> (parameter, state key)
     held_storages: set[int] = field(default_factory=set)  # kept alive to the end of the step (the loss)
+    cache_storages: set[int] = field(default_factory=set)  # the KV cache after a serving step (args["cache"])
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
     storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
     persistent_buffers: set[int] = field(default_factory=set)  # buffer storages that state_dict() saves
@@ -608,9 +609,10 @@ def record_step(
                 _cast_floats(model, params_dtype)
             with torch.device(device):
                 args = make_inputs(model)
-            if params_dtype is not None:  # float inputs follow the parameters
+            if params_dtype is not None:  # fp32 inputs follow the parameters (an fp8 KV cache stays fp8)
                 args = tree_map(
-                    lambda a: a.to(params_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a, args
+                    lambda a: a.to(params_dtype) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a,
+                    args,
                 )
         except SymacctError:
             raise
@@ -641,13 +643,8 @@ def record_step(
             trace.external_storages.add(m.storage)
             trace.note_storage(m.storage, b)
         named = list(args.items()) if isinstance(args, dict) else [(f"input{i}", a) for i, a in enumerate(args)]
-        for key, value in named:
-            leaves = [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor)]
-            for j, a in enumerate(leaves):
-                m = ids.meta(a)
-                trace.placeholders.append(Placeholder("input", key if len(leaves) == 1 else f"{key}.{j}", m))
-                trace.external_storages.add(m.storage)
-                trace.note_storage(m.storage, a)
+        _register_inputs(trace, ids, named)
+        del named
         trace.module_names = [n for n, _ in model.named_modules()]
         trace.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
         opt = optimizer(model) if (optimizer is not None and step == "train") else None
@@ -725,8 +722,38 @@ def record_step(
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         trace.held_storages.add(ids.storage(t))
+                cache = args.get("cache") if isinstance(args, dict) else None
+                for t in _tensor_leaves(cache):  # a KV cache the step filled or extended (serving)
+                    trace.cache_storages.add(ids.storage(t))
+                    trace.held_storages.add(ids.storage(t))
                 recorder.mark("after_forward")
     return trace
+
+
+def _register_inputs(trace: StepTrace, ids: _Ids, named: list[tuple[str, Any]]) -> None:
+    """The step's inputs as placeholders. A function of its own, so that no local keeps an input tensor alive
+    through the step: a KV cache entry the model replaces must die then, as in eager PyTorch."""
+    for key, value in named:
+        leaves = _tensor_leaves(value)
+        for j, a in enumerate(leaves):
+            m = ids.meta(a)
+            trace.placeholders.append(Placeholder("input", key if len(leaves) == 1 else f"{key}.{j}", m))
+            trace.external_storages.add(m.storage)
+            trace.note_storage(m.storage, a)
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in an input: pytree leaves, and a transformers cache's keys and values layer by layer (a
+    DynamicCache is no pytree)."""
+    layers = getattr(value, "layers", None)
+    if isinstance(layers, list) and not isinstance(value, nn.Module):
+        return [
+            t
+            for layer in layers
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if isinstance(t, torch.Tensor)
+        ]
+    return [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor)]
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

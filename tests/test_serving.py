@@ -1,0 +1,328 @@
+"""Serving steps (derive(step="prefill" / "decode")) against real CPU runs with a real KV cache.
+
+A real model (hypothesis-drawn sizes, every code-path switch) prefills a prompt of P tokens and then
+generates T tokens one at a time with its cache. Each call's matmul FLOPs are counted by FlopCounterMode
+(and the CPU flash-attention kernel, which it leaves out, by flop_counter's formulas) and its peak by a
+storage tracker (live storages after every op); the cache tensors' bytes are measured after the prompt and
+after every generated token. Each must equal the
+derived formula at those sizes: the prefill's at S = P, the decode step's at C = P + t (t tokens already
+generated), exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+from typing import Any
+
+import pytest
+import sympy
+import torch
+from cases import sizes, switches
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+import symacct
+from symacct.measure.run import CpuFlashCounter, StorageTracker
+from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
+from symacct.symbols import sym
+
+SMALL = {
+    GPT2Config: GPT2Config(n_layer=2, n_head=2, n_embd=8, vocab_size=16, block_size=8),
+    LlamaConfig: LlamaConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=16, hidden_dim=12, max_seq_len=8),
+}
+MODELS = {GPT2Config: GPT2, LlamaConfig: Llama}
+
+
+@cache
+def _derived(
+    kind: type, switches: tuple[tuple[str, Any], ...], step: str, cache_dtype: str | None = None
+) -> symacct.Accounting:
+    model = MODELS[kind](dataclasses.replace(SMALL[kind], **dict(switches)))
+    return symacct.derive(model, step=step, cache_dtype=cache_dtype)
+
+
+def derived(cfg: Any, step: str, cache_dtype: str | None = None) -> symacct.Accounting:
+    """The serving accounting of ``cfg``'s code path (its switches), derived from a small model."""
+    return _derived(type(cfg), switches(cfg), step, cache_dtype)
+
+
+@st.composite
+def serving_cases(draw: st.DrawFn) -> tuple[Any, int, int, int]:
+    """(config, B, P prompt tokens, T generated tokens); the position table holds P + T. Sizes from 2: at
+    size 1 PyTorch may take a view where it copies otherwise (docs/memory.md), and bytes are compared."""
+    B, P, T = draw(st.integers(2, 3)), draw(st.integers(2, 9)), draw(st.integers(1, 3))
+    table = P + T + draw(st.integers(0, 3))
+    if draw(st.booleans()):
+        H, dh = draw(st.integers(2, 4)), draw(st.integers(2, 6))
+        cfg: Any = GPT2Config(
+            n_layer=draw(st.integers(1, 3)),
+            n_head=H,
+            n_embd=H * dh,
+            vocab_size=draw(st.integers(2, 40)),
+            block_size=table,
+            tie_weights=draw(st.booleans()),
+            sdpa=draw(st.booleans()),
+            bias=draw(st.booleans()),
+        )
+    else:
+        Hkv, rep = draw(st.integers(2, 3)), draw(st.integers(2, 3))
+        H, dh = Hkv * rep, 2 * draw(st.integers(1, 4))
+        cfg = LlamaConfig(
+            dim=H * dh,
+            n_layers=draw(st.integers(1, 3)),
+            n_heads=H,
+            n_kv_heads=Hkv,
+            vocab_size=draw(st.integers(2, 40)),
+            hidden_dim=draw(st.integers(2, 30)),
+            max_seq_len=table,
+            sdpa=draw(st.booleans()),
+        )
+    return cfg, B, P, T
+
+
+def _counted(model: torch.nn.Module, idx: torch.Tensor, kv: list, dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """One real call: (FLOPs counted, the peak of live storages, by StorageTracker)."""
+    tracker = StorageTracker([*model.parameters(), *model.buffers(), idx, *(t for pair in kv for t in pair)])
+    # (the tracker holds weak references only: a cache entry the model replaces dies, as in a generate loop)
+    with torch.no_grad(), tracker, FlopCounterMode(display=False) as fc, CpuFlashCounter() as flash:
+        model(idx, cache=kv, cache_dtype=dtype)
+    return fc.get_total_flops() + flash.total, tracker.peak
+
+
+def _cache_bytes(kv: list) -> int:
+    return sum(t.untyped_storage().nbytes() for pair in kv for t in pair)
+
+
+def _at(acct: symacct.Accounting, cfg: Any, **values: int) -> symacct.Accounting:
+    return acct.at(**sizes(cfg), **values)
+
+
+CACHE_DTYPES = {None: None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+@given(serving_cases(), st.sampled_from(sorted(CACHE_DTYPES, key=str)))
+def test_prefill_then_decode_equal_a_real_run(case, cache_dtype):
+    """... with the cache in the model's dtype (fp32), in bf16 or in fp8 (cast up for attention)."""
+    cfg, B, P, T = case
+    torch.manual_seed(0)
+    model = MODELS[type(cfg)](cfg).eval()
+    prefill, decode = derived(cfg, "prefill", cache_dtype), derived(cfg, "decode", cache_dtype)
+    idx = torch.randint(0, sizes(cfg)["V"], (B, P + T))
+    kv: list = []
+    at = _at(prefill, cfg, B=B, S=P)
+    # each call's tokens in a tensor of their own (a slice would keep all P + T ids alive)
+    assert _counted(model, idx[:, :P].clone(), kv, CACHE_DTYPES[cache_dtype]) == (at.flops.forward, at.memory.peak)
+    assert _cache_bytes(kv) == at.memory.kv_cache
+    for t in range(T):
+        at = _at(decode, cfg, B=B, C=P + t)
+        assert _counted(model, idx[:, P + t : P + t + 1].clone(), kv) == (at.flops.forward, at.memory.peak)
+        assert _cache_bytes(kv) == at.memory.kv_cache  # the cache after P prompt tokens and t + 1 generated
+
+
+def test_cache_formula_is_the_textbook_one_for_the_reference_models():
+    """The cache after a step holds 2 (keys, values) x L x H_kv x d_head x itemsize bytes a position: for
+    GPT-2 (H_kv = H, d_head = D/H) 2*L*D*4 under fp32; for Llama 2*L*H_kv*(D/H)*4."""
+    B, C, L, D, H, H_kv = (sym(n) for n in ("B", "C", "L", "D", "H", "H_kv"))
+    gpt2 = derived(GPT2Config(), "decode").memory.kv_cache
+    assert sympy.simplify(gpt2 - 2 * L * D * 4 * B * (C + 1)) == 0
+    llama = derived(LlamaConfig(), "decode").memory.kv_cache
+    assert sympy.simplify(llama - 2 * L * H_kv * (D / H) * 4 * B * (C + 1)) == 0
+    assert (
+        sympy.simplify(derived(LlamaConfig(), "prefill").memory.kv_cache - 2 * L * H_kv * (D / H) * 4 * B * sym("S"))
+        == 0
+    )
+
+
+def test_decode_reads_the_weights_and_the_cache():
+    """Decoding is memory-bound: every step reads every weight and the whole cache. Derived bytes read at a
+    long context exceed the weights plus the cache, and the logits are the last position's only (V*D per
+    sequence for the head, not S*V*D)."""
+    acct = derived(GPT2Config(), "decode")
+    at = acct.at(B=1, C=1000, S_max=2048)
+    weights = at.memory.params
+    assert at.bytes.read >= weights + at.memory.kv_cache - 2 * at.memory.kv_cache // 1001  # the cache before the step
+    B, D, V = sym("B"), sym("D"), sym("V")
+    head = [r for _, r in symacct.cost.graph.records(acct.graph) if r.module == "lm_head" and r.cost.flops != 0]
+    assert [r.cost.flops for r in head] == [2 * B * D * V]
+
+
+def test_serving_steps_refuse_what_they_cannot_do():
+    model = GPT2(SMALL[GPT2Config])
+    with pytest.raises(symacct.SymacctError, match="optimizer"):
+        symacct.derive(model, step="decode", optimizer="adamw")
+    with pytest.raises(symacct.SymacctError, match="unknown step"):
+        symacct.derive(model, step="generate")
+
+    class NoCache(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(symacct.SymacctError, match="decode_inputs"):
+        symacct.derive(NoCache(), step="decode")
+
+
+def test_serve_figures_hold_on_the_derived_steps():
+    """serve()'s answers checked on the accountings themselves: the cache of context positions is the
+    textbook size (multi-head fp32: 2*L*D*4 a position), the largest batch fits and one more does not, and
+    the batch where decode turns compute-bound is the first whose FLOP time reaches its byte time."""
+    from symacct.time.hardware import get
+    from symacct.time.serving import serve
+
+    cfg = GPT2Config(n_layer=2, n_head=8, n_embd=1024, vocab_size=1000, block_size=64)
+    prefill, decode = _derived(GPT2Config, (), "prefill"), _derived(GPT2Config, (), "decode")
+    model_sizes = sizes(cfg)
+    hw = get("H100-SXM")
+    s = serve(_with_sizes(prefill, model_sizes), _with_sizes(decode, model_sizes), hardware=hw, context=16, batch=3)
+    assert s.cache_bytes == 2 * cfg.n_layer * cfg.n_embd * 4 * 3 * 16 == s.textbook_bytes_per_token * 3 * 16
+    budget = int(hw.memory_bytes * 0.85)
+    dec = _with_sizes(decode, model_sizes)
+    assert dec.peak(B=s.max_batch, C=15) <= budget < dec.peak(B=s.max_batch + 1, C=15)
+
+    def compute_bound(b: int) -> bool:
+        at = dec.at(B=b, C=15)
+        flops = at.flops.total / (hw.peak["fp32"] * 1e12) + at.flops.other / (hw.peak["fp32"] * 1e12)
+        return flops >= (at.bytes.read + at.bytes.written) / hw.bandwidth
+
+    b = s.compute_bound_batch
+    assert b is not None and compute_bound(b) and (b == 1 or not compute_bound(b - 1))
+    assert s.tokens_per_second == pytest.approx(3 / s.decode_seconds)
+
+
+def _with_sizes(acct: symacct.Accounting, values: dict[str, int]) -> symacct.Accounting:
+    """The accounting with the model's own sizes set to ``values`` (the small model derived stands for the
+    configs of its code path)."""
+    return dataclasses.replace(acct, symbols={**acct.symbols, **values})
+
+
+def test_serve_on_the_command_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "symacct.cli", "serve", "gpt2", "--config", "n_layer=2", "--hardware", "H100-SXM"]
+    done = subprocess.run([*cli, "--context", "512", "--batch", "4", "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["cache_bytes_per_token"] == got["textbook_bytes_per_token"] == 2 * 2 * 768 * 4
+    assert got["batch"] == 4 and got["context"] == 512 and got["max_context"] == 1024
+    for out in (tmp_path / "a", tmp_path / "b"):  # the plot, written twice: byte-identical SVG
+        done = subprocess.run([*cli, "--context", "512", "--out", str(out)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    svg = [(tmp_path / d / "gpt2-serving-memory.svg").read_bytes() for d in ("a", "b")]
+    assert svg[0] == svg[1] and (tmp_path / "a" / "gpt2-serving-memory.png").stat().st_size > 0
+    for bad in (["--context", "1"], ["--context", "4096"], ["--context", "64", "--prompt", "64"]):
+        done = subprocess.run([*cli, *bad], capture_output=True, text=True)
+        assert done.returncode == 2 and done.stderr.startswith("symacct: error:") and done.stderr.count("\n") == 1
+
+
+@cache
+def _hf(kind: str) -> tuple[Any, symacct.Accounting, symacct.Accounting]:
+    """A tiny transformers causal LM (Llama with grouped-query attention; Mistral with a sliding window),
+    its derived prefill and decode."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, max_position_embeddings=64))
+    else:
+        cfg = transformers.MistralConfig(**common, max_position_embeddings=2048, sliding_window=1024)
+        model = transformers.MistralForCausalLM(cfg)
+    model.eval()
+    return model, symacct.derive(model, step="prefill"), symacct.derive(model, step="decode")
+
+
+@given(st.sampled_from(["llama", "mistral"]), st.integers(1, 3), st.integers(2, 12), st.integers(1, 3))
+def test_transformers_prefill_then_decode_with_its_own_cache(kind, B, P, T):
+    """The model's own DynamicCache (sliding-window layers for Mistral), as generate() drives it: each call's
+    FLOPs and peak, and the cache's bytes after the prompt and every token, equal the derived formulas."""
+    transformers = pytest.importorskip("transformers")
+    model, prefill, decode = _hf(kind)
+    cache = transformers.DynamicCache(config=model.config)
+    ids = torch.randint(0, 128, (B, P + T))
+
+    def run(x: torch.Tensor) -> tuple[int, int]:
+        cached = [t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+        tracker = StorageTracker([*model.parameters(), *model.buffers(), x, *(t for t in cached if t is not None)])
+        del cached  # weak references only: the cache's old entries die as it replaces them
+        with torch.no_grad(), tracker, FlopCounterMode(display=False) as fc, CpuFlashCounter() as flash:
+            model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+        return fc.get_total_flops() + flash.total, tracker.peak
+
+    def held() -> int:
+        return sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+
+    at = prefill.at(B=B, S=P)
+    assert run(ids[:, :P].clone()) == (at.flops.forward, at.memory.peak) and held() == at.memory.kv_cache
+    for t in range(T):
+        at = decode.at(B=B, C=P + t)
+        assert run(ids[:, P + t : P + t + 1].clone()) == (at.flops.forward, at.memory.peak)
+        assert held() == at.memory.kv_cache
+
+
+def test_a_sliding_window_bounds_the_decode_formulas():
+    """Beyond Mistral's window its cache stops growing and another mask is built: the decode formulas,
+    derived within the window, refuse a context past it (never a silent figure)."""
+    _, _, decode = _hf("mistral")
+    decode.at(B=1, C=1023)
+    with pytest.raises(symacct.SymacctError, match="sliding_window"):
+        decode.at(B=1, C=1024)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weight_only_quantization_reprices_the_linear_weights(bits):
+    """int8 / int4 weight-only, one bf16 scale a group of 128: every nn.Linear weight held and read at
+    bits/8 + 2/128 bytes; checked against the real model's own modules (an independent count): the weights'
+    bytes, the peak and the bytes the decode step reads all drop by the same amount, the FLOPs do not."""
+    from symacct.time.serving import quantize
+
+    cfg = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=96, hidden_dim=160, max_seq_len=64)
+    model = Llama(cfg)
+    decode = symacct.derive(model, step="decode")
+    q = quantize(decode, bits)
+    bpw = sympy.Rational(bits, 8) + sympy.Rational(2, 128)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    other = sum(p.numel() for p in model.parameters()) - linear
+    cut = linear * (4 - bpw)  # fp32 weights
+    before, after = decode.at(B=2, C=10), q.acct.at(B=2, C=10)
+    assert after.memory.params == linear * bpw + other * 4
+    assert after.memory.peak == before.memory.peak - cut == q.acct.peak(B=2, C=10)
+    assert after.bytes.read == before.bytes.read - cut and after.bytes.read_forward == before.bytes.read_forward - cut
+    assert after.flops.forward == before.flops.forward and after.memory.kv_cache == before.memory.kv_cache
+    assert sum(v["bytes_read"] for v in after.modules.values()) == after.bytes.read
+    assert len(q.weights) == 1 + 7 * 4  # the head, and 7 linear layers in each of the probe's 4 blocks
+    with pytest.raises(symacct.SymacctError, match="8 or 4"):
+        quantize(decode, 3)
+
+
+def test_decode_traffic_splits_the_bytes():
+    """A decode step reads every weight whole except the embedding table (a lookup reads its rows), the
+    incoming cache once (the concatenation), and writes the whole cache again (C + 1 positions): checked
+    against the real model's own parameters and the cache's size; the parts add up to the totals."""
+    from symacct.time.serving import traffic
+
+    cfg = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=96, hidden_dim=160, max_seq_len=64)
+    model = Llama(cfg)
+    decode = symacct.derive(model, step="decode")
+    t = {
+        k: int(v.xreplace({sym(n): x for n, x in decode.with_defaults(B=2, C=10).items()}))
+        for k, v in vars(traffic(decode)).items()
+    }
+    table = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    assert t["weights_read"] == 4 * (sum(p.numel() for p in model.parameters()) - table)
+    per_position = 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.dim // cfg.n_heads) * 4 * 2  # keys, values; B = 2
+    assert t["cache_read"] == per_position * 10 and t["cache_written"] == per_position * 11
+    at = decode.at(B=2, C=10)
+    assert t["weights_read"] + t["cache_read"] + t["other_read"] == at.bytes.read
+    assert t["cache_written"] + t["other_written"] == at.bytes.written
