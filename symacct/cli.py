@@ -83,7 +83,10 @@ def _sheet(args: argparse.Namespace) -> int:
     out = _writable(args.out) if args.out else None
     from symacct.report.terminal import progress
 
-    cfg = SheetConfig(args.model, args.batch, args.seq, _step_options(args), overrides_of(args.config))
+    C = args.context - 1 if args.context is not None else None
+    if args.step == "decode" and args.seq is not None:
+        raise UsageError("a decode step runs one new token: give the context with --context, not --seq")
+    cfg = SheetConfig(args.model, args.batch, args.seq, _step_options(args), overrides_of(args.config), C=C)
     with progress(f"deriving {args.model}"):
         acct, sh = make_sheet(cfg, hardware=args.hardware, mfu=args.mfu)
     if out is None:
@@ -402,7 +405,7 @@ def _annotate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _step_args(p: argparse.ArgumentParser) -> None:
+def _step_args(p: argparse.ArgumentParser, steps: tuple[str, ...] = ("train", "forward")) -> None:
     from symacct.options import LOW_PRECISION
 
     """The model and the step to derive: shared by derive and sheet."""
@@ -410,7 +413,7 @@ def _step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--batch", type=int, default=8, help="B at which to evaluate (default 8)")
     p.add_argument("--seq", type=int, default=None, help="S at which to evaluate (default: S_max)")
-    p.add_argument("--step", choices=("train", "forward"), default="train")
+    p.add_argument("--step", choices=steps, default="train")
     p.add_argument("--optimizer", default="adamw", help="optimizer traced in the step (default adamw)")
     p.add_argument("--autocast", choices=LOW_PRECISION, default=None, help="forward under torch.autocast")
     p.add_argument("--params-dtype", choices=LOW_PRECISION, default=None, help="parameters in this dtype")
@@ -426,7 +429,8 @@ def _main(argv: Sequence[str] | None) -> int:
     d.add_argument("--causal-discount", action="store_true", help="halve attention-score FLOPs (Megatron)")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     sh = sub.add_parser("sheet", help="formula sheet: notation, per-component tables, totals, time; plots with --out")
-    _step_args(sh)
+    _step_args(sh, ("train", "forward", "prefill", "decode"))
+    sh.add_argument("--context", type=_count, default=None, help="decode: sequence length at the new token (C + 1)")
     sh.add_argument("--hardware", default="H100-SXM", help="accelerator for the time rows (default H100-SXM)")
     sh.add_argument("--mfu", type=_number, default=0.5, help="MFU for the step time (default 0.5)")
     sh.add_argument(

@@ -58,6 +58,7 @@ MEANING: dict[str, str] = {
     "B": "batch size",
     "S": "sequence length",
     "S_dec": "decoder sequence length (sequence-to-sequence)",
+    "C": "positions in the KV cache before a decode step",
     "L": "layers (blocks)",
     "D": "model width",
     "H": "attention heads",

@@ -326,3 +326,31 @@ def test_decode_traffic_splits_the_bytes():
     at = decode.at(B=2, C=10)
     assert t["weights_read"] + t["cache_read"] + t["other_read"] == at.bytes.read
     assert t["cache_written"] + t["other_written"] == at.bytes.written
+
+
+def test_sheet_of_a_decode_step(tmp_path):
+    """symacct sheet --step decode: the KV cache after the step and a position of it, derived, beside the
+    textbook 2*L*H_kv*d_head*bytes; --context sets C + 1; --seq is refused; --out plots memory against
+    the context."""
+    import json
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "symacct.cli", "sheet", "gpt2", "--config", "n_layer=2", "--batch", "2"]
+    done = subprocess.run(
+        [*cli, "--step", "decode", "--context", "512", "--format", "json"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {r["name"]: r for r in json.loads(done.stdout)["totals"]}
+    per_position = 2 * 2 * 768 * 4  # keys and values, 2 layers of width 768, fp32
+    assert rows["memory.kv_cache"]["value"] == per_position * 2 * 512
+    assert rows["memory.kv_cache_per_token"]["value"] == per_position
+    assert f"{per_position:,}" in rows["memory.kv_cache_per_token"]["label"]
+    assert "flops.backward" not in rows and "memory.grads" not in rows
+    done = subprocess.run([*cli, "--step", "decode", "--seq", "8"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--context" in done.stderr
+    done = subprocess.run(
+        [*cli, "--step", "decode", "--out", str(tmp_path), "--format", "md"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "gpt2-serving-memory.svg").exists() and (tmp_path / "gpt2.md").exists()

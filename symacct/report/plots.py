@@ -122,6 +122,8 @@ def _flops_share(acct: Accounting, xs: list[int], B: int, cross: float | None, n
 def write(acct: Accounting, out: Path, *, name: str, B: int, S: int | None) -> list[Path]:
     """Write the plots of ``acct`` under ``out`` (``{name}-memory-seq.png`` ...); returns the paths."""
     paths: list[Path] = []
+    if acct.options.get("step") == "decode":  # one token after C cached: memory against the context
+        return serving_memory(acct, out, name=name, batches=tuple(sorted({1, B, 8 * B})))
     has_s = "S" in acct.free_symbols()
     what = "one training step" if acct.options.get("step", "train") == "train" else "one forward pass"
     S = S if S is not None else acct.symbols.get("S_max", 1024)

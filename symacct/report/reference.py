@@ -28,6 +28,7 @@ class SheetConfig:
     S: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # derive's step options; dtypes by name
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields
+    C: int | None = None  # a decode step's cached positions (default S_max - 1)
 
     @property
     def name(self) -> str:
@@ -55,7 +56,7 @@ def make_sheet(cfg: SheetConfig, hardware: str = "H100-SXM", mfu: float = 0.5) -
     acct = derive(model, **cfg.options)
     config = getattr(model, "config", None)
     config = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None
-    return acct, sheet.build(acct, name=cfg.name, B=cfg.B, S=cfg.S, hardware=hardware, mfu=mfu, config=config)
+    return acct, sheet.build(acct, name=cfg.name, B=cfg.B, S=cfg.S, hardware=hardware, mfu=mfu, config=config, C=cfg.C)
 
 
 def write_all(docs: Path) -> list[Path]:

@@ -106,6 +106,12 @@ def _component(rows: list[tuple[str, list[str], dict[str, Any]]], values: dict[s
     return {"rows": entries, "subtotal": subtotal}
 
 
+def _textbook(acct: Accounting) -> int:
+    from symacct.time.serving import _textbook as textbook
+
+    return textbook(acct)
+
+
 def _peak_formula(acct: Accounting, values: dict[str, int], peak: int) -> sympy.Expr:
     """The argument of the symbolic Max that equals the exact peak at these sizes (else the whole Max)."""
     e = sympy.sympify(acct.memory.peak)
@@ -124,14 +130,18 @@ def build(
     mfu: float = 0.5,
     dtype: str | None = None,
     config: dict[str, Any] | None = None,
+    C: int | None = None,
 ) -> dict[str, Any]:
-    """The sheet of ``acct`` evaluated at batch ``B`` and sequence ``S`` (S defaults to S_max)."""
+    """The sheet of ``acct`` evaluated at batch ``B`` and sequence ``S`` (S defaults to S_max); a decode step
+    at ``C`` cached positions (default S_max - 1)."""
     from symacct.time.hardware import get
     from symacct.time.model import roofline
 
     sizes = {"B": B}
     if "S" in acct.free_symbols():
         sizes["S"] = S if S is not None else acct.symbols.get("S_max", 1)
+    if "C" in acct.free_symbols():
+        sizes["C"] = C if C is not None else acct.symbols.get("S_max", 2) - 1
     at = acct.at(**sizes)
     values = dict(at.values or {})
     hw = get(hardware)
@@ -144,7 +154,9 @@ def build(
             "symbol": k,
             "latex": latex(sympy.Symbol(k)),
             "meaning": MEANING.get(k, f"config field {acct.fields.get(k, k)}"),
-            "field": acct.fields.get(k, {"B": "--batch", "S": "--seq", "S_dec": "--seq"}.get(k, "")),
+            "field": acct.fields.get(
+                k, {"B": "--batch", "S": "--seq", "S_dec": "--seq", "C": "--context (minus one)"}.get(k, "")
+            ),
             "value": v,
         }
         for k, v in sorted(values.items(), key=lambda kv: sort_key(kv[0]))
@@ -172,7 +184,15 @@ def build(
         fl.other,
         at.flops.other,
     )
-    if "B" in values and "S" in values:
+    if opts.get("step") == "decode":  # one new token a sequence
+        add(
+            "flops.per_token",
+            "matmul FLOPs per generated token (step / B)",
+            "FLOP",
+            sympy.expand(fl.total / sym("B")),
+            sympy.Rational(at.flops.total, values["B"]).round(),
+        )
+    elif "B" in values and "S" in values:
         per_tok = sympy.expand(fl.total / (sym("B") * sym("S")))
         add(
             "flops.per_token",
@@ -200,7 +220,18 @@ def build(
         add(f"memory.{key}", label, "B", getattr(mem, key), getattr(at.memory, key))
     add("memory.peak", "memory: peak of the step", "B", _peak_formula(acct, values, at.memory.peak), at.memory.peak)
     add("memory.checkpoint", "checkpoint file (model + optimizer tensors)", "B", mem.checkpoint, at.memory.checkpoint)
-    if opts.get("step") == "forward":  # no backward, no update: those rows would all read 0
+    if opts.get("step") in ("prefill", "decode"):
+        positions = sym("C") + 1 if opts.get("step") == "decode" else sym("S")
+        per_position = sympy.factor(sympy.simplify(mem.kv_cache / (sym("B") * positions)))
+        add("memory.kv_cache", "memory: KV cache after the step", "B", mem.kv_cache, at.memory.kv_cache)
+        add(
+            "memory.kv_cache_per_token",
+            f"KV cache a position of one sequence (textbook 2*L*H_kv*d_head*bytes: {_textbook(acct):,})",
+            "B",
+            per_position,
+            evaluate(per_position, values),
+        )
+    if opts.get("step") != "train":  # no backward, no update: those rows would all read 0
         train_only = {"flops.backward", "memory.grads", "memory.optimizer", "memory.activations"}
         train_only |= {"memory.after_backward", "memory.after_optimizer"}
         totals = [t for t in totals if t["name"] not in train_only]
