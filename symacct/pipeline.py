@@ -65,9 +65,7 @@ from symacct.models.hf import (
     is_transformers_model,
     window_constraints,
 )
-from symacct.models.hf import (
-    serving_inputs as hf_serving_inputs,
-)
+from symacct.models.hf import serving_inputs as hf_serving_inputs
 from symacct.models.hf import task as task_for
 from symacct.options import CACHE_DTYPES, optimizer_factory, torch_dtype
 from symacct.sameness import NOT_THE_SAME, fake_copy, shortened

@@ -43,7 +43,7 @@ from symacct.cost.rules import Cost
 from symacct.errors import SymacctError
 from symacct.formula import text
 from symacct.symbols import sort_key, sym
-from symacct.trace.record import OpRecord, StepTrace, TMeta, _metas, _mutated_args, _tmetas
+from symacct.trace.record import OpRecord, StepTrace, TMeta, op_record
 
 # ---- out: the recorded step as a GraphModule ----------------------------------------------------------
 
@@ -239,18 +239,7 @@ class _Ops(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace == "prim" or func in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default):
             return out
-        inputs: list[TMeta] = []
-        margs = _metas(args, self.meta, inputs)
-        mkwargs = _metas(kwargs, self.meta, inputs)
-        outputs: list[TMeta] = []
-        mout = _metas(out, self.meta, outputs)
-        mutated: list[TMeta] = []
-        for i in _mutated_args(func):
-            name = func._schema.arguments[i].name
-            _tmetas(margs[i] if i < len(margs) else mkwargs.get(name), mutated)
-        stores = {m.storage for m in inputs}
-        is_view = not mutated and bool(outputs) and all(m.storage in stores for m in outputs)
-        self.ops.append(OpRecord(len(self.ops), func, "", "", margs, mkwargs, mout, outputs, inputs, is_view, mutated))
+        self.ops.append(op_record(len(self.ops), func, "", "", args, kwargs, out, self.meta))
         return out
 
 

@@ -106,12 +106,6 @@ def _component(rows: list[tuple[str, list[str], dict[str, Any]]], values: dict[s
     return {"rows": entries, "subtotal": subtotal}
 
 
-def _textbook(acct: Accounting) -> int:
-    from symacct.time.serving import _textbook as textbook
-
-    return textbook(acct)
-
-
 def _peak_formula(acct: Accounting, values: dict[str, int], peak: int) -> sympy.Expr:
     """The argument of the symbolic Max that equals the exact peak at these sizes (else the whole Max)."""
     e = sympy.sympify(acct.memory.peak)
@@ -136,6 +130,7 @@ def build(
     at ``C`` cached positions (default S_max - 1)."""
     from symacct.time.hardware import get
     from symacct.time.model import roofline
+    from symacct.time.serving import textbook_bytes_per_token
 
     sizes = {"B": B}
     if "S" in acct.free_symbols():
@@ -226,7 +221,7 @@ def build(
         add("memory.kv_cache", "memory: KV cache after the step", "B", mem.kv_cache, at.memory.kv_cache)
         add(
             "memory.kv_cache_per_token",
-            f"KV cache a position of one sequence (textbook 2*L*H_kv*d_head*bytes: {_textbook(acct):,})",
+            f"KV cache a position of one sequence (textbook 2*L*H_kv*d_head*bytes: {textbook_bytes_per_token(acct):,})",
             "B",
             per_position,
             evaluate(per_position, values),

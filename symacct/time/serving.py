@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 import sympy
+import torch
 
 from symacct.cost.graph import records
 from symacct.errors import SymacctError
 from symacct.formula import text
 from symacct.symbols import evaluate, sym
 from symacct.time.hardware import Accelerator, get
-from symacct.time.model import DEFAULT_RESERVE, _dtype_key, _peak, fit, roofline
+from symacct.time.model import DEFAULT_RESERVE, _peak, fit, roofline, step_dtype
 
 if TYPE_CHECKING:
     from symacct.accounting import Accounting
@@ -68,18 +69,6 @@ class Serving:
     decode_traffic: dict[str, int] = field(default_factory=dict)  # the last decode step's bytes (Traffic)
     weight_bits: int | None = None  # weight-only quantization (re-priced), None: the weights' own dtype
     bytes_per_weight: float | None = None  # of a quantized linear weight, its scale's share included
-
-
-VIEWS = {
-    "aten.t.default",
-    "aten.view.default",
-    "aten.transpose.int",
-    "aten.permute.default",
-    "aten.expand.default",
-    "aten._unsafe_view.default",
-    "aten.alias.default",
-    "aten.detach.default",
-}
 
 
 @dataclass(frozen=True)
@@ -195,9 +184,17 @@ class _Shifted:
         return getattr(self.base, name)
 
 
-def _itemsize(dtype: str) -> int:
-    import torch
+def _is_view(op: str) -> bool:
+    """Whether a node's op (``aten.t.default``) is one the rules cost as a view (memory_ops.view)."""
+    from symacct.cost.rules import lookup
+    from symacct.cost.rules.memory_ops import view
 
+    namespace, name, overload = op.split(".")
+    packet = getattr(getattr(torch.ops, namespace, None), name, None)
+    return packet is not None and lookup(getattr(packet, overload)) is view
+
+
+def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype.removeprefix("torch.")).itemsize
 
 
@@ -209,7 +206,7 @@ def _readers(g: nx.DiGraph, key: Any) -> list[Any]:
         if n in seen:
             continue
         seen.add(n)
-        if g.nodes[n]["node"].op in VIEWS:
+        if _is_view(g.nodes[n]["node"].op):
             todo.extend(g.successors(n))
         else:
             out.append(n)
@@ -272,12 +269,10 @@ def _per_token(acct: Accounting) -> sympy.Expr:
     return sympy.factor(sympy.simplify(acct.memory.kv_cache / (B * (C + 1))))
 
 
-def _textbook(decode: Accounting) -> int:
+def textbook_bytes_per_token(decode: Accounting) -> int:
     """2 * L * H_kv * d_head * itemsize, from the model's own sizes and the step's dtype (the hand formula the
     derived figure is compared with; H_kv = H without grouped-query attention, d_head = D / H; the bytes of
     the cache's dtype, else the parameters')."""
-    import torch
-
     from symacct.options import CACHE_DTYPES, torch_dtype
 
     v = decode.with_defaults()
@@ -287,16 +282,16 @@ def _textbook(decode: Accounting) -> int:
     return 2 * L * v.get("H_kv", H) * (D // H) * dtype.itemsize
 
 
-def _split_time(acct: Accounting, hw: Accelerator, **sizes: int) -> tuple[float, float]:
-    """(compute seconds, memory seconds) of a step's totals: matmul FLOPs at the step's matmul peak, other
-    FLOPs at the vector peak, bytes read and written at the bandwidth."""
-    from symacct.time.model import step_dtype
-
-    at = acct.at(**sizes)
-    compute = at.flops.total / _peak(hw, step_dtype(at), "the decode step")
-    if at.flops.other:
-        compute += at.flops.other / _peak(hw, _dtype_key(["torch.float32"], False), "elementwise work")
-    return compute, (at.bytes.read + at.bytes.written) / hw.bandwidth
+def _split_time(acct: Accounting, hw: Accelerator, matmul: str, **sizes: int) -> tuple[float, float]:
+    """(compute seconds, memory seconds) of a step's totals: matmul FLOPs at the ``matmul`` dtype's peak, other
+    FLOPs at the vector (fp32) peak, bytes read and written at the bandwidth; the formulas evaluated alone
+    (the batch search calls this often: no evaluation of the whole graph)."""
+    values = acct.with_defaults(**sizes)
+    compute = evaluate(acct.flops.total, values) / _peak(hw, matmul, "the decode step")
+    other = evaluate(acct.flops.other, values)
+    if other:
+        compute += other / _peak(hw, "fp32", "elementwise work")
+    return compute, evaluate(acct.bytes.read + acct.bytes.written, values) / hw.bandwidth
 
 
 def serve(
@@ -334,14 +329,15 @@ def serve(
     at = decode.at(B=batch, C=C)
     step = roofline(decode, hw, B=batch, C=C)
     first = roofline(prefill, hw, B=batch, S=prompt)
-    compute, memory = _split_time(decode, hw, B=batch, C=C)
+    matmul = step_dtype(at)
+    compute, memory = _split_time(decode, hw, matmul, B=batch, C=C)
     per_token = _per_token(decode)
     sizes = decode.with_defaults(B=batch, C=C)
     split = {k: int(evaluate(v, sizes)) for k, v in dataclasses.asdict(traffic(decode)).items()}
     notes = []
 
     def turns(b: int) -> bool:
-        c, m = _split_time(decode, hw, B=b, C=C)
+        c, m = _split_time(decode, hw, matmul, B=b, C=C)
         return c >= m
 
     bound_batch: int | None = None
@@ -393,7 +389,7 @@ def serve(
         cache_bytes=int(at.memory.kv_cache),
         cache_bytes_per_token=int(at.memory.kv_cache) // (batch * context),
         cache_formula=text(per_token),
-        textbook_bytes_per_token=_textbook(decode),
+        textbook_bytes_per_token=textbook_bytes_per_token(decode),
         peak_bytes=int(at.memory.peak),
         ttft_seconds=first.seconds,
         decode_seconds=step.seconds,

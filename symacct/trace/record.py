@@ -315,6 +315,36 @@ def _metas(x: Any, meta: Callable[[Any], Any], found: list[Any], tensors: list[t
     return tree_unflatten([_metas(v, meta, found, tensors) for v in leaves], spec)
 
 
+def op_record(
+    index: int,
+    func: Any,
+    module: str,
+    phase: str,
+    args: Any,
+    kwargs: Any,
+    out: Any,
+    meta: Callable[[torch.Tensor], TMeta],
+    tensors: list[torch.Tensor] | None = None,
+) -> OpRecord:
+    """One op as a record: its arguments and result with ``meta(tensor)`` in place of tensors, what it writes
+    in place (from its schema), and whether it is a view (``tensors`` gets the output tensors)."""
+    inputs: list[TMeta] = []
+    margs = _metas(args, meta, inputs)
+    mkwargs = _metas(kwargs, meta, inputs)
+    outputs: list[TMeta] = []
+    mout = _metas(out, meta, outputs, tensors)
+    mutated: list[TMeta] = []
+    for i in _mutated_args(func):
+        # a written argument passed by position, or by name (out= of the .out overloads)
+        name = func._schema.arguments[i].name
+        _tmetas(margs[i] if i < len(margs) else mkwargs.get(name), mutated)
+    in_storages = {m.storage for m in inputs}
+    # a view: writes nothing and every output shares an input's storage
+    # (by storage, not schema: aten._unsafe_view has no alias annotation)
+    is_view = not mutated and bool(outputs) and all(m.storage in in_storages for m in outputs)
+    return OpRecord(index, func, module, phase, margs, mkwargs, mout, outputs, inputs, is_view, mutated)
+
+
 def _tmetas(x: Any, found: list[TMeta]) -> None:
     """Append every TMeta in (nested) tuples, lists and dicts ``x`` to ``found``."""
     if isinstance(x, TMeta):
@@ -490,37 +520,11 @@ class _Recorder(TorchDispatchMode):
         self.trace.ops.append(OpRecord(index, func, self.module(), phase, (), {}, None, [], [], False, []))
 
     def _record(self, func, args, kwargs, out) -> None:
-        meta = self.ids.meta
-        inputs: list[TMeta] = []
-        margs = _metas(args, meta, inputs)
-        mkwargs = _metas(kwargs, meta, inputs)
-        outputs: list[TMeta] = []
+        phase = "recompute" if self.phase == "backward" and self.recomputing else self.phase
         tensors: list[torch.Tensor] = []
-        mout = _metas(out, meta, outputs, tensors)
-        mutated: list[TMeta] = []
-        for i in _mutated_args(func):
-            # a written argument passed by position, or by name (out= of the .out overloads)
-            name = func._schema.arguments[i].name
-            a = margs[i] if i < len(margs) else mkwargs.get(name)
-            _tmetas(a, mutated)
-        in_storages = {m.storage for m in inputs}
-        # a view: writes nothing and every output shares an input's storage
-        # (by storage, not schema: aten._unsafe_view has no alias annotation)
-        is_view = not mutated and bool(outputs) and all(m.storage in in_storages for m in outputs)
-        rec = OpRecord(
-            index=len(self.trace.ops),
-            op=func,
-            module=self.module(),
-            phase="recompute" if self.phase == "backward" and self.recomputing else self.phase,
-            args=margs,
-            kwargs=mkwargs,
-            out=mout,
-            outputs=outputs,
-            inputs=inputs,
-            is_view=is_view,
-            mutated=mutated,
-        )
+        rec = op_record(len(self.trace.ops), func, self.module(), phase, args, kwargs, out, self.ids.meta, tensors)
         self.trace.ops.append(rec)
+        outputs, is_view = rec.outputs, rec.is_view
         if not is_view:
             for t, m in zip(tensors, outputs):
                 if m.storage not in self.trace.storage_producer and m.storage not in self.trace.external_storages:
