@@ -5,6 +5,8 @@
 ``symacct fit [MODEL] --hardware NAME [--gpus G] [--optimizer NAME] [--reserve R] [--solve batch|seq|layers]``
 ``symacct sheet MODEL [--format text|md|tex|json] [--out DIR] ...`` / ``symacct check [--json]``
 ``symacct list`` / ``symacct hardware``
+``symacct derive MODEL --dp N [--pp N --schedule S --micro-batches M ...] [--hardware NAME]``: per-rank figures
+``symacct plan MODEL --gpus N --hardware NAME --seq S --global-batch G [--json] [--out DIR]``
 
 MODEL is a built-in name (``symacct list``) or ``package.module:factory``
 (a callable returning an ``nn.Module`` with a ``config`` and
@@ -405,6 +407,129 @@ def _annotate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    """A parallel layout (symacct.parallel.layout): data and pipeline degrees and options."""
+    from symacct.parallel.layout import DP_MODES, SCHEDULES
+
+    g = p.add_argument_group("parallel layout (per-rank figures)")
+    g.add_argument("--dp", type=_count, default=None, help="data-parallel degree")
+    g.add_argument("--tp", type=_count, default=1, help="tensor-parallel degree (not derived yet: refused above 1)")
+    g.add_argument("--pp", type=_count, default=1, help="pipeline stages")
+    g.add_argument("--cp", type=_count, default=1, help="context-parallel degree (not derived yet: refused above 1)")
+    g.add_argument("--dp-mode", choices=DP_MODES, default="fsdp", help="ddp, zero1, zero2 or fsdp (default)")
+    g.add_argument("--hsdp-shard", type=_count, default=None, help="HSDP: the sharding group's size")
+    g.add_argument("--no-reshard", action="store_true", help="FSDP2 reshard_after_forward=False")
+    g.add_argument("--bucket-view", action="store_true", help="DDP gradient_as_bucket_view=True")
+    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
+    g.add_argument("--micro-batches", type=_count, default=1, help="m: micro-batches per step")
+    g.add_argument("--stages-per-rank", type=_count, default=1, help="v: interleaved schedule's stages per rank")
+    g.add_argument(
+        "--no-return-outputs", action="store_true", help="schedule.step(return_outputs=False): no kept outputs"
+    )
+
+
+def _layout_of(args: argparse.Namespace) -> Any:
+    from symacct.parallel.layout import make_layout
+
+    return make_layout(
+        dp=args.dp or 1,
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        dp_mode=args.dp_mode,
+        hsdp_shard=args.hsdp_shard,
+        reshard_after_forward=not args.no_reshard,
+        bucket_view=args.bucket_view,
+        schedule=args.schedule,
+        micro_batches=args.micro_batches,
+        stages_per_rank=args.stages_per_rank,
+        return_outputs=not args.no_return_outputs,
+    )
+
+
+def _wants_layout(args: argparse.Namespace) -> bool:
+    return any((args.dp is not None, args.tp > 1, args.pp > 1, args.cp > 1, args.micro_batches > 1, args.hsdp_shard))
+
+
+def _parallel(args: argparse.Namespace) -> int:
+    """derive with a layout: per-rank formulas and values, the collectives, the step time with --hardware."""
+    from symacct.parallel.plan import step_time
+    from symacct.parallel.rank import derive_parallel
+    from symacct.pipeline import derive
+    from symacct.report.parallel import print_ranks, rank_report
+
+    lay = _layout_of(args)
+    if args.step != "train":
+        raise UsageError("a parallel layout is a training step: drop --step or the layout flags")
+    model = load_model(args.model, overrides_of(args.config))
+    acct = derive(model, causal_discount=args.causal_discount, **_step_options(args))
+    par = derive_parallel(acct, lay)
+    S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
+    at = par.at(B=args.batch, S=S)
+    t = None
+    if args.hardware is not None:
+        t = step_time(at, args.hardware, efficiency=args.efficiency, overlap=not args.no_overlap)
+    report = rank_report(par, at, t)
+    if args.json:
+        print(_json(report))
+    else:
+        print_ranks(report)
+    return 0
+
+
+def _verify_parallel(args: argparse.Namespace) -> int:
+    """verify --parallel: the layout on world-size real gloo processes (CPU), every row exact but the peak."""
+    from symacct.measure.parallel import verify_parallel
+    from symacct.measure.verify import render
+
+    if args.device != "cpu":
+        raise UsageError("verify --parallel runs gloo processes on the CPU: drop --device")
+    lay = _layout_of(args)
+    model = load_model(args.model, overrides_of(args.config))
+    S = args.seq if args.seq is not None else 16
+    rows = verify_parallel(model, lay, args.batch, S, args.optimizer)
+    print(render(rows))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from symacct.parallel.plan import plan
+    from symacct.pipeline import derive
+    from symacct.report.parallel import plot_plan, print_plan
+    from symacct.time.hardware import get
+
+    hw = get(args.hardware)
+    if not 0 < args.efficiency <= 1 or not 0 <= args.reserve < 1:
+        raise UsageError("--efficiency must be in (0, 1] and --reserve in [0, 1)")
+    out = _writable(args.out) if args.out else None
+    model = load_model(args.model, overrides_of(args.config))
+    acct = derive(model, optimizer=args.optimizer, params_dtype=_dtype(args.params_dtype))
+    rows = plan(
+        acct,
+        gpus=args.gpus,
+        hardware=hw,
+        global_batch=args.global_batch,
+        seq=args.seq,
+        efficiency=args.efficiency,
+        overlap=not args.no_overlap,
+        reserve=args.reserve,
+        dp_modes=tuple(args.dp_mode) if args.dp_mode else None,
+        return_outputs=args.return_outputs,
+    )
+    header = (
+        f"{args.model} on {args.gpus} x {hw.name}, S={args.seq}, global batch {args.global_batch}: "
+        f"{len(rows)} layouts, {sum(r.fits for r in rows)} fit"
+    )
+    if args.json:
+        print(_json({"header": header, "layouts": [r.to_dict() for r in rows]}))
+    else:
+        print_plan(rows, args.top, header)
+    if out is not None:
+        for p in plot_plan(rows, hw.memory_bytes * (1 - args.reserve), out / "plan", header):
+            print(p)
+    return 0
+
+
 def _step_args(p: argparse.ArgumentParser, steps: tuple[str, ...] = ("train", "forward")) -> None:
     from symacct.options import LOW_PRECISION
 
@@ -421,6 +546,7 @@ def _step_args(p: argparse.ArgumentParser, steps: tuple[str, ...] = ("train", "f
 
 def _main(argv: Sequence[str] | None) -> int:
     from symacct.options import CACHE_DTYPES, DTYPES, LOW_PRECISION
+    from symacct.parallel.layout import DP_MODES
 
     parser = _Parser(prog="symacct", description="Symbolic resource accounting for PyTorch")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -428,6 +554,29 @@ def _main(argv: Sequence[str] | None) -> int:
     _step_args(d)
     d.add_argument("--causal-discount", action="store_true", help="halve attention-score FLOPs (Megatron)")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _layout_args(d)
+    d.add_argument("--hardware", default=None, help="with a layout: the step time on this accelerator")
+    d.add_argument("--efficiency", type=_number, default=0.5, help="with a layout: compute at this share of the peak")
+    d.add_argument("--no-overlap", action="store_true", help="with a layout: no communication hides behind compute")
+    pl = sub.add_parser("plan", help="every valid dp x pp layout of a job on N GPUs: memory, step time, ranked")
+    pl.add_argument("model", help="built-in name (symacct list) or package.module:factory")
+    pl.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    pl.add_argument("--gpus", type=_count, required=True, help="GPUs of the job")
+    pl.add_argument("--hardware", required=True, help="accelerator name (see symacct hardware)")
+    pl.add_argument("--seq", type=_count, required=True, help="S: tokens per sequence")
+    pl.add_argument("--global-batch", type=_count, required=True, help="sequences per optimizer step")
+    pl.add_argument("--optimizer", default="adamw")
+    pl.add_argument("--params-dtype", choices=LOW_PRECISION, default="bf16", help="parameters in this dtype")
+    pl.add_argument("--efficiency", type=_number, default=0.5, help="compute at this share of the peak (0.5)")
+    pl.add_argument("--no-overlap", action="store_true", help="no communication hides behind compute")
+    pl.add_argument("--reserve", type=_number, default=0.15, help="fraction of memory kept free (0.15)")
+    pl.add_argument("--dp-mode", action="append", choices=DP_MODES, default=None, help="only these (repeatable)")
+    pl.add_argument(
+        "--return-outputs", action="store_true", help="a pipeline's last stage keeps its m outputs (step's default)"
+    )
+    pl.add_argument("--top", type=_count, default=15, help="rows printed (default 15)")
+    pl.add_argument("--json", action="store_true", help="every layout as JSON")
+    pl.add_argument("--out", default=None, help="write the Pareto plot (plan.png, plan.svg) here")
     sh = sub.add_parser("sheet", help="formula sheet: notation, per-component tables, totals, time; plots with --out")
     _step_args(sh, ("train", "forward", "prefill", "decode"))
     sh.add_argument("--context", type=_count, default=None, help="decode: sequence length at the new token (C + 1)")
@@ -491,6 +640,8 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     v.add_argument("--hardware", default=None, help="CUDA: catalog entry for the time rows (default: this GPU)")
     v.add_argument("--profile", action="store_true", help="match torch.profiler's per-op memory to graph nodes")
+    v.add_argument("--parallel", action="store_true", help="run the layout on real gloo processes and compare")
+    _layout_args(v)
     v.add_argument("--json", action="store_true")
     sv = sub.add_parser("serve", help="serving on one device: KV cache, time to first token, tokens/s, what fits")
     sv.add_argument("model", help="built-in name (symacct list) or package.module:factory")
@@ -535,7 +686,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.cmd == "fit":
             return _print(_fit(args), args.json)
         if args.cmd == "verify":
-            return _verify(args)
+            return _verify_parallel(args) if args.parallel else _verify(args)
         if args.cmd == "sheet":
             return _sheet(args)
         if args.cmd == "check":
@@ -544,8 +695,12 @@ def _main(argv: Sequence[str] | None) -> int:
             from symacct.measure.track import diff
 
             return _print(diff(args.log_a, args.log_b), args.json)
+        if args.cmd == "plan":
+            return _plan(args)
         if args.batch is not None and args.batch <= 0 or args.seq is not None and args.seq <= 0:
             raise UsageError("--batch and --seq must be positive integers")
+        if _wants_layout(args):
+            return _parallel(args)
         report = _derive_report(args)
     except (SymacctError, UsageError) as e:
         print(f"symacct: error: {e}", file=sys.stderr)

@@ -9,13 +9,14 @@ optimizer's state dicts holds.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
 
-from symacct.cost.layers import op_blocks
+from symacct.cost.layers import block_of, generic_path, op_blocks
 from symacct.symbols import sym
 from symacct.trace.probe import Probe
 from symacct.trace.record import StepTrace
@@ -42,6 +43,35 @@ class Memory:
     autocast_copies: dict[str, Expr] = field(default_factory=dict)  # module -> bytes of autocast's weight casts
     checkpoint: Expr = 0  # tensor bytes of torch.save({model, optimizer state dicts}): params, saved buffers, states
     kv_cache: Expr = 0  # serving: bytes of the KV cache after the step (prefill: S positions; decode: C + S)
+    tensors: list[ParamRow] = field(default_factory=list)  # each parameter: shape, count, grad, states, place
+    # saved activations outside the layer stack, by where their op runs: 'before' / 'after' the stack
+    activations_outside: dict[str, Expr] = field(default_factory=dict)
+    buffers: Expr = 0  # every module buffer, persistent or not (DDP broadcasts them at each forward)
+    boundary: Expr = 0  # bytes one block hands the next in forward (a pipeline stage's send per micro-batch)
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    """One parameter (a stack's blocks as one row, ``blocks.*.attn.c_attn.weight``) as formulas.
+
+    ``shape`` is read dimension by dimension, so sharding code can split dim 0 as FSDP2 does; ``count``
+    is how many the model holds (L for a block's); ``states`` the optimizer's per-parameter storages
+    ``(key, shape, itemsize)``; ``places`` where forward ops read it: 'before' the layer stack, in the
+    'stack', 'after' it (a tied embedding and head: before and after)."""
+
+    name: str
+    module: str
+    shape: tuple[Expr, ...]
+    itemsize: int
+    count: Expr
+    grad: bool  # a gradient was made for it in the step
+    grad_itemsize: int
+    states: tuple[tuple[str, tuple[Expr, ...], int], ...]
+    places: frozenset[str]
+
+    @property
+    def numel(self) -> Expr:
+        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
 
 
 def static_and_activations(
@@ -83,9 +113,14 @@ def static_and_activations(
         if c.has(L):
             per_layer[blocks[producer][0]] += b
     buffers = sympy.Integer(0)
+    all_buffers = sympy.Integer(0)
     for ph in trace.placeholders:
-        if ph.kind == "buffer" and ph.meta.storage in trace.persistent_buffers:
-            buffers += trace.bytes_of(ph.meta.storage, nb) * names_count.get(ph.name, 1)
+        if ph.kind == "buffer":
+            b = trace.bytes_of(ph.meta.storage, nb) * names_count.get(ph.name, 1)
+            all_buffers += b
+            if ph.meta.storage in trace.persistent_buffers:
+                buffers += b
+    mem.buffers = sympy.expand(all_buffers)
     mem.checkpoint = sympy.expand(params + buffers + sum(by_state.values(), sympy.Integer(0)))
     # the KV cache after a serving step: each storage a layer made, counted as its layer is
     cache = sympy.Integer(0)
@@ -110,4 +145,78 @@ def static_and_activations(
     mem.activations = sympy.expand(acts)
     mem.activations_by_module = {k: sympy.expand(v) for k, v in sorted(by_module.items())}
     mem.activations_per_layer = {k: sympy.expand(v) for k, v in sorted(per_layer.items())}
+    mem.tensors = param_rows(trace, nb, names_count, stacks, blocks)
+    outside: dict[str, Any] = {"before": sympy.Integer(0), "after": sympy.Integer(0)}
+    first = _first_stack_op(trace, blocks)
+    for st, nbytes in trace.saved_storages.items():
+        producer = trace.storage_producer.get(st)
+        if producer is None or counts[producer] == 0 or blocks[producer] is not None:
+            continue
+        where = "before" if first is None or producer < first else "after"
+        outside[where] += trace.bytes_of(st, nb, nbytes) * counts[producer]
+    mem.activations_outside = {k: sympy.expand(v) for k, v in outside.items()}
+    mem.boundary = _boundary(trace, nb, blocks)
     return mem
+
+
+def _boundary(trace: StepTrace, read: Any, blocks: list[Any]) -> Any:
+    """Bytes of the storages block 1 reads in forward that block 0 made: what crosses a stage boundary."""
+    seen: set[int] = set()
+    total = sympy.Integer(0)
+    for i, rec in enumerate(trace.ops):
+        b = blocks[i]
+        if rec.phase != "forward" or b is None or b[1] != 1:
+            continue
+        for m in rec.inputs:
+            p = trace.storage_producer.get(m.storage)
+            if m.storage in seen or p is None or blocks[p] != (b[0], 0):
+                continue
+            seen.add(m.storage)
+            total += trace.bytes_of(m.storage, read)
+    return sympy.expand(total)
+
+
+def _first_stack_op(trace: StepTrace, blocks: list[Any]) -> int | None:
+    return next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "forward"), None)
+
+
+def param_rows(
+    trace: StepTrace, read: Any, names_count: dict[str, Any], stacks: list[str], blocks: list[Any]
+) -> list[ParamRow]:
+    """The parameter table (``ParamRow``): a stack's blocks summed into one row per generic name."""
+    first = _first_stack_op(trace, blocks)
+    places: dict[int, set[str]] = defaultdict(set)
+    for i, rec in enumerate(trace.ops):
+        if rec.phase != "forward":
+            continue
+        where = "stack" if blocks[i] is not None else ("before" if first is None or i < first else "after")
+        for m in rec.inputs:
+            places[m.storage].add(where)
+    states: dict[str, list[tuple[str, tuple[Any, ...], int]]] = defaultdict(list)
+    for st, (n, key) in trace.state_storages.items():
+        shape, itemsize = trace.storage_shape.get(st, ((trace.storage_nbytes[st],), 1))
+        states[n].append((key, tuple(read(d) for d in shape), itemsize))
+    grads = {n: st for st, n in trace.grad_storages.items()}
+    rows: dict[str, ParamRow] = {}
+    for ph in trace.placeholders:
+        if ph.kind != "param":
+            continue
+        module = ph.name.rpartition(".")[0]
+        name = generic_path(ph.name, stacks) if block_of(module, stacks) else ph.name
+        count = names_count[ph.name]
+        if name in rows:
+            rows[name] = dataclasses.replace(rows[name], count=rows[name].count + count)
+            continue
+        g = grads.get(ph.name)
+        rows[name] = ParamRow(
+            name=name,
+            module=generic_path(module, stacks) if block_of(module, stacks) else module,
+            shape=tuple(read(d) for d in ph.meta.shape),
+            itemsize=ph.meta.itemsize,
+            count=count,
+            grad=g is not None,
+            grad_itemsize=trace.storage_shape[g][1] if g is not None and g in trace.storage_shape else ph.meta.itemsize,
+            states=tuple(sorted(states.get(ph.name, []))),
+            places=frozenset(places.get(ph.meta.storage, {"before"})),
+        )
+    return [dataclasses.replace(r, count=sympy.expand(r.count)) for r in rows.values() if r.count != 0]

@@ -191,3 +191,31 @@ class GPT2(nn.Module):
         """Token ids and next-token targets, both (B, S) int64."""
         V = self.config.vocab_size
         return torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+
+    def pipeline_stage(self, stage: int, pp: int) -> GPT2Stage:
+        """Stage ``stage`` of ``pp`` for ``torch.distributed.pipelining`` (its modules shared with this model)."""
+        return GPT2Stage(self, stage, pp)
+
+
+class GPT2Stage(nn.Module):
+    """L/pp consecutive blocks of a GPT2; the first stage embeds the token ids, the last returns the logits
+    (the loss is the schedule's ``loss_fn``). A tied head is the embedding's own weight: across processes
+    each end stage then holds a copy, whose gradients the pipeline does not sum."""
+
+    def __init__(self, model: GPT2, stage: int, pp: int) -> None:
+        super().__init__()
+        n = len(model.blocks) // pp
+        self.first, self.last = stage == 0, stage == pp - 1
+        if self.first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleList(model.blocks[stage * n : (stage + 1) * n])
+        if self.last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:  # x: (B, S) token ids
+            pos = torch.arange(x.size(1), device=x.device)  # (S,)
+            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, S, D)
+        for block in self.blocks:
+            x = block(x)  # (B, S, D)
+        return self.lm_head(self.ln_f(x)) if self.last else x  # (B, S, V) or (B, S, D)

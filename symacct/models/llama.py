@@ -228,3 +228,32 @@ class Llama(nn.Module):
         """Token ids and next-token targets, both (B, S) int64."""
         V = self.config.vocab_size
         return torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+
+    def pipeline_stage(self, stage: int, pp: int) -> LlamaStage:
+        """Stage ``stage`` of ``pp`` for ``torch.distributed.pipelining`` (its modules shared with this model)."""
+        return LlamaStage(self, stage, pp)
+
+
+class LlamaStage(nn.Module):
+    """L/pp consecutive layers of a Llama; the first stage embeds the token ids, the last returns the logits
+    (the loss is the schedule's ``loss_fn``); every stage keeps the rotary tables (buffers, no gradient)."""
+
+    def __init__(self, model: Llama, stage: int, pp: int) -> None:
+        super().__init__()
+        n = len(model.layers) // pp
+        self.first, self.last = stage == 0, stage == pp - 1
+        if self.first:
+            self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleList(model.layers[stage * n : (stage + 1) * n])
+        if self.last:
+            self.norm, self.output = model.norm, model.output
+        self.register_buffer("cos", model.cos, persistent=False)  # (S_max, Dh)
+        self.register_buffer("sin", model.sin, persistent=False)  # (S_max, Dh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:  # x: (B, S) token ids
+            x = self.tok_embeddings(x)  # (B, S, D)
+        S = x.size(1)
+        for layer in self.layers:
+            x = layer(x, self.cos[:S], self.sin[:S])  # (B, S, D)
+        return self.output(self.norm(x)) if self.last else x  # (B, S, V) or (B, S, D)

@@ -12,7 +12,13 @@ figure is kept apart as ``sparse`` so that it can never be used as a peak.
 Users add their own entries from a JSON (or, on Python >= 3.11, TOML) file
 with :func:`load`; the file holds a list of objects with the fields of
 :class:`Accelerator` (``peak`` in TFLOP/s per dtype, ``memory_gb``,
-``bandwidth_tbs``, ``interconnect_gbs``, ``source``).
+``bandwidth_tbs``, ``interconnect_gbs``, ``source``; for many GPUs ``network_gbs``, ``gpus_per_node``,
+``network_source``).
+
+Interconnect: ``interconnect_gbs`` is the scale-up link inside a node (NVLink, one direction, per GPU);
+``network_gbs`` the scale-out network between nodes, per GPU and one direction (a DGX's one 400 Gb/s
+ConnectX-7 per GPU: 50 GB/s), for the ``gpus_per_node`` GPUs of the vendor's reference node. An entry
+without a network figure answers for one node only (``symacct.parallel``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ class Accelerator:
     sparse: dict[str, float] = field(default_factory=dict)  # the with-sparsity headline, never a peak
     aliases: tuple[str, ...] = ()
     notes: str = ""
+    network_gbs: float | None = None  # per GPU between nodes, one direction, 10**9 bytes/s
+    gpus_per_node: int = 1
+    network_source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         """Dense peak in FLOP/s for ``dtype`` ('bf16', 'fp16', 'fp8', 'tf32', 'fp32')."""
@@ -63,6 +72,11 @@ class Accelerator:
 
 
 _NV = "NVIDIA datasheet"
+_POD = (
+    "NVIDIA DGX BasePOD reference architecture, core components: DGX H100 / H200 / B200, eight GPUs and "
+    "eight single-port ConnectX-7 VPI, up to 400 Gb/s InfiniBand/Ethernet each"
+)
+_DGXA100 = "NVIDIA DGX A100 user guide: eight GPUs and eight single-port ConnectX-6 VPI, 200 Gb/s HDR InfiniBand"
 CATALOG: dict[str, Accelerator] = {
     a.name: a
     for a in [
@@ -76,6 +90,9 @@ CATALOG: dict[str, Accelerator] = {
             sparse={"bf16": 624, "fp16": 624, "tf32": 312},
             aliases=("A100", "A100-80GB", "A100-SXM"),
             notes="no FP8",
+            network_gbs=25,
+            gpus_per_node=8,
+            network_source=_DGXA100,
         ),
         Accelerator(
             "A100-40GB",
@@ -87,6 +104,9 @@ CATALOG: dict[str, Accelerator] = {
             sparse={"bf16": 624, "fp16": 624, "tf32": 312},
             aliases=("A100-SXM-40GB",),
             notes="no FP8",
+            network_gbs=25,
+            gpus_per_node=8,
+            network_source=_DGXA100,
         ),
         Accelerator(
             "H100-SXM",
@@ -97,6 +117,9 @@ CATALOG: dict[str, Accelerator] = {
             f"{_NV}: H100 Tensor Core GPU (SXM5); NVLink 900 GB/s bidirectional",
             sparse={"bf16": 1979, "fp16": 1979, "fp8": 3958, "tf32": 989},
             aliases=("H100", "H100-SXM5"),
+            network_gbs=50,
+            gpus_per_node=8,
+            network_source=_POD,
         ),
         Accelerator(
             "H100-PCIe",
@@ -117,6 +140,9 @@ CATALOG: dict[str, Accelerator] = {
             f"{_NV}: H200 Tensor Core GPU (SXM); NVLink 900 GB/s bidirectional",
             sparse={"bf16": 1979, "fp16": 1979, "fp8": 3958, "tf32": 989},
             aliases=("H200-SXM",),
+            network_gbs=50,
+            gpus_per_node=8,
+            network_source=_POD,
         ),
         Accelerator(
             "B200",
@@ -126,6 +152,9 @@ CATALOG: dict[str, Accelerator] = {
             900,
             f"{_NV}: DGX B200 / HGX B200 (per GPU); NVLink 5 1.8 TB/s bidirectional",
             sparse={"bf16": 4500, "fp16": 4500, "fp8": 9000, "tf32": 2250},
+            network_gbs=50,
+            gpus_per_node=8,
+            network_source=_POD,
         ),
         Accelerator(
             "L40S",
@@ -261,6 +290,9 @@ def load(path: str | Path) -> list[Accelerator]:
                 source=item["source"],
                 sparse={k: float(v) for k, v in item.get("sparse", {}).items()},
                 aliases=tuple(item.get("aliases", ())),
+                network_gbs=float(item["network_gbs"]) if item.get("network_gbs") is not None else None,
+                gpus_per_node=int(item.get("gpus_per_node", 1)),
+                network_source=str(item.get("network_source", "")),
             )
             validate(a)
             CATALOG[a.name] = a
@@ -279,6 +311,8 @@ def validate(a: Accelerator) -> None:
         raise ValueError(f"{a.name}: no source")
     if a.memory_gb <= 0 or a.bandwidth_tbs <= 0 or a.interconnect_gbs < 0:
         raise ValueError(f"{a.name}: capacity and bandwidth must be positive")
+    if a.gpus_per_node < 1 or (a.network_gbs is not None and a.network_gbs <= 0):
+        raise ValueError(f"{a.name}: gpus_per_node and network_gbs must be positive")
     if not a.peak or any(v <= 0 for v in a.peak.values()):
         raise ValueError(f"{a.name}: peaks must be positive")
     for k, v in a.sparse.items():

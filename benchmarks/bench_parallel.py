@@ -1,0 +1,109 @@
+"""Parallel layouts, side by side with the alternative (docs/benchmark-parallel.txt).
+
+1. Llama-3-70B (bf16, AdamW, SDPA, activation checkpointing, on meta): derive alone, and derive followed
+   by the per-rank figures of a layout (FSDP2 over 64 GPUs; then 8 x 8 ZeRO-1 x 1F1B): issue 14's target is
+   at most 3x the single-device derive.
+2. The planner: every layout of that model on 64 H100s (S = 8192, global batch 1024), ranked: the target
+   is at least 100 layouts in at most 10 s.
+3. GPT-2 small, FSDP2 over 8 ranks: one rank run on PyTorch's fake process group (what torchtitan's
+   estimator does: one number per size and rank) against derive_parallel, whose formulas then give any
+   size and rank count; both are checked equal at the run's size (rank 0's static bytes, every payload).
+
+Every ratio is measured in one run on one machine; machines differ 3-4x in speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+
+import torch
+
+import symacct
+from symacct.measure.parallel import fake_rank
+from symacct.models.gpt2 import GPT2, GPT2Config
+from symacct.models.presets import PRESETS
+from symacct.parallel.layout import make_layout
+from symacct.parallel.plan import plan
+from symacct.parallel.rank import derive_parallel
+
+
+def llama70b() -> torch.nn.Module:
+    cls, make = PRESETS["llama3-70b"]
+    with torch.device("meta"):
+        return cls(dataclasses.replace(make(), sdpa=True, checkpoint=True))
+
+
+def derive70b() -> symacct.Accounting:
+    return symacct.derive(llama70b(), optimizer="adamw", params_dtype="bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Build:
+    config: GPT2Config
+
+    def __call__(self) -> GPT2:
+        return GPT2(self.config)
+
+
+def _batch(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    return model.example_inputs(8, 1024)
+
+
+def main() -> None:
+    print(f"torch {torch.__version__}, symacct {symacct.__version__}")
+    derive70b()  # warm-up: imports, caches
+    t = time.perf_counter()
+    acct = derive70b()
+    single = time.perf_counter() - t
+    t = time.perf_counter()
+    acct2 = derive70b()
+    fsdp = derive_parallel(acct2, make_layout(dp=64, dp_mode="fsdp"))
+    fsdp.at(B=1, S=8192)
+    with_layout = time.perf_counter() - t
+    t = time.perf_counter()
+    pipe = derive_parallel(acct2, make_layout(dp=8, pp=8, dp_mode="zero1", micro_batches=128))
+    pipe.at(B=1, S=8192)
+    second = time.perf_counter() - t
+    print("1. Llama-3-70B (bf16, AdamW, SDPA, checkpointing, meta)")
+    print(f"   derive alone:                           {single:.2f} s")
+    print(f"   derive + FSDP2 dp=64 per-rank figures:  {with_layout:.2f} s  ({with_layout / single:.2f}x; target 3x)")
+    print(f"   then dp=8 x pp=8 ZeRO-1 1F1B (m=128):   {second:.2f} s")
+
+    t = time.perf_counter()
+    rows = plan(acct, gpus=64, hardware="H100-SXM", global_batch=1024, seq=8192)
+    planned = time.perf_counter() - t
+    best = rows[0]
+    print("2. the planner, Llama-3-70B on 64 x H100-SXM, S=8192, global batch 1024")
+    print(f"   {len(rows)} layouts ranked in {planned:.2f} s ({sum(r.fits for r in rows)} fit; target 100 in 10 s)")
+    print(
+        f"   first: {best.layout.describe()}, B={best.micro_batch}: {best.peak / 1e9:.1f} GB, {best.seconds:.1f} s/step"
+    )
+
+    cfg = GPT2Config(dropout=0.0)
+    lay = make_layout(dp=8, dp_mode="fsdp")
+    t = time.perf_counter()
+    got = fake_rank(_Build(cfg), lay, 0, _batch, lambda p: torch.optim.AdamW(p, lr=1e-3))
+    run = time.perf_counter() - t
+    small = symacct.derive(GPT2(cfg), optimizer="adamw")
+    t = time.perf_counter()
+    par = derive_parallel(small, lay)
+    r = par.at(B=8, S=1024).ranks[0]
+    formulas = time.perf_counter() - t
+    t = time.perf_counter()
+    for dp in (2, 4, 16, 32, 64, 128, 256, 512, 1024, 2048):
+        derive_parallel(small, make_layout(dp=dp, dp_mode="fsdp")).at(B=8, S=1024)
+    ten = time.perf_counter() - t
+    assert (got.params, got.grads, got.optimizer) == (r.params, r.grads, r.optimizer)
+    assert Counter(got.collectives) == Counter(
+        (c.op, c.phase, c.payload) for c in r.collectives for _ in range(c.count)
+    )
+    print("3. GPT-2 small, FSDP2 dp=8, B=8, S=1024, rank 0")
+    print(f"   fake process group run:        {run:.2f} s (one size, one rank count)")
+    print(f"   derive_parallel + at():        {formulas:.3f} s  ({formulas / run:.3f}x; equal bytes and payloads)")
+    print(f"   ten more rank counts (2-2048): {ten:.3f} s")
+
+
+if __name__ == "__main__":
+    main()

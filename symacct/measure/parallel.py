@@ -1,0 +1,404 @@
+"""Per-rank measurements of a parallel layout on PyTorch's own distributed code.
+
+Two ways, both running the real sharding code on a small model:
+
+- ``fake_rank``: one rank of FSDP2 / HSDP in this process, on PyTorch's fake process group and fake
+  tensors (the model built on ``meta``, sharded, then ``to_empty``): per-rank static bytes and every
+  collective's payload, in a second or two, at any world size.
+- ``gloo_world``: ``world`` real processes on the gloo backend with real CPU tensors, for DDP, FSDP2, HSDP
+  and ``torch.distributed.pipelining`` (GPipe, 1F1B): static bytes, collectives, the peak of live storage
+  bytes during the step (``symacct.measure.run.StorageTracker``) and the loss.
+
+Collectives are counted by a dispatch mode over the ``c10d`` and ``_c10d_functional`` ops, with the payload
+``torch.distributed._tools.fake_collectives`` reads (an all-gather's output, a reduce-scatter's input);
+DDP's bucket all-reduces run in C++ and are read from a communication hook (each bucket's buffer); a
+pipeline's sends from ``c10d.send``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from symacct.errors import SymacctError
+from symacct.measure.run import StorageTracker, _distinct_nbytes, _state_tensors
+from symacct.parallel.layout import Layout
+
+
+@dataclasses.dataclass
+class RankMeasure:
+    """What one rank held and sent in one step."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    collectives: list[tuple[str, str, int]]  # (op, phase, payload bytes), in order
+    loss: float | None = None
+    peak: int | None = None
+
+
+_NAMES = {
+    "_allgather_base_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "allgather_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "send": "send",
+    "recv_": "recv",
+    "broadcast_": "broadcast",
+}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Each collective op dispatched while active: (op, phase, payload bytes); set ``phase`` between phases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.log: list[tuple[str, str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
+
+        kwargs = kwargs or {}
+        res = func(*args, **kwargs)
+        if func in collective_ops and func not in sync_ops:
+            name = _NAMES.get(func._opname, func._opname)
+            self.log.append((name, self.phase, CollectiveOp.get_comm_tensor_size(func, res, args, kwargs)))
+        return res
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def static_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """Distinct storage bytes of the rank's parameters, gradients and optimizer states (DTensors' local parts)."""
+    params = [_local(p) for p in model.parameters()]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    states = [_local(s) for s in _state_tensors(opt)]
+    return _distinct_nbytes(params), _distinct_nbytes(grads), _distinct_nbytes(states)
+
+
+def stack_of(model: nn.Module, path: str) -> nn.ModuleList:
+    got = model.get_submodule(path) if path else model
+    if not isinstance(got, nn.ModuleList):
+        raise SymacctError(f"'{path}' is not an nn.ModuleList of blocks", hint="pass the layer stack's path")
+    return got
+
+
+def shard(model: nn.Module, layout: Layout, stack: str) -> nn.Module:
+    """FSDP2 (or HSDP) as the reference plan applies it: ``fully_shard`` each block, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if layout.hsdp_shard:
+        mesh = init_device_mesh("cpu", (layout.replicate, layout.hsdp_shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (layout.dp,))
+    for block in stack_of(model, stack):
+        fully_shard(block, mesh=mesh, reshard_after_forward=layout.reshard_after_forward)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def fake_rank(
+    build: Callable[[], nn.Module],
+    layout: Layout,
+    rank: int,
+    inputs: Callable[[nn.Module], tuple[Any, ...]],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    stack: str = "blocks",
+) -> RankMeasure:
+    """One FSDP2 / HSDP rank on the fake process group and fake tensors (see the module docstring)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if layout.dp_mode != "fsdp" or layout.pp > 1:
+        raise SymacctError("the fake process group runs FSDP2 / HSDP only", hint="use gloo_world for DDP and pipelines")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.dp)
+    try:
+        with torch.device("meta"):
+            model = build()
+        shard(model, layout, stack)
+        model.to_empty(device="cpu")
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            opt = optimizer(model.parameters())
+            args = inputs(model)
+            counter = CollectiveCounter()
+            with counter:
+                loss = model(*args)
+                counter.phase = "backward"
+                loss.backward()
+                counter.phase = "optimizer"
+                opt.step()
+            params, grads, states = static_bytes(model, opt)
+        return RankMeasure(rank, params, grads, states, counter.log)
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_world(
+    build: Callable[[], nn.Module],
+    layout: Layout,
+    inputs: Callable[[nn.Module], tuple[Any, ...]],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    stack: str = "blocks",
+    split: Callable[[nn.Module, int, int], nn.Module] | None = None,
+) -> list[RankMeasure]:
+    """``layout.world`` real gloo processes, one step each (``split(model, stage, pp)``: a stage's module,
+    for a pipeline). ``build``, ``inputs``, ``optimizer`` and ``split`` must be picklable (module-level)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(
+            _gloo_rank,
+            args=(layout, build, inputs, optimizer, stack, split, tmp),
+            nprocs=layout.world,
+            join=True,
+        )
+        out = []
+        for r in range(layout.world):
+            d = json.loads(Path(tmp, f"rank{r}.json").read_text())
+            d["collectives"] = [tuple(c) for c in d["collectives"]]
+            out.append(RankMeasure(**d))
+        return out
+
+
+def _gloo_rank(
+    rank: int,
+    layout: Layout,
+    build: Callable[[], nn.Module],
+    inputs: Callable[[nn.Module], tuple[Any, ...]],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    stack: str,
+    split: Callable[[nn.Module, int, int], nn.Module] | None,
+    tmp: str,
+) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank, world_size=layout.world
+    )
+    try:
+        torch.manual_seed(0)
+        model = build()
+        args = inputs(model)  # the same batch on every rank: the loss is comparable with one process
+        counter = CollectiveCounter()
+        if layout.pp > 1:
+            got = _pipeline_step(model, layout, rank, args, optimizer, split, counter)
+        else:
+            got = _dp_step(model, layout, rank, args, optimizer, stack, counter)
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps(dataclasses.asdict(got)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dp_step(
+    model: nn.Module,
+    layout: Layout,
+    rank: int,
+    args: tuple[Any, ...],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    stack: str,
+    counter: CollectiveCounter,
+) -> RankMeasure:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    hooked: list[tuple[str, str, int]] = []
+    if layout.dp_mode == "ddp":
+        net: nn.Module = DDP(model, gradient_as_bucket_view=layout.bucket_view)
+
+        def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            buf = bucket.buffer()
+            hooked.append(("all_reduce", "backward", buf.numel() * buf.element_size()))
+            fut = dist.all_reduce(buf, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0].div_(layout.dp))
+
+        # DDP checks the annotations as objects, which this module's postponed annotations are not
+        hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        net.register_comm_hook(None, hook)
+    elif layout.dp_mode == "fsdp":
+        net = shard(model, layout, stack)
+    else:
+        raise SymacctError(f"no real run for {layout.dp_mode}", hint="ddp, fsdp (hsdp_shard for HSDP)")
+    opt = optimizer(net.parameters())
+    tracker = StorageTracker([*net.parameters(), *net.buffers(), *[a for a in args if isinstance(a, torch.Tensor)]])
+    with tracker:
+        with counter:
+            loss = net(*args)
+            counter.phase = "backward"
+            loss.backward()
+            counter.phase = "optimizer"
+            opt.step()
+    # DDP: the buckets as the hook saw them, not the hook's own all-reduce call again
+    log = [c for c in counter.log if not (layout.dp_mode == "ddp" and c[0] == "all_reduce" and c[1] == "backward")]
+    log += hooked
+    params, grads, states = static_bytes(net, opt)
+    return RankMeasure(rank, params, grads, states, log, float(_local(loss.detach())), tracker.peak)
+
+
+def _pipeline_step(
+    model: nn.Module,
+    layout: Layout,
+    rank: int,
+    args: tuple[Any, ...],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    split: Callable[[nn.Module, int, int], nn.Module] | None,
+    counter: CollectiveCounter,
+) -> RankMeasure:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as sch
+
+    if split is None:
+        raise SymacctError("a pipeline run needs split(model, stage, pp)")
+    if layout.dp > 1:
+        raise SymacctError("the real pipeline run is pp only (dp=1)")
+    part = split(model, rank, layout.pp)
+    stage = PipelineStage(part, rank, layout.pp, torch.device("cpu"))
+    last = rank == layout.pp - 1
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    cls = {"gpipe": sch.ScheduleGPipe, "1f1b": sch.Schedule1F1B}[layout.schedule]
+    # every rank gets loss_fn: a schedule without one runs no backward (and the ranks then wait on each other)
+    schedule = cls(stage, layout.micro_batches, loss_fn=loss_fn, scale_grads=True)
+    opt = optimizer(part.parameters())
+    idx, target = args
+    first_loss = _run_schedule(schedule, rank, last, idx, target)  # the first step infers the stages' shapes
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    counter.phase = "step"  # a schedule interleaves forwards and backwards
+    tracker = StorageTracker([*part.parameters(), *part.buffers(), idx, target, *_state_tensors(opt)])
+    with tracker, counter:
+        _run_schedule(schedule, rank, last, idx, target)
+        counter.phase = "optimizer"
+        opt.step()
+    params, grads, states = static_bytes(part, opt)
+    return RankMeasure(rank, params, grads, states, counter.log, first_loss, tracker.peak)
+
+
+def _run_schedule(schedule: Any, rank: int, last: bool, idx: torch.Tensor, target: torch.Tensor) -> float | None:
+    """One step of the schedule on this rank; the mean micro-batch loss on the last stage."""
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(idx)
+    elif last:
+        schedule.step(target=target, losses=losses)
+    else:
+        schedule.step()
+    return float(torch.stack(losses).detach().mean()) if losses else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Construct:
+    """A model of class ``cls`` from ``config``, on the CPU, seeded: the same weights in every process."""
+
+    cls: type
+    config: Any
+
+    def __call__(self) -> nn.Module:
+        torch.manual_seed(0)
+        return self.cls(self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleBatch:
+    """The model's ``example_inputs(B, S)``, seeded: the same batch on every rank."""
+
+    B: int
+    S: int
+
+    def __call__(self, model: nn.Module) -> tuple[Any, ...]:
+        torch.manual_seed(1)
+        return tuple(model.example_inputs(self.B, self.S))
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """``torch.optim`` class ``cls`` with lr 1e-3 (picklable)."""
+
+    cls: type
+
+    def __call__(self, params: Any) -> torch.optim.Optimizer:
+        return self.cls(params, lr=1e-3)
+
+
+def _stage(model: nn.Module, s: int, pp: int) -> nn.Module:
+    return model.pipeline_stage(s, pp)
+
+
+def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer: str = "adamw") -> list[Any]:
+    """The layout run for real (``gloo_world``) beside its derived figures, as ``symacct.measure.verify`` rows:
+    each rank's static bytes and collective payloads exactly (rank 0 of the data-parallel group, the
+    worst; each pipeline stage), the loss against one process (1e-5), the peak exactly for DDP and within
+    10% for the additive model (docs/distributed.md)."""
+    from symacct.measure.verify import Row
+    from symacct.options import OPTIMIZERS
+    from symacct.parallel.rank import derive_parallel
+    from symacct.pipeline import derive
+
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "example_inputs"):
+        raise SymacctError("verify --parallel runs a model with a config and example_inputs(B, S)")
+    if layout.pp > 1 and not hasattr(model, "pipeline_stage"):
+        raise SymacctError(
+            f"{type(model).__name__} has no pipeline_stage(stage, pp)", hint="the reference gpt2 and llama have one"
+        )
+    if layout.pp > 1 and getattr(cfg, "tie_weights", False):
+        raise SymacctError(
+            "a pipeline of a tied head does not sum the copies' gradients", hint="--config tie_weights=false"
+        )
+    acct = derive(model, optimizer=optimizer)
+    par = derive_parallel(acct, layout).at(B=B, S=S)  # B: one micro-batch of one data-parallel rank
+    build = Construct(type(model), cfg)
+    opt = Optimizer(OPTIMIZERS[optimizer])
+    global_batch = B * layout.micro_batches if layout.pp > 1 else B
+    got = gloo_world(
+        build, layout, ExampleBatch(global_batch, S), opt, stack=next(iter(acct.per_layer), ""), split=_stage
+    )
+    one = build()
+    loss = float(one(*ExampleBatch(global_batch, S)(one)).detach())
+    rows = []
+    pairs = list(zip(got, par.ranks, strict=True)) if layout.pp > 1 else [(got[0], par.ranks[0])]
+    for g, p in pairs:
+        who = f"rank {g.rank} ({p.stage})"
+        for f in ("params", "grads", "optimizer"):
+            rows.append(Row(f"{who} {f} bytes", getattr(p, f), getattr(g, f), 0.0))
+        want: dict[str, list[int]] = {}
+        for c in p.collectives:
+            want.setdefault(c.op, [0, 0])
+            want[c.op][0] += c.payload * c.count
+            want[c.op][1] += c.count
+        seen: dict[str, list[int]] = {}
+        for op, _phase, payload in g.collectives:
+            seen.setdefault(op, [0, 0])
+            seen[op][0] += payload
+            seen[op][1] += 1
+        for op in sorted(set(want) | set(seen)):
+            w, s = want.get(op, [0, 0]), seen.get(op, [0, 0])
+            rows.append(Row(f"{who} {op} bytes", w[0], s[0], 0.0))
+            rows.append(Row(f"{who} {op} calls", w[1], s[1], 0.0))
+        exact = layout.pp == 1 and layout.dp_mode == "ddp"
+        rows.append(Row(f"{who} peak bytes", p.peak, g.peak or 0, 0.0 if exact else 0.1))
+    last = got[-1]
+    if last.loss is not None:
+        rows.append(Row("loss (against one process)", last.loss, loss, 1e-5))
+    return rows

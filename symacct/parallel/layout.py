@@ -1,0 +1,162 @@
+"""A parallel layout: how many ranks of each kind, how the data-parallel ranks shard, how the pipeline runs.
+
+Conventions (docs/distributed.md):
+
+- ``B`` in every formula is the **micro-batch of one data-parallel rank**; a step runs ``m`` micro-batches
+  on each of the ``dp`` replicas, so the global batch is ``B * m * dp`` sequences.
+- Ranks are numbered with tensor parallelism innermost, then data parallelism, then the pipeline
+  (``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, torchtitan's and Megatron's order), so a group
+  lies inside one node when its size times its stride is at most the node's GPUs.
+- Data-parallel sharding (``dp_mode``): ``ddp`` (replicas, one all-reduce of the gradients), ``zero1``
+  (optimizer states sharded), ``zero2`` (states and gradients sharded), ``fsdp`` (FSDP2 ``fully_shard`` of
+  each block and then the root: parameters, gradients and states sharded; ``hsdp_shard`` set: HSDP,
+  sharded over groups of that size and replicated over ``dp / hsdp_shard`` of them).
+- The pipeline (``pp > 1``): the layer stack split evenly, what runs before it on the first stage and
+  what runs after it on the last; ``schedule`` one of ``gpipe``, ``1f1b``, ``interleaved`` (PyTorch's
+  ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with ``v`` stages per rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from symacct.errors import SymacctError
+
+DP_MODES = ("ddp", "zero1", "zero2", "fsdp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Degrees and options of one parallel layout (see the module docstring)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp_mode: str = "fsdp"
+    reshard_after_forward: bool = True  # FSDP2: free each block's gathered parameters after its forward
+    hsdp_shard: int | None = None  # HSDP: size of the sharding group (dp = shard * replicate)
+    bucket_view: bool = False  # DDP gradient_as_bucket_view: no separate bucket copy of the gradients
+    schedule: str = "1f1b"
+    micro_batches: int = 1  # m
+    stages_per_rank: int = 1  # v (interleaved only)
+    sequence_parallel: bool = False
+    return_outputs: bool = True  # pipeline: schedule.step(return_outputs=...), the last stage keeps m outputs
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def shard(self) -> int:
+        """The group a sharded tensor is split over: dp, or HSDP's shard group."""
+        return self.hsdp_shard or self.dp
+
+    @property
+    def replicate(self) -> int:
+        return self.dp // self.shard
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp} ({self.dp_mode}" + (f", shard {self.hsdp_shard}" if self.hsdp_shard else "") + ")"]
+        if self.pp > 1:
+            parts.append(f"pp={self.pp} ({self.schedule}, m={self.micro_batches}, v={self.stages_per_rank})")
+        elif self.micro_batches > 1:
+            parts.append(f"m={self.micro_batches} (gradient accumulation)")
+        return " x ".join(parts)
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SymacctError(f"{name} must be a positive whole number, not {value!r}", hint=f"pass {name}=1 or more")
+    return value
+
+
+def make_layout(
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    *,
+    world: int | None = None,
+    **options: Any,
+) -> Layout:
+    """A checked ``Layout``: degrees positive, modes known, ``world = dp * tp * pp * cp`` when given.
+
+    Tensor and context parallelism are not derived yet: ``tp > 1`` or ``cp > 1`` is refused rather than
+    answered without them."""
+    unknown = set(options) - {f.name for f in dataclasses.fields(Layout)}
+    if unknown:
+        raise SymacctError(f"unknown layout option(s): {', '.join(sorted(unknown))}")
+    lay = Layout(
+        dp=_positive("dp", dp), tp=_positive("tp", tp), pp=_positive("pp", pp), cp=_positive("cp", cp), **options
+    )
+    _positive("micro_batches", lay.micro_batches)
+    _positive("stages_per_rank", lay.stages_per_rank)
+    if lay.dp_mode not in DP_MODES:
+        raise SymacctError(f"unknown data-parallel mode {lay.dp_mode!r}", hint=f"one of {', '.join(DP_MODES)}")
+    if lay.schedule not in SCHEDULES:
+        raise SymacctError(f"unknown pipeline schedule {lay.schedule!r}", hint=f"one of {', '.join(SCHEDULES)}")
+    if world is not None and lay.world != world:
+        raise SymacctError(
+            f"the layout has dp*tp*pp*cp = {lay.dp}*{lay.tp}*{lay.pp}*{lay.cp} = {lay.world} ranks, "
+            f"not the world size {world}",
+            hint="choose degrees whose product is the number of GPUs",
+        )
+    if lay.tp > 1 or lay.cp > 1 or lay.sequence_parallel:
+        raise SymacctError(
+            "tensor, sequence and context parallelism are not derived yet: symacct answers for data and pipeline "
+            "parallelism only",
+            hint="use tp=1, cp=1 (dp and pp layouts: ddp, zero1, zero2, fsdp, hsdp; gpipe, 1f1b, interleaved)",
+        )
+    if lay.hsdp_shard is not None:
+        _positive("hsdp_shard", lay.hsdp_shard)
+        if lay.dp_mode != "fsdp":
+            raise SymacctError("hsdp_shard is an FSDP2 (HSDP) option", hint="pass dp_mode='fsdp' with hsdp_shard")
+        if lay.dp % lay.hsdp_shard:
+            raise SymacctError(
+                f"the HSDP shard group ({lay.hsdp_shard}) does not divide dp={lay.dp}",
+                hint="dp must be shard * replicate",
+            )
+    if lay.pp > 1 and lay.dp_mode in ("zero2", "fsdp") and lay.dp > 1:
+        raise SymacctError(
+            f"{lay.dp_mode} with a pipeline is not derived yet (its gradients accumulate unsharded over the "
+            "micro-batches, then reduce once)",
+            hint="with pp > 1 use dp_mode='ddp' or 'zero1'",
+        )
+    if lay.pp == 1 and (lay.schedule == "interleaved" or lay.stages_per_rank > 1):
+        raise SymacctError("an interleaved schedule needs a pipeline", hint="pass pp > 1, or schedule='1f1b'")
+    if lay.schedule == "interleaved":
+        if lay.stages_per_rank < 2:
+            raise SymacctError("the interleaved schedule needs v >= 2 stages per rank", hint="pass stages_per_rank=2")
+        if lay.micro_batches % lay.pp:
+            raise SymacctError(
+                f"the interleaved schedule needs m divisible by pp ({lay.micro_batches} micro-batches, pp={lay.pp})",
+                hint="PyTorch's ScheduleInterleaved1F1B runs micro-batches in rounds of pp",
+            )
+    elif lay.stages_per_rank > 1:
+        raise SymacctError(f"{lay.schedule} runs one stage per rank", hint="use schedule='interleaved' for v > 1")
+    if lay.pp > 1 and lay.schedule == "1f1b" and lay.micro_batches < lay.pp:
+        raise SymacctError(
+            f"1F1B needs at least pp micro-batches ({lay.micro_batches} < pp={lay.pp})",
+            hint="raise micro_batches, or use schedule='gpipe'",
+        )
+    return lay
+
+
+def check_model(lay: Layout, layers: int | None, stacks: list[str]) -> None:
+    """The layout against the model: pp needs one layer stack whose L (times v) it divides."""
+    if lay.pp == 1:
+        return
+    if len(stacks) != 1 or layers is None:
+        raise SymacctError(
+            f"a pipeline needs one stack of repeated blocks; this model has {len(stacks)}",
+            hint="pp=1, or a model with its blocks in one nn.ModuleList",
+        )
+    chunks = lay.pp * lay.stages_per_rank
+    if layers % chunks:
+        raise SymacctError(
+            f"pp*v = {chunks} pipeline stages do not divide the {layers} layers of '{stacks[0]}'",
+            hint="choose pp (and v) dividing L: uneven stages are not derived",
+        )

@@ -1,0 +1,326 @@
+"""Step time of a parallel layout, and the planner: every valid layout of a job on N GPUs, ranked.
+
+Step time of the slowest rank (docs/distributed.md):
+
+- compute: each rank's model FLOPs at ``efficiency`` of the accelerator's dense peak of the step's dtype;
+  a pipeline's makespan comes from PyTorch's action lists (``symacct.parallel.schedule``), each forward
+  and backward of a stage chunk taking its FLOPs' time, plus the send of the boundary activations;
+- communication: each collective's wire bytes (ring: ``(n-1)/n`` of the payload for all-gather and
+  reduce-scatter, ``2(n-1)/n`` for all-reduce) over the group's link: NVLink (``interconnect_gbs``) when
+  the group lies in one node, the network (``network_gbs``, per GPU) when it spans nodes; ranks numbered
+  data-parallel innermost, then the pipeline (``symacct.parallel.layout``);
+- overlap (an option, on by default, printed with the result): forward collectives hide behind the
+  forward's compute and backward ones behind the backward's; what is longer than the compute is exposed;
+  the optimizer phase's all-gather (ZeRO-1/2) and a tied weight's all-reduce are never hidden. With a
+  pipeline, the data-parallel reduction overlaps the last micro-batch's backward only;
+- the optimizer: its bytes (read and written in the single-device step) scaled by the rank's share of the
+  optimizer states, at the memory bandwidth.
+
+MFU of the whole job: the model FLOPs of the step (``flops.total`` at the micro-batch, times ``m * dp``)
+over the step time times the peak times the GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import sympy
+
+from symacct.errors import SymacctError
+from symacct.parallel.layout import Layout, make_layout
+from symacct.parallel.rank import Parallel, Rank, derive_parallel, optimizer_bytes
+from symacct.parallel.schedule import actions, makespan
+from symacct.symbols import sym
+from symacct.time.hardware import Accelerator, get
+
+if TYPE_CHECKING:
+    from symacct.accounting import Accounting
+
+GIGA = 10**9
+
+
+@dataclasses.dataclass
+class StepTime:
+    """Seconds of one step of the slowest rank, and what they are made of."""
+
+    seconds: float
+    compute: float  # the rank's forward and backward (a pipeline: the makespan, bubble included)
+    bubble: float  # makespan less the rank's own busy time (0 without a pipeline)
+    exposed: float  # communication not hidden behind compute
+    comm: dict[str, float]  # seconds of each group's collectives, hidden or not
+    optimizer: float
+    tokens_per_s: float
+    mfu: float
+    assumptions: list[str]
+
+
+def _link(hw: Accelerator, group: str, lay: Layout) -> tuple[float, str]:
+    """Bytes/s of one GPU's link for a group, and which link: inside a node or across nodes."""
+    span = {
+        "dp": lay.dp,
+        "dp_shard": lay.shard,
+        "dp_replicate": lay.dp,
+        "pp": lay.dp * lay.pp,
+        "tied": lay.dp * lay.pp,
+    }[group]
+    if span <= hw.gpus_per_node and hw.interconnect_gbs > 0:
+        return hw.interconnect_gbs * GIGA, "NVLink"
+    if hw.network_gbs is None:
+        raise SymacctError(
+            f"the {group} group spans {span} GPUs, more than {hw.name}'s node of {hw.gpus_per_node}, and the "
+            f"catalog has no network figure for {hw.name}",
+            hint="add network_gbs and gpus_per_node to a hardware file (symacct.time.hardware.load)",
+        )
+    return hw.network_gbs * GIGA, "network"
+
+
+def step_time(
+    par: Parallel, hardware: str | Accelerator, *, efficiency: float = 0.5, overlap: bool = True, dtype: str = "bf16"
+) -> StepTime:
+    """Step time of an evaluated layout (``parallel.at(B=..., S=...)``); see the module docstring."""
+    if par.values is None:
+        raise SymacctError("step_time needs numbers: pass parallel.at(B=..., S=...)")
+    if not 0 < efficiency <= 1:
+        raise SymacctError(f"efficiency must be in (0, 1], not {efficiency}")
+    hw = get(hardware)
+    lay = par.layout
+    peak = hw.peak_flops(dtype) * efficiency
+    m = lay.micro_batches
+    worst = 0.0
+    best: tuple[float, float, float, float, dict[str, float], float] | None = None
+    single_opt = float(par.optimizer_bytes)
+    for r in par.ranks:
+        ch = r.chunk
+        comm: dict[str, float] = {}
+        by_phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        transfer = 0.0
+        for c in r.collectives:
+            bw, _ = _link(hw, c.group, lay)
+            t = float(c.wire) * c.count / bw
+            if c.group == "pp":
+                transfer = float(c.payload) / bw
+                continue
+            comm[c.group] = comm.get(c.group, 0.0) + t
+            by_phase["optimizer" if c.group == "tied" else c.phase] += t
+        if lay.pp > 1:
+            last = lay.pp * lay.stages_per_rank - 1
+
+            def duration(a: Any, ch: dict[str, int] = ch, last: int = last) -> float:
+                kind = "forward" if a.kind == "F" else "backward"
+                f = (
+                    ch[kind]
+                    + (ch[f"before_{kind}"] if a.stage == 0 else 0)
+                    + (ch[f"after_{kind}"] if a.stage == last else 0)
+                )
+                return f / peak
+
+            span, busy = makespan(actions(lay.schedule, lay.pp, m, lay.stages_per_rank), duration, transfer)
+            compute = span
+            bubble = span - max(busy)
+            fwd_hide = 0.0
+            bwd_hide = ch["backward"] / peak if overlap else 0.0  # the last micro-batch's backward of a chunk
+        else:
+            fwd = m * (ch["forward"] + ch["before_forward"] + ch["after_forward"]) / peak
+            bwd = m * (ch["backward"] + ch["before_backward"] + ch["after_backward"]) / peak
+            compute, bubble = fwd + bwd, 0.0
+            fwd_hide, bwd_hide = (fwd, bwd) if overlap else (0.0, 0.0)
+        exposed = (
+            max(0.0, by_phase["forward"] - fwd_hide) + max(0.0, by_phase["backward"] - bwd_hide) + by_phase["optimizer"]
+        )
+        opt = single_opt * (r.optimizer / par.acct_optimizer) / hw.bandwidth if par.acct_optimizer else 0.0
+        total = compute + exposed + opt
+        if best is None or total > worst:
+            worst = total
+            best = (compute, bubble, exposed, opt, comm, total)
+    assert best is not None
+    compute, bubble, exposed, opt, comm, total = best
+    vals = par.values
+    tokens = vals.get("B", 1) * vals.get("S", 1) * m * lay.dp
+    job_flops = par.job_flops
+    assumptions = [
+        f"compute at {efficiency:.0%} of the {dtype} dense peak of {hw.name}",
+        "collectives overlap the compute of their phase" if overlap else "no communication overlaps compute",
+        f"links: NVLink {hw.interconnect_gbs} GB/s inside a node of {hw.gpus_per_node}; network "
+        + (f"{hw.network_gbs} GB/s per GPU" if hw.network_gbs else "none in the catalog"),
+    ]
+    return StepTime(
+        total,
+        compute,
+        bubble,
+        exposed,
+        comm,
+        opt,
+        tokens / total,
+        job_flops / (total * hw.peak_flops(dtype) * lay.world),
+        assumptions,
+    )
+
+
+@dataclasses.dataclass
+class PlanRow:
+    layout: Layout
+    micro_batch: int  # B: sequences per data-parallel rank per micro-batch
+    peak: int  # bytes of the worst rank
+    worst_stage: str
+    fits: bool
+    seconds: float
+    tokens_per_s: float
+    mfu: float
+
+    def to_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "dp": lay.dp,
+            "pp": lay.pp,
+            "dp_mode": lay.dp_mode,
+            "schedule": lay.schedule if lay.pp > 1 else None,
+            "micro_batches": lay.micro_batches,
+            "v": lay.stages_per_rank,
+            "micro_batch": self.micro_batch,
+            "peak_bytes": self.peak,
+            "worst_stage": self.worst_stage,
+            "fits": self.fits,
+            "step_seconds": self.seconds,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(
+    acct: Accounting,
+    gpus: int,
+    global_batch: int,
+    *,
+    dp_modes: tuple[str, ...] | None = None,
+    return_outputs: bool = False,
+) -> list[tuple[Layout, int]]:
+    """Every valid (layout, micro-batch) of ``gpus`` GPUs for ``global_batch`` sequences a step; refused with
+    the reasons when there is none. A pipeline's last stage keeps its outputs only with ``return_outputs``
+    (``schedule.step(return_outputs=False)``, what a training loop passes, is the default here)."""
+    from symacct.parallel.layout import DP_MODES
+
+    modes = dp_modes or DP_MODES
+    L = acct.symbols.get("L") if acct.per_layer else None
+    out: list[tuple[Layout, int]] = []
+    reasons: list[str] = []
+    for pp in _divisors(gpus):
+        if pp > 1 and (L is None or L % pp):
+            reasons.append(f"pp={pp}: does not divide the {L} layers" if L else f"pp={pp}: no layer stack")
+            continue
+        dp = gpus // pp
+        if global_batch % dp:
+            reasons.append(f"dp={dp}: does not divide the global batch {global_batch}")
+            continue
+        for b in _divisors(global_batch // dp):
+            m = global_batch // (dp * b)
+            for mode in modes:
+                if dp == 1 and mode != "ddp" or pp > 1 and mode in ("zero2", "fsdp") and dp > 1:
+                    continue
+                if pp == 1:
+                    out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m), b))
+                    if mode == "fsdp":  # HSDP: sharded over each proper divisor of dp, replicated over the rest
+                        for shard in _divisors(dp)[1:-1]:
+                            out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m, hsdp_shard=shard), b))
+                    continue
+                kw = {"dp": dp, "pp": pp, "dp_mode": mode, "micro_batches": m, "return_outputs": return_outputs}
+                out.append((make_layout(schedule="gpipe", **kw), b))
+                if m >= pp:
+                    out.append((make_layout(schedule="1f1b", **kw), b))
+                if L and L % (2 * pp) == 0 and m % pp == 0:
+                    out.append((make_layout(schedule="interleaved", stages_per_rank=2, **kw), b))
+    if not out:
+        raise SymacctError(
+            f"no valid layout of {gpus} GPUs for a global batch of {global_batch}: " + "; ".join(reasons[:6]),
+            hint="choose a global batch and a GPU count whose divisors fit the model's layers",
+        )
+    return out
+
+
+def plan(
+    acct: Accounting,
+    *,
+    gpus: int,
+    hardware: str | Accelerator,
+    global_batch: int,
+    seq: int,
+    efficiency: float = 0.5,
+    overlap: bool = True,
+    reserve: float = 0.15,
+    dtype: str = "bf16",
+    dp_modes: tuple[str, ...] | None = None,
+    return_outputs: bool = False,
+) -> list[PlanRow]:
+    """Every valid layout, evaluated and ranked: fitting ones first, then by step time (see the module
+    docstring); ``reserve`` is the fraction of memory kept free (allocator, workspaces)."""
+    hw = get(hardware)
+    capacity = hw.memory_bytes * (1 - reserve)
+    rows = []
+    fast = _Fast(acct, seq)
+    for lay, b in layouts(acct, gpus, global_batch, dp_modes=dp_modes, return_outputs=return_outputs):
+        par = fast.at(derive_parallel(acct, lay), b)
+        t = step_time(par, hw, efficiency=efficiency, overlap=overlap, dtype=dtype)
+        worst = max(par.ranks, key=lambda r: r.peak)
+        rows.append(PlanRow(lay, b, worst.peak, worst.stage, worst.peak <= capacity, t.seconds, t.tokens_per_s, t.mfu))
+    rows.sort(key=lambda r: (not r.fits, r.seconds, r.peak))
+    return rows
+
+
+class _Fast:
+    """Parallel formulas evaluated in floats (lambdified once per formula set): the planner's path."""
+
+    def __init__(self, acct: Accounting, seq: int) -> None:
+        self.acct = acct
+        self.seq = seq
+        self._fns: dict[int, Any] = {}
+
+    def at(self, par: Parallel, B: int) -> Parallel:
+        from symacct.parallel.rank import Collective
+
+        values = {**self.acct.symbols, "B": B, "S": self.seq, **par.degrees()}
+        ranks = []
+        for r in par.ranks:
+            vals = {**values, **par.held.get(r.stage, {})}
+            fields = {}
+            for f in dataclasses.fields(Rank):
+                if f.name in ("stage", "collectives", "chunk"):
+                    continue
+                fields[f.name] = self._ev(getattr(r, f.name), vals)
+            colls = [
+                Collective(
+                    c.op,
+                    c.group,
+                    self._ev(c.size, vals),
+                    self._ev(c.payload, vals),
+                    self._ev(c.count, vals),
+                    c.phase,
+                    c.what,
+                )
+                for c in r.collectives
+            ]
+            chunk = {k: self._ev(e, vals) for k, e in r.chunk.items()}
+            ranks.append(Rank(stage=r.stage, collectives=colls, chunk=chunk, **fields))
+        out = dataclasses.replace(par, ranks=ranks, values=values)
+        out.job_flops = self._ev(self.acct.flops.total, values) * par.layout.micro_batches * par.layout.dp
+        out.optimizer_bytes = self._ev(optimizer_bytes(self.acct), values)
+        out.acct_optimizer = self._ev(self.acct.memory.optimizer, values)
+        return out
+
+    def _ev(self, e: Any, vals: dict[str, int]) -> Any:
+        e = sympy.sympify(e)
+        if e.is_Number:
+            return int(e) if e.is_Integer else float(e)
+        fn = self._fns.get(id(e))
+        if fn is None:
+            names = sorted(str(s) for s in e.free_symbols)
+            f = sympy.lambdify([sym(n) for n in names], e, modules=[{"ceiling": math.ceil, "Max": max}, "math"])
+            fn = (names, f, e)  # e kept: its id stays valid
+            self._fns[id(e)] = fn
+        names, f, _ = fn
+        got = f(*[vals[n] for n in names])
+        return int(round(got)) if isinstance(got, float) and abs(got) < 2**53 else got

@@ -1,0 +1,545 @@
+"""Per-rank memory and communication of a parallel layout, as formulas in the model's sizes and the degrees.
+
+Everything is read off the single-device derivation (``symacct.derive``): its parameter table
+(``Memory.tensors``: every parameter's shape dimension by dimension, its count, gradient and optimizer
+states), its saved activations split into the layer stack and what runs before and after it, the bytes one
+block hands the next, and its single-device peak. The sharding rules below are PyTorch's, each checked
+against the real code (fake process group and real gloo runs, ``tests/test_parallel.py``):
+
+- FSDP2 (``fully_shard`` of each block, then the root) splits every parameter on dim 0 into ``dp`` chunks
+  of ``ceil(d0 / dp)`` rows, padded: each rank stores a padded chunk of every parameter and a padded chunk
+  of its gradient (one reduce-scatter output per group); AdamW's ``exp_avg`` and ``exp_avg_sq`` take the
+  unpadded local shape, so rank 0 holds the most (``ceil(d0 / dp)`` rows); the ``step`` scalars are not
+  sharded. An all-gather's payload is ``dp`` padded chunks; the root is not resharded after forward, so
+  backward gathers the blocks only. ZeRO-1 and ZeRO-2 are modelled with the same per-parameter chunks
+  (optimizer states; and gradients) over full parameters (Megatron's distributed optimizer and DeepSpeed
+  shard flat buffers instead: the same bytes up to the padding).
+- DDP keeps every gradient twice (the gradient and its bucket) unless ``gradient_as_bucket_view``; one
+  all-reduce of every gradient byte per step (in buckets: the total is what is counted).
+- The pipeline: stage s of ``pp`` holds ``L / pp`` blocks; the first also what runs before the stack,
+  the last what runs after it; a weight used both before and after (a tied embedding and head) is held by
+  both, its gradient all-reduced between them. Saved activations follow PyTorch's schedule
+  (``symacct.parallel.schedule``): the most (stage, micro-batch) pairs a rank holds at once.
+
+Peak per rank. Data-parallel replicas (DDP, no pipeline) run the single-device step exactly: its peak
+(the traced liveness) plus the bucket copy. Every other layout: a model, stated in the result, that adds
+``static`` (parameters + gradients + optimizer states) + ``activations`` (held micro-batches) + ``working``
+(FSDP2: the root's gathered parameters, two gathered blocks — the one running and the one prefetched —
+and one block's unsharded gradients) + ``transient``, the single-device peak's bytes beyond its static and
+saved bytes at its forward and backward points (temporaries such as the logits' gradient), charged to every
+rank; or, if larger, the optimizer step's temporaries (the single-device optimizer points' bytes beyond
+the static ones) scaled by the rank's share of the optimizer states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+
+from symacct.cost.graph import records
+from symacct.cost.layers import op_blocks
+from symacct.errors import SymacctError
+from symacct.memory.static import ParamRow
+from symacct.parallel.layout import Layout, check_model
+from symacct.parallel.schedule import actions, in_flight
+from symacct.symbols import evaluate, sym
+
+if TYPE_CHECKING:
+    from symacct.accounting import Accounting
+
+Expr = Any
+ZERO = sympy.Integer(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One kind of collective on one rank: ``count`` calls per step of ``payload`` bytes each.
+
+    Payload is the whole tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's
+    tensor, a send's or receive's tensor); ``wire`` the bytes each rank sends per call on a ring: ``(n-1)/n``
+    of the payload for all-gather and reduce-scatter, ``2(n-1)/n`` for all-reduce, the payload for a send
+    or broadcast, none for a receive (its sender counts it)."""
+
+    op: str  # all_gather | reduce_scatter | all_reduce | broadcast | send | recv
+    group: str  # dp | dp_shard | dp_replicate | pp | tied
+    size: Expr
+    payload: Expr
+    count: Expr
+    phase: str  # forward | backward | optimizer
+    what: str
+
+    @property
+    def wire(self) -> Expr:
+        n = self.size
+        factor = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n}
+        return self.payload * factor.get(self.op, 0 if self.op == "recv" else 1)
+
+
+@dataclasses.dataclass
+class Rank:
+    """One pipeline rank (data-parallel rank 0: the largest chunks) as formulas."""
+
+    stage: str  # only | first | middle | last
+    params: Expr
+    grads: Expr
+    optimizer: Expr
+    activations: Expr
+    working: Expr
+    transient: Expr
+    flops: Expr  # model FLOPs this rank runs in one step (all its micro-batches)
+    collectives: list[Collective]
+    # model FLOPs of one micro-batch: through one stage chunk of the stack, and before / after the stack
+    chunk: dict[str, Expr] = dataclasses.field(default_factory=dict)
+    peak: Expr = 0  # see the module docstring
+
+    @property
+    def static(self) -> Expr:
+        return self.params + self.grads + self.optimizer
+
+    def comm_bytes(self) -> Expr:
+        """Payload bytes of every collective of the step."""
+        return sum((c.payload * c.count for c in self.collectives), ZERO)
+
+    def wire_bytes(self) -> Expr:
+        return sum((c.wire * c.count for c in self.collectives), ZERO)
+
+
+@dataclasses.dataclass
+class Parallel:
+    """Per-rank figures of a layout (``ranks``: one per kind of pipeline rank), formulas in the model's
+    symbols and ``dp``, ``pp``, ``m`` (and ``dp_shard`` for HSDP); ``values`` once evaluated."""
+
+    layout: Layout
+    acct: Accounting
+    ranks: list[Rank]
+    in_flight: list[int]  # per pipeline rank: (stage-chunk, micro-batch) activations held at most
+    notes: list[str]
+    values: dict[str, int] | None = None
+    held: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # stage kind -> k, k_first, k_last
+    # set on an evaluated copy, for the step time: the job's model FLOPs of one step (flops.total * m * dp),
+    # the single-device optimizer phase's bytes read and written, and its optimizer-state bytes
+    job_flops: Any = None
+    optimizer_bytes: Any = None
+    acct_optimizer: Any = None
+
+    def degrees(self) -> dict[str, int]:
+        lay = self.layout
+        out = {"dp": lay.dp, "pp": lay.pp, "m": lay.micro_batches, "v": lay.stages_per_rank}
+        if lay.hsdp_shard:
+            out["dp_shard"] = lay.hsdp_shard
+        return out
+
+    def at(self, **sizes: int) -> Parallel:
+        """Every formula at the model's sizes (as ``Accounting.at``) and the layout's degrees, exactly."""
+        at = self.acct.at(**sizes)
+        base = {**at.values, **self.degrees()}
+        ranks = []
+        for r in self.ranks:
+            vals = {sym(k): sympy.Integer(v) for k, v in {**base, **self.held.get(r.stage, {})}.items()}
+
+            def ev(e: Expr, vals: dict[Any, Any] = vals) -> int:
+                got = sympy.sympify(e).xreplace(vals)
+                if not got.is_Integer:
+                    raise SymacctError(f"{e} is not a whole number at these sizes: {got}", internal=True)
+                return int(got)
+
+            skip = ("stage", "collectives", "chunk")
+            fields = {f.name: ev(getattr(r, f.name)) for f in dataclasses.fields(Rank) if f.name not in skip}
+            colls = [
+                dataclasses.replace(c, size=ev(c.size), payload=ev(c.payload), count=ev(c.count)) for c in r.collectives
+            ]
+            chunk = {k: ev(e) for k, e in r.chunk.items()}
+            ranks.append(Rank(stage=r.stage, collectives=colls, chunk=chunk, **fields))
+        lay = self.layout
+        return dataclasses.replace(
+            self,
+            ranks=ranks,
+            values=base,
+            job_flops=at.flops.total * lay.micro_batches * lay.dp,
+            optimizer_bytes=evaluate(optimizer_bytes(self.acct), base),
+            acct_optimizer=at.memory.optimizer,
+        )
+
+    def worst(self) -> Rank:
+        """The rank with the largest peak (evaluated copies only)."""
+        if self.values is None:
+            raise SymacctError("worst() compares numbers: call it on parallel.at(B=..., S=...)")
+        return max(self.ranks, key=lambda r: r.peak)
+
+
+def optimizer_bytes(acct: Accounting) -> Expr:
+    """Bytes the single-device step's optimizer phase reads and writes (all bytes less forward and backward)."""
+    b = acct.bytes
+    return sympy.expand(b.read + b.written - b.read_forward - b.written_forward - b.read_backward - b.written_backward)
+
+
+def _chunk(d0: Expr, n: Expr) -> Expr:
+    return sympy.ceiling(d0 / n)
+
+
+def _rows_bytes(
+    rows: list[tuple[ParamRow, Expr]], n: Expr, *, shard_params: bool, shard_grads: bool, shard_states: bool
+) -> tuple[Expr, Expr, Expr]:
+    params = grads = states = ZERO
+    for row, copies in rows:
+        rest = sympy.Mul(*row.shape[1:]) if len(row.shape) > 1 else sympy.Integer(1)
+        d0 = row.shape[0] if row.shape else sympy.Integer(1)
+        local = _chunk(d0, n) * rest if row.shape else sympy.Integer(1)
+        full = row.numel
+        params += copies * row.itemsize * (local if shard_params else full)
+        if row.grad:
+            grads += copies * row.grad_itemsize * (local if shard_grads else full)
+        for _key, shape, itemsize in row.states:
+            same = tuple(shape) == tuple(row.shape) and bool(shape)
+            numel = sympy.Mul(*shape) if shape else sympy.Integer(1)
+            states += copies * itemsize * (local if (same and shard_states) else numel)
+    return params, grads, states
+
+
+def _gathered(rows: list[tuple[ParamRow, Expr]], n: Expr, grad: bool = False) -> Expr:
+    """Bytes of one all-gather output (or reduce-scatter input) of these parameters: n padded chunks."""
+    total = ZERO
+    for row, _copies in rows:
+        if grad and not row.grad:
+            continue
+        rest = sympy.Mul(*row.shape[1:]) if len(row.shape) > 1 else sympy.Integer(1)
+        d0 = row.shape[0] if row.shape else sympy.Integer(1)
+        total += n * _chunk(d0, n) * rest * (row.grad_itemsize if grad else row.itemsize)
+    return total
+
+
+def _outside_flops(acct: Accounting) -> dict[str, dict[str, Expr]]:
+    """Model FLOPs of the ops outside the layer stack, by phase, split 'before' / 'after' it."""
+    trace = acct.step
+    stacks = list(acct.per_layer)
+    out = {w: {"forward": ZERO, "backward": ZERO} for w in ("before", "after")}
+    if trace is None:
+        return out
+    blocks = op_blocks(trace.ops, stacks)
+    first = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "forward"), None)
+    # backward runs the stack in reverse: 'after' ops (head, loss) come before the stack's first backward op
+    first_bwd = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "backward"), None)
+    for key, node in records(acct.graph):
+        if node.phase not in ("forward", "backward") or not isinstance(key, int) or blocks[key] is not None:
+            continue
+        if node.phase == "forward":
+            where = "before" if first is None or key < first else "after"
+        else:
+            where = "after" if first_bwd is None or key < first_bwd else "before"
+        out[where][node.phase] += node.cost.flops * node.count
+    return {w: {p: sympy.expand(e) for p, e in d.items()} for w, d in out.items()}
+
+
+def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
+    """Per-rank figures of ``layout`` for the model ``acct`` was derived from (see the module docstring).
+
+    The formulas depend on the layout's kind only (data-parallel mode, whether there is a pipeline and a
+    middle stage, v): they are derived once per kind and kept on ``acct``; the degrees and the schedule's
+    held micro-batches (``k``, ``k_first``, ``k_last``) are symbols set by ``at()``."""
+    if acct.values is not None:
+        raise SymacctError("derive_parallel needs the formulas: pass the result of derive, not of at()")
+    if not acct.memory.tensors:
+        raise SymacctError("this derivation has no parameter table", hint="derive the model again")
+    stacks = list(acct.per_layer)
+    check_model(layout, acct.symbols.get("L") if stacks else None, stacks)
+    mode = layout.dp_mode if layout.dp > 1 else "ddp"
+    kinds = ("only",) if layout.pp == 1 else (("first", "middle", "last") if layout.pp > 2 else ("first", "last"))
+    key = (
+        layout.return_outputs,
+        mode,
+        kinds,
+        layout.stages_per_rank,
+        layout.reshard_after_forward,
+        layout.bucket_view,
+        bool(layout.hsdp_shard),
+        layout.dp > 1,
+    )
+    cache = acct.__dict__.setdefault("_parallel_formulas", {})
+    if key not in cache:
+        cache[key] = _formulas(acct, layout, mode, kinds)
+    ranks = cache[key]
+    held: dict[str, dict[str, int]] = {}
+    flight = [1]
+    if layout.pp == 1 and mode == "ddp":
+        notes = ["peak per rank = the single-device step's traced peak + the DDP bucket copy of the gradients"]
+    else:
+        notes = [
+            "peak per rank = static + held activations + working set + the single-device peak's temporaries "
+            "(bytes beyond its static and saved bytes), charged to every rank: a model, not a trace of the rank"
+        ]
+    if layout.pp > 1:
+        acts = actions(layout.schedule, layout.pp, layout.micro_batches, layout.stages_per_rank)
+        flight = in_flight(acts)
+        last_chunk = layout.pp * layout.stages_per_rank - 1
+        for kind in kinds:
+            r = {"first": 0, "middle": 1, "last": layout.pp - 1}[kind]
+            held[kind] = {
+                "k": flight[r],
+                "k_first": _held_micro(acts, r, 0),
+                "k_last": _held_micro(acts, r, last_chunk),
+            }
+        notes.append(
+            f"{layout.schedule} with pp={layout.pp}, m={layout.micro_batches}, v={layout.stages_per_rank}: "
+            f"(stage chunk, micro-batch) activations held at most per rank {flight} (PyTorch's action lists)"
+        )
+    return Parallel(layout, acct, list(ranks), flight, notes, held=held)
+
+
+def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...]) -> list[Rank]:
+    mem = acct.memory
+    L = sym("L")
+    dp, pp, m = sym("dp"), sym("pp"), sym("m")
+    n = sym("dp_shard") if layout.hsdp_shard else dp
+    piped = layout.pp > 1
+    v = layout.stages_per_rank
+    act_total = mem.activations
+    before_act = mem.activations_outside.get("before", ZERO)
+    after_act = mem.activations_outside.get("after", ZERO)
+    stack_act = sympy.expand(act_total - before_act - after_act)
+    transient, excess_opt = _excess(acct)
+    head_out = _head_output(acct)
+    outside = _outside_flops(acct)
+    fwd_stack = sympy.expand(acct.flops.forward - outside["before"]["forward"] - outside["after"]["forward"])
+    bwd_stack = sympy.expand(acct.flops.backward - outside["before"]["backward"] - outside["after"]["backward"])
+    ranks = []
+    for stage in kinds:
+        holds = {"before": stage in ("only", "first"), "after": stage in ("only", "last")}
+        rows: list[tuple[ParamRow, Expr]] = []
+        for row in mem.tensors:
+            if _in_stack(row):
+                copies = row.count.subs(L, L / pp) if piped else row.count
+            else:
+                ends = row.places & {"before", "after"}
+                copies = row.count if (any(holds[w] for w in ends) if ends else holds["before"]) else ZERO
+            if copies != 0:
+                rows.append((row, copies))
+        params, grads, states = _rows_bytes(
+            rows,
+            n,
+            shard_params=mode == "fsdp",
+            shard_grads=mode in ("zero2", "fsdp"),
+            shard_states=mode in ("zero1", "zero2", "fsdp"),
+        )
+        # activations: the schedule's held (stage chunk, micro-batch) pairs; outside parts on the end stages
+        if piped:
+            activations = sym("k") * stack_act.subs(L, L / (pp * v))
+            if holds["before"]:
+                activations += sym("k_first") * before_act
+            if holds["after"]:
+                activations += sym("k_last") * after_act
+                if layout.return_outputs:  # schedule.step(return_outputs=True), PyTorch's default: m outputs kept
+                    activations += m * head_out
+            else:  # a stage keeps each held micro-batch's output (fwd_cache) until its backward
+                activations += sym("k") * mem.boundary
+        else:
+            activations = act_total
+        stack_rows = [(rw, c) for rw, c in rows if _in_stack(rw)]
+        colls = _collectives(layout, mode, rows, stack_rows=stack_rows, n=n, stage=stage, mem=mem, dp=dp, m=m)
+        working = ZERO
+        if mode == "fsdp" and layout.dp > 1:
+            root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
+            block = [(rw, sympy.Integer(1)) for rw, _c in stack_rows]
+            working = _gathered(root, n) + 2 * _gathered(block, n) + _gathered(block, n, grad=True)
+        elif mode == "ddp" and layout.dp > 1 and not layout.bucket_view:
+            working = grads
+        # model FLOPs of one step on this rank, and of one micro-batch through one stage chunk
+        share = L / (pp * v) if piped else L
+        chunk_fwd = fwd_stack.subs(L, share)
+        chunk_bwd = bwd_stack.subs(L, share)
+        f = v * (chunk_fwd + chunk_bwd) if piped else fwd_stack + bwd_stack
+        if holds["before"]:
+            f += outside["before"]["forward"] + outside["before"]["backward"]
+        if holds["after"]:
+            f += outside["after"]["forward"] + outside["after"]["backward"]
+        if not piped and mode == "ddp":  # replicas: the single-device step, exactly, and the bucket copy
+            peak = mem.peak + working
+        else:  # the optimizer's temporaries scale with the states it updates
+            share = states / mem.optimizer if mem.optimizer != 0 else ZERO
+            during = sympy.Max(activations + working + transient, excess_opt * share, evaluate=False)
+            peak = params + grads + states + during
+        ranks.append(
+            Rank(
+                stage=stage,
+                peak=peak,
+                params=sympy.expand(params),
+                grads=sympy.expand(grads),
+                optimizer=sympy.expand(states),
+                activations=sympy.expand(activations),
+                working=sympy.expand(working),
+                transient=transient,
+                flops=sympy.expand(m * f + acct.flops.optimizer),
+                collectives=colls,
+                chunk={
+                    "forward": sympy.expand(chunk_fwd),
+                    "backward": sympy.expand(chunk_bwd),
+                    "before_forward": outside["before"]["forward"],
+                    "before_backward": outside["before"]["backward"],
+                    "after_forward": outside["after"]["forward"],
+                    "after_backward": outside["after"]["backward"],
+                },
+            )
+        )
+    return ranks
+
+
+def _head_output(acct: Accounting) -> Expr:
+    """Bytes of the last forward output of the head (the logits): what a pipeline's last stage returns."""
+    last = None
+    for key, node in records(acct.graph):
+        if node.phase == "forward" and node.component == "head" and isinstance(key, int) and node.shapes:
+            last = node
+    if last is None:
+        return ZERO
+    itemsize = getattr(torch, last.dtypes[0].removeprefix("torch.")).itemsize
+    return sympy.expand(itemsize * sympy.Mul(*last.shapes[0]))
+
+
+def _excess(acct: Accounting) -> tuple[Expr, Expr]:
+    """The single-device peak's bytes beyond what the model keeps: at its forward and backward candidate
+    points, beyond the static and all saved bytes; at its optimizer points, beyond the static bytes."""
+    mem, live = acct.memory, acct.liveness
+    static = mem.params + mem.grads + mem.optimizer
+    fb, opt = [ZERO], [ZERO]
+    for where in mem.peak_at:
+        got = re.match(r"#(\d+) .*\((\w+)\)$", where)
+        if got is None or live is None:
+            continue
+        point = live.at_point(int(got.group(1)))
+        if got.group(2) == "optimizer":
+            opt.append(sympy.expand(point - static))
+        else:
+            fb.append(sympy.expand(point - static - mem.activations))
+    return sympy.Max(*fb, evaluate=False), sympy.Max(*opt, evaluate=False)
+
+
+def _in_stack(row: ParamRow) -> bool:
+    return "stack" in row.places and sym("L") in sympy.sympify(row.count).free_symbols
+
+
+def _held_micro(acts: Any, rank: int, stage: int) -> int:
+    """Most micro-batches of one stage whose activations rank holds at once."""
+    held = peak = 0
+    for a in acts[rank]:
+        if a.stage != stage:
+            continue
+        held += 1 if a.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def _collectives(
+    layout: Layout,
+    mode: str,
+    rows: list[tuple[ParamRow, Expr]],
+    *,
+    stack_rows: list[tuple[ParamRow, Expr]],
+    n: Expr,
+    stage: str,
+    mem: Any,
+    dp: Expr,
+    m: Expr,
+) -> list[Collective]:
+    out: list[Collective] = []
+    if layout.dp > 1:
+        if mode == "ddp":
+            g = sum((c * rw.grad_itemsize * rw.numel for rw, c in rows if rw.grad), ZERO)
+            out.append(
+                Collective(
+                    "all_reduce", "dp", dp, sympy.expand(g), sympy.Integer(1), "backward", "gradients (DDP buckets)"
+                )
+            )
+            if mem.buffers != 0:  # broadcast_buffers=True: rank 0's buffers, coalesced, at every forward
+                out.append(Collective("broadcast", "dp", dp, mem.buffers, m, "forward", "module buffers (DDP)"))
+        elif mode in ("zero1", "zero2"):
+            out.append(
+                Collective(
+                    "reduce_scatter",
+                    "dp",
+                    dp,
+                    sympy.expand(sum((c * _gathered([(rw, c)], dp, grad=True) for rw, c in rows), ZERO)),
+                    sympy.Integer(1),
+                    "backward",
+                    "gradients",
+                )
+            )
+            out.append(
+                Collective(
+                    "all_gather",
+                    "dp",
+                    dp,
+                    sympy.expand(sum((c * _gathered([(rw, c)], dp) for rw, c in rows), ZERO)),
+                    sympy.Integer(1),
+                    "optimizer",
+                    "updated parameters",
+                )
+            )
+        else:
+            block = [(rw, sympy.Integer(1)) for rw, _c in stack_rows]
+            root = [(rw, c) for rw, c in rows if (rw, c) not in stack_rows]
+            n_blocks = stack_rows[0][1] if stack_rows else ZERO
+            group = "dp_shard" if layout.hsdp_shard else "dp"
+            for what, part, count in (("root", root, sympy.Integer(1)), ("block", block, n_blocks)):
+                if not part or count == 0:
+                    continue
+                ag = sympy.expand(_gathered(part, n))
+                rs = sympy.expand(_gathered(part, n, grad=True))
+                out.append(Collective("all_gather", group, n, ag, m * count, "forward", f"{what} parameters"))
+                if what == "block" and layout.reshard_after_forward:
+                    out.append(Collective("all_gather", group, n, ag, m * count, "backward", f"{what} parameters"))
+                out.append(Collective("reduce_scatter", group, n, rs, m * count, "backward", f"{what} gradients"))
+                if layout.hsdp_shard and layout.replicate > 1:
+                    out.append(
+                        Collective(
+                            "all_reduce",
+                            "dp_replicate",
+                            dp / n,
+                            sympy.expand(rs / n),
+                            m * count,
+                            "backward",
+                            f"{what} gradient shards",
+                        )
+                    )
+    if layout.pp > 1:
+        v = layout.stages_per_rank
+        # each chunk's output goes to the next stage, its input's gradient to the one before (the first
+        # stage's input and the last stage's output stay on the rank)
+        fwd = v if stage != "last" else v - 1
+        bwd = v if stage != "first" else v - 1
+        b = mem.boundary
+        two = sympy.Integer(2)
+        for op, count, phase, what in (
+            ("send", fwd, "forward", "activations to the next stage"),
+            ("recv", bwd, "forward", "activations from the previous stage"),
+            ("send", bwd, "backward", "activation gradients to the previous stage"),
+            ("recv", fwd, "backward", "activation gradients from the next stage"),
+        ):
+            if count:
+                out.append(Collective(op, "pp", two, b, m * count, phase, what))
+        if stage in ("first", "last"):
+            for rw, c in rows:
+                if {"before", "after"} <= rw.places and rw.grad:
+                    out.append(
+                        Collective(
+                            "all_reduce",
+                            "tied",
+                            sympy.Integer(2),
+                            c * rw.grad_itemsize * rw.numel,
+                            sympy.Integer(1),
+                            "backward",
+                            f"tied weight {rw.name}",
+                        )
+                    )
+    return out
+
+
+def parallel(acct: Accounting, layout: Layout | Mapping[str, Any]) -> Parallel:
+    """``derive_parallel`` with the layout given as a ``Layout`` or its fields."""
+    from symacct.parallel.layout import make_layout
+
+    lay = layout if isinstance(layout, Layout) else make_layout(**dict(layout))
+    return derive_parallel(acct, lay)

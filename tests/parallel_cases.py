@@ -1,0 +1,48 @@
+"""Module-level builders for the multi-process tests (``torch.multiprocessing.spawn`` pickles them)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from symacct.models.gpt2 import GPT2, GPT2Config
+from symacct.models.llama import Llama, LlamaConfig
+
+GPT2_SMALL = GPT2Config(n_layer=2, n_head=2, n_embd=10, vocab_size=37, block_size=16, dropout=0.0)
+GPT2_PIPE = dataclasses.replace(GPT2_SMALL, n_layer=4, tie_weights=False)
+LLAMA_SMALL = LlamaConfig(dim=12, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=29, hidden_dim=20, max_seq_len=16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """A reference model from its config (picklable)."""
+
+    config: Any
+
+    def __call__(self) -> nn.Module:
+        return GPT2(self.config) if isinstance(self.config, GPT2Config) else Llama(self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """B x S token ids and targets, the same on every rank."""
+
+    B: int
+    S: int
+    vocab: int
+
+    def __call__(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, self.vocab, (self.B, self.S), generator=g)
+        return ids, torch.randint(0, self.vocab, (self.B, self.S), generator=g)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def stage(model: nn.Module, s: int, pp: int) -> nn.Module:
+    return model.pipeline_stage(s, pp)
