@@ -477,6 +477,40 @@ def _parallel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit_layout(args: argparse.Namespace) -> dict[str, Any]:
+    """fit with a layout: the largest micro-batch B per data-parallel rank whose worst rank fits."""
+    from symacct.parallel.plan import fit_layout
+    from symacct.pipeline import derive
+
+    lay = _layout_of(args)
+    if args.gpus != 1 and args.gpus != lay.world:
+        raise UsageError(f"--gpus {args.gpus} is not the layout's {lay.world} ranks (dp*tp*pp*cp)")
+    if args.solve != "batch":
+        raise UsageError("with a layout, fit solves for the micro-batch B: drop --solve")
+    if not 0 <= args.reserve < 1:
+        raise UsageError("--reserve must be in [0, 1)")
+    model = load_model(args.model, overrides_of(args.config)) if args.model else None
+    if model is None:
+        raise UsageError("fit with a layout needs a MODEL")
+    acct = derive(
+        model, optimizer=args.optimizer, autocast=_dtype(args.autocast), params_dtype=_dtype(args.params_dtype)
+    )
+    S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
+    res = fit_layout(acct, lay, hardware=args.hardware, seq=S, reserve=args.reserve)
+    return {
+        "layout": lay.describe(),
+        "solve": "B (per data-parallel rank and micro-batch)",
+        "value": res.micro_batch,
+        "global_batch": res.global_batch,
+        "peak_bytes": res.peak,
+        "next_peak_bytes": res.next_peak,
+        "budget_bytes": res.budget,
+        "worst_stage": res.worst_stage,
+        "reserve": args.reserve,
+        "S": S,
+    }
+
+
 def _verify_parallel(args: argparse.Namespace) -> int:
     """verify --parallel: the layout on world-size real gloo processes (CPU), every row exact but the peak."""
     from symacct.measure.parallel import verify_parallel
@@ -618,6 +652,7 @@ def _main(argv: Sequence[str] | None) -> int:
     f.add_argument("--batch", type=int, default=8)
     f.add_argument("--seq", type=int, default=None)
     f.add_argument("--json", action="store_true")
+    _layout_args(f)
     sub.add_parser("hardware", help="list the accelerator catalog")
     df = sub.add_parser("diff", help="compare two resource logs written by symacct.track, phase by phase")
     df.add_argument("log_a")
@@ -684,7 +719,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.cmd == "estimate":
             return _print(_estimate(args), args.json)
         if args.cmd == "fit":
-            return _print(_fit(args), args.json)
+            return _print(_fit_layout(args) if _wants_layout(args) else _fit(args), args.json)
         if args.cmd == "verify":
             return _verify_parallel(args) if args.parallel else _verify(args)
         if args.cmd == "sheet":

@@ -46,3 +46,16 @@ def adamw(params: Any) -> torch.optim.Optimizer:
 
 def stage(model: nn.Module, s: int, pp: int) -> nn.Module:
     return model.pipeline_stage(s, pp)
+
+
+class HFLoss(nn.Module):
+    """A transformers causal LM whose call returns the loss (what the fake-process-group runner calls)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        import transformers
+
+        self.lm = transformers.LlamaForCausalLM(config)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=labels).loss

@@ -267,3 +267,50 @@ def test_docs_formulas_are_derived() -> None:
         names = {n: sympy.Symbol(n, integer=True, positive=True) for n in re.findall(r"[A-Za-z_]\w*", formula)}
         names["ceiling"] = sympy.ceiling
         assert sympy.expand(sympy.sympify(formula, locals=names) - derived[key]) == 0, key
+
+
+@pytest.mark.slow
+def test_gloo_hsdp_world_four(gpt2_acct: symacct.Accounting) -> None:
+    """HSDP, 2 replicas of 2 shards, on four real gloo processes: every rank's bytes and collectives."""
+    lay = make_layout(dp=4, dp_mode="fsdp", hsdp_shard=2)
+    pred = derive_parallel(gpt2_acct, lay).at(B=3, S=7).ranks[0]
+    for got in gloo_world(Build(GPT2_SMALL), lay, Batch(3, 7, 37), adamw):
+        assert (got.params, got.grads) == (pred.params, pred.grads)
+        assert got.optimizer <= pred.optimizer and (got.rank % 2 or got.optimizer == pred.optimizer)
+        assert Counter(got.collectives) == _predicted(pred)
+
+
+def test_fit_with_a_layout(gpt2_acct: symacct.Accounting) -> None:
+    """The largest micro-batch whose worst rank fits: its peak within the budget, the next one's above."""
+    from symacct.parallel.plan import fit_layout
+
+    lay = make_layout(dp=2, pp=2, dp_mode="zero1", schedule="1f1b", micro_batches=4)
+    got = fit_layout(gpt2_acct, lay, hardware="RTX-4090", seq=16)
+    worst = max(derive_parallel(gpt2_acct, lay).at(B=got.micro_batch, S=16).ranks, key=lambda r: r.peak)
+    assert worst.peak == got.peak <= got.budget < got.next_peak
+    assert got.global_batch == got.micro_batch * 4 * 2
+
+
+def test_transformers_llama_fsdp_rank() -> None:
+    """A transformers LlamaForCausalLM under FSDP2 (dp=2, its decoder layers as the stack): rank 0's bytes and
+    every collective, exactly."""
+    transformers = pytest.importorskip("transformers")
+    from parallel_cases import HFLoss
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=12,
+        intermediate_size=20,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        vocab_size=29,
+        max_position_embeddings=16,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    acct = symacct.derive(model, optimizer="adamw")
+    lay = make_layout(dp=2, dp_mode="fsdp")
+    pred = derive_parallel(acct, lay).at(B=2, S=5).ranks[0]
+    got = fake_rank(lambda: HFLoss(cfg), lay, 0, Batch(2, 5, 29), adamw, stack="lm.model.layers")
+    assert (got.params, got.grads, got.optimizer) == (pred.params, pred.grads, pred.optimizer)
+    assert Counter(got.collectives) == _predicted(pred)

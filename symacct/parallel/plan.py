@@ -175,6 +175,7 @@ class PlanRow:
             "dp": lay.dp,
             "pp": lay.pp,
             "dp_mode": lay.dp_mode,
+            "hsdp_shard": lay.hsdp_shard,
             "schedule": lay.schedule if lay.pp > 1 else None,
             "micro_batches": lay.micro_batches,
             "v": lay.stages_per_rank,
@@ -280,32 +281,8 @@ class _Fast:
         self._fns: dict[int, Any] = {}
 
     def at(self, par: Parallel, B: int) -> Parallel:
-        from symacct.parallel.rank import Collective
-
         values = {**self.acct.symbols, "B": B, "S": self.seq, **par.degrees()}
-        ranks = []
-        for r in par.ranks:
-            vals = {**values, **par.held.get(r.stage, {})}
-            fields = {}
-            for f in dataclasses.fields(Rank):
-                if f.name in ("stage", "collectives", "chunk"):
-                    continue
-                fields[f.name] = self._ev(getattr(r, f.name), vals)
-            colls = [
-                Collective(
-                    c.op,
-                    c.group,
-                    self._ev(c.size, vals),
-                    self._ev(c.payload, vals),
-                    self._ev(c.count, vals),
-                    c.phase,
-                    c.what,
-                )
-                for c in r.collectives
-            ]
-            chunk = {k: self._ev(e, vals) for k, e in r.chunk.items()}
-            ranks.append(Rank(stage=r.stage, collectives=colls, chunk=chunk, **fields))
-        out = dataclasses.replace(par, ranks=ranks, values=values)
+        out = dataclasses.replace(par, ranks=par.evaluated_ranks(values, self._ev), values=values)
         out.job_flops = self._ev(self.acct.flops.total, values) * par.layout.micro_batches * par.layout.dp
         out.optimizer_bytes = self._ev(optimizer_bytes(self.acct), values)
         out.acct_optimizer = self._ev(self.acct.memory.optimizer, values)
@@ -324,3 +301,48 @@ class _Fast:
         names, f, _ = fn
         got = f(*[vals[n] for n in names])
         return int(round(got)) if isinstance(got, float) and abs(got) < 2**53 else got
+
+
+@dataclasses.dataclass
+class LayoutFit:
+    """The largest micro-batch B of one data-parallel rank whose worst rank fits, and the peaks around it."""
+
+    layout: Layout
+    micro_batch: int  # 0: not even B = 1 fits
+    peak: int  # worst rank's peak at micro_batch (at B = 1 when nothing fits)
+    next_peak: int  # at micro_batch + 1
+    budget: int
+    worst_stage: str
+    global_batch: int  # micro_batch * m * dp
+
+
+def fit_layout(
+    acct: Accounting,
+    layout: Layout,
+    *,
+    hardware: str | Accelerator,
+    seq: int,
+    reserve: float = 0.15,
+    limit: int = 1 << 20,
+) -> LayoutFit:
+    """Largest B (per data-parallel rank and micro-batch) whose worst rank's peak fits the accelerator's memory
+    less ``reserve``; peaks are evaluated exactly (``Parallel.at``) and grow with B."""
+    hw = get(hardware)
+    par = derive_parallel(acct, layout)
+    budget = int(hw.memory_bytes * (1 - reserve))
+
+    def worst(B: int) -> Rank:
+        return max(par.at(B=B, S=seq).ranks, key=lambda r: r.peak)
+
+    lo, hi = 0, 1
+    while hi <= limit and worst(hi).peak <= budget:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if worst(mid).peak <= budget:
+            lo = mid
+        else:
+            hi = mid
+    at = worst(max(lo, 1))
+    nxt = worst(lo + 1)
+    return LayoutFit(layout, lo, int(at.peak), int(nxt.peak), budget, at.stage, lo * layout.micro_batches * layout.dp)

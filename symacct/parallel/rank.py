@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -138,23 +138,14 @@ class Parallel:
         """Every formula at the model's sizes (as ``Accounting.at``) and the layout's degrees, exactly."""
         at = self.acct.at(**sizes)
         base = {**at.values, **self.degrees()}
-        ranks = []
-        for r in self.ranks:
-            vals = {sym(k): sympy.Integer(v) for k, v in {**base, **self.held.get(r.stage, {})}.items()}
 
-            def ev(e: Expr, vals: dict[Any, Any] = vals) -> int:
-                got = sympy.sympify(e).xreplace(vals)
-                if not got.is_Integer:
-                    raise SymacctError(f"{e} is not a whole number at these sizes: {got}", internal=True)
-                return int(got)
+        def ev(e: Expr, values: dict[str, int]) -> int:
+            got = sympy.sympify(e).xreplace({sym(k): sympy.Integer(v) for k, v in values.items()})
+            if not got.is_Integer:
+                raise SymacctError(f"{e} is not a whole number at these sizes: {got}", internal=True)
+            return int(got)
 
-            skip = ("stage", "collectives", "chunk")
-            fields = {f.name: ev(getattr(r, f.name)) for f in dataclasses.fields(Rank) if f.name not in skip}
-            colls = [
-                dataclasses.replace(c, size=ev(c.size), payload=ev(c.payload), count=ev(c.count)) for c in r.collectives
-            ]
-            chunk = {k: ev(e) for k, e in r.chunk.items()}
-            ranks.append(Rank(stage=r.stage, collectives=colls, chunk=chunk, **fields))
+        ranks = self.evaluated_ranks(base, ev)
         lay = self.layout
         return dataclasses.replace(
             self,
@@ -164,6 +155,21 @@ class Parallel:
             optimizer_bytes=evaluate(optimizer_bytes(self.acct), base),
             acct_optimizer=at.memory.optimizer,
         )
+
+    def evaluated_ranks(self, base: dict[str, int], ev: Callable[[Expr, dict[str, int]], Any]) -> list[Rank]:
+        """Every rank's formulas through ``ev(formula, values)``, each with its stage's held micro-batches."""
+        out = []
+        skip = ("stage", "collectives", "chunk")
+        for r in self.ranks:
+            vals = {**base, **self.held.get(r.stage, {})}
+            fields = {f.name: ev(getattr(r, f.name), vals) for f in dataclasses.fields(Rank) if f.name not in skip}
+            colls = [
+                dataclasses.replace(c, size=ev(c.size, vals), payload=ev(c.payload, vals), count=ev(c.count, vals))
+                for c in r.collectives
+            ]
+            chunk = {k: ev(e, vals) for k, e in r.chunk.items()}
+            out.append(Rank(stage=r.stage, collectives=colls, chunk=chunk, **fields))
+        return out
 
     def worst(self) -> Rank:
         """The rank with the largest peak (evaluated copies only)."""
