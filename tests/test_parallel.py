@@ -326,3 +326,17 @@ def test_fsdp_peak_to_the_byte(dp: int) -> None:
     lay = make_layout(dp=dp, dp_mode="fsdp")
     pred = derive_parallel(acct, lay).at(B=4, S=64).ranks[0]
     assert fake_rank_peak(Build(cfg), lay, 0, Batch(4, 64, 512), adamw) == pred.peak
+
+
+@given(pp=st.integers(2, 6), extra=st.integers(0, 6), tf=st.integers(1, 4), tb=st.integers(1, 8))
+def test_schedules_over_drawn_degrees(pp: int, extra: int, tf: int, tb: int) -> None:
+    """For any pp and m >= pp and any forward / backward times: 1F1B holds min(pp - r, m) micro-batches on
+    rank r and GPipe m; both take (m + pp - 1)(t_f + t_b) (Narayanan et al. 2021); every rank is busy
+    m (t_f + t_b)."""
+    m = pp + extra
+    for name in ("gpipe", "1f1b"):
+        acts = actions(name, pp, m)
+        held = in_flight(acts)
+        assert held == ([min(pp - r, m) for r in range(pp)] if name == "1f1b" else [m] * pp)
+        span, busy = makespan(acts, lambda a: tf if a.kind == "F" else tb)
+        assert span == (m + pp - 1) * (tf + tb) and busy == [m * (tf + tb)] * pp
