@@ -56,8 +56,8 @@ class StepTime:
     assumptions: list[str]
 
 
-def _link(hw: Accelerator, group: str, lay: Layout) -> tuple[float, str]:
-    """Bytes/s of one GPU's link for a group, and which link: inside a node or across nodes."""
+def _link(hw: Accelerator, group: str, lay: Layout) -> float:
+    """Bytes/s of one GPU's link for a group: NVLink inside a node, the network across nodes."""
     span = {
         "dp": lay.dp,
         "dp_shard": lay.shard,
@@ -66,14 +66,14 @@ def _link(hw: Accelerator, group: str, lay: Layout) -> tuple[float, str]:
         "tied": lay.dp * lay.pp,
     }[group]
     if span <= hw.gpus_per_node and hw.interconnect_gbs > 0:
-        return hw.interconnect_gbs * GIGA, "NVLink"
+        return hw.interconnect_gbs * GIGA
     if hw.network_gbs is None:
         raise SymacctError(
             f"the {group} group spans {span} GPUs, more than {hw.name}'s node of {hw.gpus_per_node}, and the "
             f"catalog has no network figure for {hw.name}",
             hint="add network_gbs and gpus_per_node to a hardware file (symacct.time.hardware.load)",
         )
-    return hw.network_gbs * GIGA, "network"
+    return hw.network_gbs * GIGA
 
 
 def step_time(
@@ -88,8 +88,7 @@ def step_time(
     lay = par.layout
     peak = hw.peak_flops(dtype) * efficiency
     m = lay.micro_batches
-    worst = 0.0
-    best: tuple[float, float, float, float, dict[str, float], float] | None = None
+    slowest: tuple[float, float, float, float, dict[str, float], float] | None = None  # ..., total
     single_opt = float(par.optimizer_bytes)
     for r in par.ranks:
         ch = r.chunk
@@ -97,7 +96,7 @@ def step_time(
         by_phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         transfer = 0.0
         for c in r.collectives:
-            bw, _ = _link(hw, c.group, lay)
+            bw = _link(hw, c.group, lay)
             t = float(c.wire) * c.count / bw
             if c.group == "pp":
                 transfer = float(c.payload) / bw
@@ -131,11 +130,10 @@ def step_time(
         )
         opt = single_opt * (r.optimizer / par.acct_optimizer) / hw.bandwidth if par.acct_optimizer else 0.0
         total = compute + exposed + opt
-        if best is None or total > worst:
-            worst = total
-            best = (compute, bubble, exposed, opt, comm, total)
-    assert best is not None
-    compute, bubble, exposed, opt, comm, total = best
+        if slowest is None or total > slowest[-1]:
+            slowest = (compute, bubble, exposed, opt, comm, total)
+    assert slowest is not None
+    compute, bubble, exposed, opt, comm, total = slowest
     vals = par.values
     tokens = vals.get("B", 1) * vals.get("S", 1) * m * lay.dp
     job_flops = par.job_flops
