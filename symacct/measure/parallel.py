@@ -18,11 +18,12 @@ pipeline's sends from ``c10d.send``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,28 @@ def shard(model: nn.Module, layout: Layout, stack: str) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _fake_group(layout: Layout, rank: int) -> Iterator[None]:
+    """PyTorch's fake process group as ``rank`` of an FSDP2 / HSDP layout, for the ``with`` block."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if layout.dp_mode != "fsdp" or layout.pp > 1:
+        raise SymacctError("the fake process group runs FSDP2 / HSDP only", hint="use gloo_world for DDP and pipelines")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.dp)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _tracker(model: nn.Module, args: tuple[Any, ...], opt: torch.optim.Optimizer, extra: int = 0) -> StorageTracker:
+    """A storage tracker holding what lives before a step: the rank's local parameters, its buffers, the
+    inputs and the optimizer states."""
+    held = [*map(_local, model.parameters()), *model.buffers(), *[a for a in args if isinstance(a, torch.Tensor)]]
+    return StorageTracker(held + [_local(s) for s in _state_tensors(opt)], extra=extra)
+
+
 def fake_rank(
     build: Callable[[], nn.Module],
     layout: Layout,
@@ -125,14 +148,9 @@ def fake_rank(
     stack: str = "blocks",
 ) -> RankMeasure:
     """One FSDP2 / HSDP rank on the fake process group and fake tensors (see the module docstring)."""
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if layout.dp_mode != "fsdp" or layout.pp > 1:
-        raise SymacctError("the fake process group runs FSDP2 / HSDP only", hint="use gloo_world for DDP and pipelines")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.dp)
-    try:
+    with _fake_group(layout, rank):
         with torch.device("meta"):
             model = build()
         shard(model, layout, stack)
@@ -149,8 +167,6 @@ def fake_rank(
                 opt.step()
             params, grads, states = static_bytes(model, opt)
         return RankMeasure(rank, params, grads, states, counter.log)
-    finally:
-        dist.destroy_process_group()
 
 
 def fake_rank_peak(
@@ -164,27 +180,18 @@ def fake_rank_peak(
     """The peak of live storage bytes of one FSDP2 / HSDP rank's second step, with real CPU tensors on the
     fake process group: every buffer FSDP2 allocates is real (the collectives move nothing, so the values
     are not, which memory does not depend on)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if layout.dp_mode != "fsdp" or layout.pp > 1:
-        raise SymacctError("the fake process group runs FSDP2 / HSDP only", hint="use gloo_world for DDP and pipelines")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.dp)
-    try:
+    with _fake_group(layout, rank):
         model = shard(build(), layout, stack)
         opt = optimizer(model.parameters())
         args = inputs(model)
         model(*args).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        held = [*map(_local, model.parameters()), *model.buffers(), *[a for a in args if isinstance(a, torch.Tensor)]]
-        tracker = StorageTracker(held + [_local(s) for s in _state_tensors(opt)])
+        tracker = _tracker(model, args, opt)
         with tracker:
             model(*args).backward()
             opt.step()
         return tracker.peak
-    finally:
-        dist.destroy_process_group()
 
 
 def gloo_world(
@@ -285,13 +292,12 @@ def _dp_step(
         opt.zero_grad(set_to_none=True)
         del warm
     hooked.clear()
-    held = [*map(_local, net.parameters()), *net.buffers(), *[a for a in args if isinstance(a, torch.Tensor)]]
     buckets = 0  # DDP's gradient buckets live in its C++ reducer: their sizes from its logging data
     if layout.dp_mode == "ddp" and not layout.bucket_view:
         data = net._get_ddp_logging_data()
         sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", ""))
         buckets = sum(int(x) for x in sizes.replace(",", " ").split())
-    tracker = StorageTracker(held + [_local(s) for s in _state_tensors(opt)], extra=buckets)
+    tracker = _tracker(net, args, opt, extra=buckets)
     with tracker:
         with counter:
             loss = net(*args)
@@ -338,7 +344,7 @@ def _pipeline_step(
     opt.step()
     opt.zero_grad(set_to_none=True)
     counter.phase = "step"  # a schedule interleaves forwards and backwards
-    tracker = StorageTracker([*part.parameters(), *part.buffers(), idx, target, *_state_tensors(opt)])
+    tracker = _tracker(part, (idx, target), opt)
     with tracker, counter:
         _run_schedule(schedule, rank, last, idx, target)
         counter.phase = "optimizer"
