@@ -1,10 +1,12 @@
 """Parallel layouts, side by side with the alternative (docs/benchmark-parallel.txt).
 
 1. Llama-3-70B (bf16, AdamW, SDPA, activation checkpointing, on meta): derive alone, and derive followed
-   by the per-rank figures of a layout (FSDP2 over 64 GPUs; then 8 x 8 ZeRO-1 x 1F1B): issue 14's target is
-   at most 3x the single-device derive.
-2. The planner: every layout of that model on 64 H100s (S = 8192, global batch 1024), ranked: the target
-   is at least 100 layouts in at most 10 s.
+   by the per-rank figures of a layout (FSDP2 over 64 GPUs; then 8 x 8 ZeRO-1 x 1F1B; and a tensor- and
+   sequence-parallel rank, tp = 8, traced on the fake process group, in ZeRO-1 dp = 4 x 1F1B pp = 2): issue
+   14's target is at most 3x the single-device derive.
+2. The planner: every layout of that model on 64 H100s (S = 8192, global batch 1024), ranked, tp = 1 and
+   tp = 2, 4, 8 with sequence parallelism (their derivations made before the clock starts): the target is
+   at least 100 layouts in at most 10 s.
 3. GPT-2 small, FSDP2 over 8 ranks: one rank run on PyTorch's fake process group (what torchtitan's
    estimator does: one number per size and rank) against derive_parallel, whose formulas then give any
    size and rank count; both are checked equal at the run's size (rank 0's static bytes, every payload).
@@ -35,8 +37,8 @@ def llama70b() -> torch.nn.Module:
         return cls(dataclasses.replace(make(), sdpa=True, checkpoint=True))
 
 
-def derive70b() -> symacct.Accounting:
-    return symacct.derive(llama70b(), optimizer="adamw", params_dtype="bf16")
+def derive70b(**tensor_parallel: object) -> symacct.Accounting:
+    return symacct.derive(llama70b(), optimizer="adamw", params_dtype="bf16", **tensor_parallel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +68,20 @@ def main() -> None:
     pipe = derive_parallel(acct2, make_layout(dp=8, pp=8, dp_mode="zero1", micro_batches=128))
     pipe.at(B=1, S=8192)
     second = time.perf_counter() - t
+    t = time.perf_counter()
+    tp_acct = derive70b(tensor_parallel="megatron-sp", tp=8)
+    lay = make_layout(dp=4, tp=8, pp=2, dp_mode="zero1", micro_batches=8, sequence_parallel=True)
+    derive_parallel(tp_acct, lay).at(B=1, S=8192)
+    with_tp = time.perf_counter() - t
     print("1. Llama-3-70B (bf16, AdamW, SDPA, checkpointing, meta)")
     print(f"   derive alone:                           {single:.2f} s")
     print(f"   derive + FSDP2 dp=64 per-rank figures:  {with_layout:.2f} s  ({with_layout / single:.2f}x; target 3x)")
     print(f"   then dp=8 x pp=8 ZeRO-1 1F1B (m=128):   {second:.2f} s")
+    print(f"   derive a tp=8 sp rank + dp=4 x pp=2:    {with_tp:.2f} s  ({with_tp / single:.2f}x; target 3x)")
 
+    accts = {tp: derive70b(tensor_parallel="megatron-sp", tp=tp) for tp in (2, 4)} | {8: tp_acct}
     t = time.perf_counter()
-    rows = plan(acct, gpus=64, hardware="H100-SXM", global_batch=1024, seq=8192)
+    rows = plan(acct, gpus=64, hardware="H100-SXM", global_batch=1024, seq=8192, tensor_parallel=accts)
     planned = time.perf_counter() - t
     best = rows[0]
     print("2. the planner, Llama-3-70B on 64 x H100-SXM, S=8192, global batch 1024")

@@ -413,7 +413,10 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("parallel layout (per-rank figures)")
     g.add_argument("--dp", type=_count, default=None, help="data-parallel degree")
-    g.add_argument("--tp", type=_count, default=1, help="tensor-parallel degree (not derived yet: refused above 1)")
+    g.add_argument(
+        "--tp", type=_count, default=1, help="tensor-parallel degree (the model's Megatron plan, traced per rank)"
+    )
+    g.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (the megatron-sp plan)")
     g.add_argument("--pp", type=_count, default=1, help="pipeline stages")
     g.add_argument("--cp", type=_count, default=1, help="context-parallel degree (not derived yet: refused above 1)")
     g.add_argument("--dp-mode", choices=DP_MODES, default="fsdp", help="ddp, zero1, zero2 or fsdp (default)")
@@ -444,11 +447,18 @@ def _layout_of(args: argparse.Namespace) -> Any:
         micro_batches=args.micro_batches,
         stages_per_rank=args.stages_per_rank,
         return_outputs=not args.no_return_outputs,
+        sequence_parallel=args.sp,
     )
 
 
+def _tensor_parallel(lay: Any) -> dict[str, Any]:
+    """derive's options for one tensor-parallel rank of ``lay`` (none without tensor parallelism)."""
+    return {"tensor_parallel": lay.plan, "tp": lay.tp} if lay.tp > 1 else {}
+
+
 def _wants_layout(args: argparse.Namespace) -> bool:
-    return any((args.dp is not None, args.tp > 1, args.pp > 1, args.cp > 1, args.micro_batches > 1, args.hsdp_shard))
+    wanted = (args.dp is not None, args.tp > 1, args.sp, args.pp > 1, args.cp > 1, args.micro_batches > 1)
+    return any(wanted) or bool(args.hsdp_shard)
 
 
 def _parallel(args: argparse.Namespace) -> int:
@@ -462,7 +472,7 @@ def _parallel(args: argparse.Namespace) -> int:
     if args.step != "train":
         raise UsageError("a parallel layout is a training step: drop --step or the layout flags")
     model = load_model(args.model, overrides_of(args.config))
-    acct = derive(model, causal_discount=args.causal_discount, **_step_options(args))
+    acct = derive(model, causal_discount=args.causal_discount, **_step_options(args), **_tensor_parallel(lay))
     par = derive_parallel(acct, lay)
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     at = par.at(B=args.batch, S=S)
@@ -493,7 +503,11 @@ def _fit_layout(args: argparse.Namespace) -> dict[str, Any]:
     if model is None:
         raise UsageError("fit with a layout needs a MODEL")
     acct = derive(
-        model, optimizer=args.optimizer, autocast=_dtype(args.autocast), params_dtype=_dtype(args.params_dtype)
+        model,
+        optimizer=args.optimizer,
+        autocast=_dtype(args.autocast),
+        params_dtype=_dtype(args.params_dtype),
+        **_tensor_parallel(lay),
     )
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     res = fit_layout(acct, lay, hardware=args.hardware, seq=S, reserve=args.reserve)
@@ -537,7 +551,17 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError("--efficiency must be in (0, 1] and --reserve in [0, 1)")
     out = _writable(args.out) if args.out else None
     model = load_model(args.model, overrides_of(args.config))
-    acct = derive(model, optimizer=args.optimizer, params_dtype=_dtype(args.params_dtype))
+    options = {"optimizer": args.optimizer, "params_dtype": _dtype(args.params_dtype)}
+    acct = derive(model, **options)
+    plan_name = "megatron-sp" if args.sp else "megatron"
+    degrees = args.tp or [2**k for k in range(1, hw.gpus_per_node.bit_length()) if 2**k <= hw.gpus_per_node]
+    tensor_parallel = {}
+    left_out = []
+    for tp in (d for d in degrees if d > 1):
+        try:
+            tensor_parallel[tp] = derive(model, **options, tensor_parallel=plan_name, tp=tp)
+        except SymacctError as e:  # a degree the model cannot be split by: the others are still planned
+            left_out.append(e.what if e.what.startswith(f"tp={tp} ") else f"tp={tp}: {e.what}")
     rows = plan(
         acct,
         gpus=args.gpus,
@@ -549,10 +573,11 @@ def _plan(args: argparse.Namespace) -> int:
         reserve=args.reserve,
         dp_modes=tuple(args.dp_mode) if args.dp_mode else None,
         return_outputs=args.return_outputs,
+        tensor_parallel=tensor_parallel,
     )
     header = (
         f"{args.model} on {args.gpus} x {hw.name}, S={args.seq}, global batch {args.global_batch}: "
-        f"{len(rows)} layouts, {sum(r.fits for r in rows)} fit"
+        f"{len(rows)} layouts, {sum(r.fits for r in rows)} fit" + "".join(f"; {w}" for w in left_out)
     )
     if args.json:
         print(_json({"header": header, "layouts": [r.to_dict() for r in rows]}))
@@ -608,6 +633,14 @@ def _main(argv: Sequence[str] | None) -> int:
     pl.add_argument(
         "--return-outputs", action="store_true", help="a pipeline's last stage keeps its m outputs (step's default)"
     )
+    pl.add_argument(
+        "--tp",
+        type=_count,
+        action="append",
+        default=None,
+        help="tensor-parallel degrees to try (repeatable; default 1 and every power of two up to a node's GPUs)",
+    )
+    pl.add_argument("--sp", action="store_true", help="tensor parallelism with sequence parallelism (megatron-sp)")
     pl.add_argument("--top", type=_count, default=15, help="rows printed (default 15)")
     pl.add_argument("--json", action="store_true", help="every layout as JSON")
     pl.add_argument("--out", default=None, help="write the Pareto plot (plan.png, plan.svg) here")

@@ -39,6 +39,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import sympy
 import torch
 from torch import nn
@@ -68,12 +69,23 @@ from symacct.models.hf import (
 from symacct.models.hf import serving_inputs as hf_serving_inputs
 from symacct.models.hf import task as task_for
 from symacct.options import CACHE_DTYPES, optimizer_factory, torch_dtype
-from symacct.sameness import NOT_THE_SAME, fake_copy, shortened
+from symacct.sameness import NOT_THE_SAME, TENSOR_PARALLEL_IGNORED, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import letter_for_field, rational_form, sym
+from symacct.trace.constraints import check as check_constraints
 from symacct.trace.constraints import learn as learn_constraints
-from symacct.trace.probe import FIRST_PRIMES, HEAD_PRIMES, HEAD_WIDTHS, LAYERS, SECOND_PRIMES, Probe, make_probe
+from symacct.trace.probe import (
+    FIRST_PRIMES,
+    HEAD_PRIMES,
+    HEAD_WIDTHS,
+    LAYERS,
+    SECOND_PRIMES,
+    TP_PRIMES,
+    Probe,
+    make_probe,
+)
 from symacct.trace.record import StepTrace, call_inputs, record_step
+from symacct.trace.tensor_parallel import apply_plan, check_plan, fake_group
 
 
 @dataclasses.dataclass
@@ -237,7 +249,7 @@ def _source(
                 extra[name] = vals[num]
             elif den is not None and (num in vals or den in vals):
                 extra[name] = vals.get(num, ints[num]) // vals.get(den, ints[den])
-        built = cls(_with_fields(config, {**vals, **extra}))
+        built = cls(_with_fields(config, {k: v for k, v in {**vals, **extra}.items() if k != TP}))
         if is_transformers_model(model):
             carry_checkpointing(model, built)
         return built
@@ -277,15 +289,22 @@ def _strided(model: Any, src: _Source) -> bool:
     return False
 
 
-def _follow_heads(src: _Source, degenerate: bool) -> list[str]:
+def _follow_heads(src: _Source, degenerate: bool, tp: int | None = None) -> list[str]:
     """Notes on fields that follow others at probe sizes instead of being symbols of their own, or stay fixed.
 
     - a head width equal to D/H (``head_dim`` stored by transformers' configs): it follows D/H;
     - with ``degenerate`` (derive's second try, when the model rebuilt at probe sizes ran other ops than the
       user's): key/value heads equal to the heads follow H (code branches on H == H_kv: transformers'
-      ``repeat_kv`` returns at once), and sizes of 1 stay 1 (they broadcast and make transposes free).
+      ``repeat_kv`` returns at once), and sizes of 1 stay 1 (they broadcast and make transposes free);
+    - with tensor parallelism of degree ``tp``, key/value heads equal to tp (one a rank) follow tp, on the
+      first try: the probe's many heads a rank would run other ops.
     """
     notes = []
+    kv_one = _kv_per_rank_one(src, tp)
+    if kv_one is not None:  # at once: a single head a rank takes views where several copy (never the same ops)
+        src.follow[kv_one] = (TP, None)
+        del src.fields[kv_one]
+        notes.append(f"{kv_one} = tp (one key/value head a rank): it follows tp")
     tie = _heads_tie(src)
     if degenerate and tie is not None:
         h, kv = tie
@@ -311,7 +330,9 @@ def _tied(src: _Source) -> dict[str, str | int]:
         if f in src.fields or letter == f or letter in src.fields.values():
             continue
         follow = src.follow.get(f)
-        if follow is not None and follow[1] is None and follow[0] in src.fields:
+        if follow is not None and follow[1] is None and follow[0] == TP:
+            out[letter] = TP
+        elif follow is not None and follow[1] is None and follow[0] in src.fields:
             out[letter] = src.fields[follow[0]]
         else:
             out[letter] = v
@@ -323,6 +344,12 @@ def _heads_tie(src: _Source) -> tuple[str, str] | None:
     by_letter = {letter: f for f, letter in src.fields.items()}
     h, kv = by_letter.get("H"), by_letter.get("H_kv")
     return (h, kv) if h is not None and kv is not None and src.values[h] == src.values[kv] else None
+
+
+def _kv_per_rank_one(src: _Source, tp: int | None) -> str | None:
+    """The key/value heads field when tensor parallelism leaves one key/value head a rank (H_kv == tp)."""
+    kv = next((f for f, letter in src.fields.items() if letter == "H_kv"), None)
+    return kv if tp is not None and kv is not None and src.values[kv] == tp else None
 
 
 def _degenerate_sizes(src: _Source) -> bool:
@@ -492,9 +519,13 @@ def _probe_for(
     avoid: set[int],
     head_primes: tuple[int, ...],
     offsets: bool = False,
+    tp_prime: int | None = None,
 ) -> Probe:
     seq = {"S"} if src.seq is None else set()  # a decode step's one new token is no symbol
-    letters = sorted({letter for letter in src.fields.values() if letter != "L"} | {"B", *seq, *src.input_dims})
+    degree = {"tp"} if tp_prime is not None else set()
+    letters = sorted(
+        {letter for letter in src.fields.values() if letter != "L"} | {"B", *seq, *src.input_dims, *degree}
+    )
     layers_or_none = layers if "L" in src.fields.values() else None
     kept = [v for f, v in src.values.items() if letter_for_field(f) == "H" and f not in src.fields]
     scale = {"S": IMAGE_SCALE} if src.strided else {}
@@ -513,6 +544,7 @@ def _probe_for(
         head_primes=head_primes,
         heads=heads,
         scale=scale or None,
+        tp_prime=tp_prime,
     )
 
 
@@ -522,9 +554,13 @@ def _input_dims(src: _Source, probe: Probe) -> dict[str, int]:
 
 
 def _field_values(src: _Source, probe: Probe) -> dict[str, int]:
+    """The config fields' probe values (and the tensor-parallel degree, under ``TP``, for fields that follow
+    it; build() does not pass it to the config)."""
     out = {}
     for f, letter in src.fields.items():
         out[f] = probe.layers if letter == "L" else probe.values[letter]
+    if TP in probe.values:
+        out[TP] = probe.values[TP]
     return out
 
 
@@ -555,10 +591,26 @@ def _trace(
     precision: dict[str, Any],
     only_ops: bool = False,
     dims: dict[str, int] | None = None,
+    tp_world: int | None = None,
 ) -> StepTrace:
     """One step of the model ``build`` makes, at (B, S) and the probe's other input sizes (or ``dims``), in
-    the source's context (transformers' eager paths)."""
-    with src.context():
+    the source's context (transformers' eager paths). With a tensor-parallel plan (``precision``'s
+    ``tensor_parallel``) the model is sharded on a fake process group of ``tp_world`` ranks (default: the
+    probe's tp) and the step is rank 0's (``symacct.trace.tensor_parallel``)."""
+    precision = dict(precision)
+    plan, degree = precision.pop("tensor_parallel", None), precision.pop("tp", None)
+    if plan is None:
+        group: Any = contextlib.nullcontext()
+    else:
+        group = fake_group(tp_world or probe.values.get("tp") or degree)
+        unsharded = build
+
+        def build(fake: FakeTensorMode) -> nn.Module:
+            model = unsharded(fake)
+            with fake:
+                return apply_plan(model, plan, mesh)
+
+    with src.context(), group as mesh:
         return record_step(
             build,
             lambda m: src.inputs(m, B, S, **(dims if dims is not None else _input_dims(src, probe))),
@@ -597,6 +649,8 @@ def _same_model(
             if "C" in dims:  # cached positions and new ones share the table: C + S < S_max
                 dims["C"] = max(1, min(dims["C"], src.values[f] - S - 1))  # (a whole table runs no slice)
     device = precision.get("device", "cpu")
+    if "tp" in precision:  # sequence parallelism splits S: whole shards at the user's degree
+        S = max(precision["tp"], S - S % precision["tp"])
 
     def user_trace(short: bool) -> StepTrace:
         def build(fake: FakeTensorMode) -> nn.Module:
@@ -605,12 +659,14 @@ def _same_model(
             with shortened(model, stacks):  # copied with its stacks shortened, then restored
                 return fake_copy(model, fake, device)
 
-        return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims)
+        tp = precision.get("tp")
+        return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims, tp_world=tp)
 
+    ignore = TENSOR_PARALLEL_IGNORED if "tp" in precision else frozenset()
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
-        compare_ops(user_trace(True), trace, stacks, probe.layers or 1)
+        compare_ops(user_trace(True), trace, stacks, probe.layers or 1, ignore)
     except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
-        compare_ops(user_trace(False), trace, stacks, probe.layers or 1)
+        compare_ops(user_trace(False), trace, stacks, probe.layers or 1, ignore)
 
 
 def _terms(costed: list[CostedOp], counts: list[Any]) -> dict[tuple[str, str], list[Any]]:
@@ -743,6 +799,8 @@ def _derive(
     device: str = "cpu",
     routing: Sequence[Any] | None = None,
     cache_dtype: torch.dtype | str | None = None,
+    tensor_parallel: Any = None,
+    tp: int = 2,
     _degenerate: bool = False,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
@@ -791,6 +849,12 @@ def _derive(
             pairs over the E experts, as E non-negative shares (normalised),
             for ``acct.experts``; default balanced. Totals do not depend on
             it (symacct.cost.experts).
+        tensor_parallel: derive one tensor-parallel rank: the model sharded by
+            this plan with PyTorch's ``parallelize_module`` on its fake process
+            group (``"megatron"``, ``"megatron-sp"``: the model's own
+            ``tp_plan``; a plan dict; or ``plan(model, mesh)``); every figure is
+            rank 0's, in the symbol ``tp`` (symacct.trace.tensor_parallel).
+        tp: the degree ``at()`` takes for ``tp`` unless told (default 2).
 
     Thread safety: one derivation runs at a time (a process-wide lock):
     PyTorch's module tracking and fake-tensor state are global, so two traces
@@ -814,6 +878,8 @@ def _derive(
         device=device,
         routing=routing,
         cache_dtype=cache_dtype,
+        tensor_parallel=tensor_parallel,
+        tp=tp,
         _degenerate=_degenerate,
     )
     req = _request(**kwargs)
@@ -896,6 +962,8 @@ def _request(
     routing: Sequence[Any] | None,
     cache_dtype: torch.dtype | str | None,
     _degenerate: bool,
+    tensor_parallel: Any = None,
+    tp: int = 2,
 ) -> Request:
     """Check the options and put them in one record."""
     autocast, params_dtype = torch_dtype("autocast", autocast), torch_dtype("params_dtype", params_dtype)
@@ -917,10 +985,18 @@ def _request(
             f"cannot trace for device {device!r} here",
             hint="device='cuda' needs a CUDA build of torch and a GPU; otherwise use device='cpu'",
         )
+    precision: dict[str, Any] = {"autocast": autocast, "params_dtype": params_dtype, "device": device}
+    if tensor_parallel is not None:
+        check_plan(tensor_parallel)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
+            raise SymacctError(f"tp={tp!r} is not a tensor-parallel degree", hint="pass tp= a whole number >= 2")
+        if step != "train":
+            raise SymacctError("tensor_parallel= is derived for step='train'", hint="drop tensor_parallel=")
+        precision |= {"tensor_parallel": tensor_parallel, "tp": tp}
     return Request(
         step=step,
         make_opt=make_opt,
-        precision={"autocast": autocast, "params_dtype": params_dtype, "device": device},
+        precision=precision,
         rule_options={"embedding_flops": embedding_flops},
         options={
             "step": step,
@@ -932,6 +1008,7 @@ def _request(
             "params_dtype": str(params_dtype) if params_dtype else None,
             "cache_dtype": str(kv_dtype) if kv_dtype else None,
             "device": device,
+            "tensor_parallel": _plan_name(tensor_parallel),
         },
         inputs=inputs,
         loss=loss,
@@ -945,6 +1022,13 @@ def _request(
     )
 
 
+def _plan_name(plan: Any) -> str | None:
+    if plan is None or isinstance(plan, str):
+        return plan
+    return "plan dict" if isinstance(plan, dict) else getattr(plan, "__name__", "plan function")
+
+
+TP = "tp"  # the tensor-parallel degree's symbol (and its key among a build's values)
 STEPS = ("train", "forward", "prefill", "decode")
 SERVING = ("prefill", "decode")
 _SERVING_NOTE = {
@@ -1040,7 +1124,7 @@ def read_source(model: Any, req: Request) -> _Source:
         for name, seq in src.lists.items():
             if len(seq) == src.values[lfield] and not _uniform(seq):
                 raise _FixLayers(src, f"the per-layer list {name} differs between layers (it has one entry a layer)")
-    src.notes += _follow_heads(src, req.degenerate)
+    src.notes += _follow_heads(src, req.degenerate, req.precision.get("tp"))
     src.constants = _not_sizes(src)
     for f in src.constants:
         del src.fields[f]
@@ -1071,9 +1155,12 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
         for t in [*model.parameters(), *model.buffers()]:
             for d in t.shape:
                 avoid |= set(sympy.factorint(int(d))) if d > 1 else set()
+    tp: list[int | None] = [None, None]
+    if "tensor_parallel" in req.precision:  # the degree's own primes: the fake groups' world sizes
+        tp = [p for p in TP_PRIMES if p not in avoid][:2]
     return Probes(
-        _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True),
-        _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1]),
+        _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True, tp_prime=tp[0]),
+        _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1]),
     )
 
 
@@ -1112,6 +1199,8 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
     """Pass 4: the user's own model runs the probe model's ops (``symacct.sameness``)."""
     if src.configless or req.dims is not None:
         return
+    if "tp" in req.precision:
+        _check_degree(src, probes.first, first.trace, req.precision["tp"])
     try:
         _same_model(
             model, src, probes.first, first.trace, first.stacks, req.step, src.loss, req.precision, req.make_opt
@@ -1120,6 +1209,26 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
         if req.degenerate or not _degenerate_sizes(src):
             raise
         raise _Degenerate(e) from None
+
+
+def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:
+    """Refuse a tensor-parallel degree the user's model cannot be split by: the constraints the probe rank's
+    trace teaches (tp dividing the heads, F, V; S with sequence parallelism) at the model's own sizes."""
+    values: dict[str, Any] = {letter: np.asarray(src.values[f]) for f, letter in src.fields.items()}
+    values[TP] = np.asarray(tp)
+    for f, (num, _den) in src.follow.items():  # H_kv following tp: at the model's value
+        letter = letter_for_field(f)
+        if num == TP and letter not in values:
+            values[letter] = np.asarray(src.values[f])
+    tp_only = [c for c in learn_constraints(trace, probe.to_expr) if TP in c.symbols() and c.symbols() <= set(values)]
+    broken = check_constraints(tp_only, values)
+    if broken is not None:
+        c, at = broken
+        fields = ", ".join(f"{f}={src.values[f]}" for f, letter in src.fields.items() if letter in c.symbols())
+        raise SymacctError(
+            f"tp={tp} does not split this model: {c.describe()} breaks at {fields or at} (from {c.where})",
+            hint="choose a tensor-parallel degree that divides the sizes the plan splits",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1180,6 +1289,8 @@ def account(
     for f, letter in src.fields.items():
         defaults.setdefault(letter, src.values[f])
         field_names.setdefault(letter, f)
+    if "tp" in probe1.values:
+        defaults["tp"] = req.precision["tp"]
     acct = aggregate(
         graph,
         first.trace,

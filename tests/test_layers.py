@@ -26,6 +26,7 @@ ORDER = [
     "trace.record",
     "trace.probe",
     "trace.constraints",
+    "trace.tensor_parallel",
     "cost.rules",
     "cost.layers",
     "cost.graph",

@@ -204,8 +204,12 @@ def test_layout_refusals(gpt2_acct: symacct.Accounting) -> None:
         make_layout(pp=2, schedule="zb")
     with pytest.raises(SymacctError, match="does not divide dp=6"):
         make_layout(dp=6, hsdp_shard=4)
-    with pytest.raises(SymacctError, match="not derived yet"):
-        make_layout(tp=2)
+    with pytest.raises(SymacctError, match="context parallelism is not derived yet"):
+        make_layout(cp=2)
+    with pytest.raises(SymacctError, match="splits the sequence over the tensor-parallel group"):
+        make_layout(sequence_parallel=True)
+    with pytest.raises(SymacctError, match="needs one tensor-parallel rank's derivation"):
+        derive_parallel(gpt2_acct, make_layout(tp=2))
     with pytest.raises(SymacctError, match="1F1B needs at least pp micro-batches"):
         make_layout(pp=4, micro_batches=2)
     with pytest.raises(SymacctError, match="do not divide the 2 layers"):

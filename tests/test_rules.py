@@ -114,9 +114,11 @@ def test_registered_ops_are_real_ops_and_duplicates_raise():
     from symacct.cost.rules import rule
     from symacct.cost.rules.registry import _BY_OP
 
-    # every registration names an aten op that exists in this torch, with overloads to dispatch to
+    # every registration names an op that exists in this torch (aten's, or the functional collectives'),
+    # with overloads to dispatch to
     for packet in _BY_OP:
-        assert getattr(aten, packet.__name__) is packet and packet.overloads(), packet
+        namespace = getattr(torch.ops, packet._qualified_op_name.split("::")[0])
+        assert getattr(namespace, packet.__name__) is packet and packet.overloads(), packet
     with pytest.raises(RuntimeError, match="duplicate"):
         rule(aten.mm)(lambda call: None)
     with pytest.raises(TypeError, match="op packet"):

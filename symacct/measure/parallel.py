@@ -32,8 +32,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from symacct.errors import SymacctError
-from symacct.measure.run import StorageTracker, _distinct_nbytes, _state_tensors
+from symacct.measure.run import StorageTracker, _distinct_nbytes, _state_tensors, dtensor_op
 from symacct.parallel.layout import Layout
+from symacct.trace.tensor_parallel import apply_plan
 
 
 @dataclasses.dataclass
@@ -75,6 +76,8 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 
+        if dtensor_op(types):
+            return NotImplemented  # DTensor issues its collectives on the shards, seen here
         kwargs = kwargs or {}
         res = func(*args, **kwargs)
         if func in collective_ops and func not in sync_ops:
@@ -102,12 +105,15 @@ def stack_of(model: nn.Module, path: str) -> nn.ModuleList:
     return got
 
 
-def shard(model: nn.Module, layout: Layout, stack: str) -> nn.Module:
-    """FSDP2 (or HSDP) as the reference plan applies it: ``fully_shard`` each block, then the root."""
+def shard(model: nn.Module, layout: Layout, stack: str, mesh: Any = None) -> nn.Module:
+    """FSDP2 (or HSDP) as the reference plan applies it: ``fully_shard`` each block, then the root (over
+    ``mesh``, the data-parallel part of a 2-D mesh, when given)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if layout.hsdp_shard:
+    if mesh is not None:
+        pass
+    elif layout.hsdp_shard:
         mesh = init_device_mesh("cpu", (layout.replicate, layout.hsdp_shard), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (layout.dp,))
@@ -194,6 +200,73 @@ def fake_rank_peak(
         return tracker.peak
 
 
+@dataclasses.dataclass
+class TensorParallelMeasure:
+    """One tensor-parallel rank's first step (static bytes, saved bytes, collectives, peak) and the peak of
+    a later one (the optimizer states alive from its start)."""
+
+    rank: RankMeasure
+    saved: int  # distinct local storages autograd saved in forward: parameters, buffers and inputs excluded
+    first_peak: int
+
+
+def tp_rank(
+    build: Callable[[], nn.Module],
+    plan: Any,
+    tp: int,
+    inputs: Callable[[nn.Module], tuple[Any, ...]],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    rank: int = 0,
+) -> TensorParallelMeasure:
+    """Rank ``rank`` of a tensor-parallel model, with real CPU tensors, on PyTorch's fake process group of
+    ``tp`` ranks: ``parallelize_module`` by ``plan`` (a dict, a function ``plan(model, mesh)`` or a name the
+    model's ``tp_plan`` answers); every buffer DTensor allocates is real, the collectives move nothing (the
+    values are not the model's, which memory does not depend on)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,))
+        model = apply_plan(build(), plan, mesh)
+        opt = optimizer(model.parameters())
+        args = inputs(model)
+        external = {_local(t).untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *args]}
+        saved: dict[int, int] = {}
+        keep: list[torch.Tensor] = []  # alive until backward: storage handles stay unique
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = _local(t).untyped_storage()
+            if st._cdata not in external:
+                saved[st._cdata] = st.nbytes()
+            keep.append(t)
+            return t
+
+        counter = CollectiveCounter()
+        first = _tracker(model, args, opt)
+        with first, counter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(*args)
+            counter.phase = "backward"
+            keep.clear()
+            loss.backward()
+            counter.phase = "optimizer"
+            opt.step()
+        params, grads, states = static_bytes(model, opt)
+        opt.zero_grad(set_to_none=True)
+        del loss
+        later = _tracker(model, args, opt)
+        with later:
+            loss = model(*args)  # held through the step, as derive has the caller hold it
+            loss.backward()
+            opt.step()
+        measured = RankMeasure(rank, params, grads, states, counter.log, None, later.peak)
+        return TensorParallelMeasure(measured, sum(saved.values()), first.peak)
+    finally:
+        dist.destroy_process_group()
+
+
 def gloo_world(
     build: Callable[[], nn.Module],
     layout: Layout,
@@ -264,8 +337,21 @@ def _dp_step(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     hooked: list[tuple[str, str, int]] = []
-    if layout.dp_mode == "ddp":
-        net: nn.Module = DDP(model, gradient_as_bucket_view=layout.bucket_view)
+    dp_mesh = None
+    if layout.tp > 1:  # tensor parallelism innermost: ranks (dp_rank, tp_rank)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+        apply_plan(model, layout.plan, mesh["tp"])
+        dp_mesh = mesh["dp"]
+        if layout.dp > 1 and layout.dp_mode != "fsdp":
+            raise SymacctError(
+                "a real run of tensor parallelism with data parallelism is FSDP2's", hint="--dp-mode fsdp"
+            )
+    if layout.tp > 1 and layout.dp == 1:
+        net: nn.Module = model
+    elif layout.dp_mode == "ddp":
+        net = DDP(model, gradient_as_bucket_view=layout.bucket_view)
 
         def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             buf = bucket.buffer()
@@ -277,7 +363,7 @@ def _dp_step(
         hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
         net.register_comm_hook(None, hook)
     elif layout.dp_mode == "fsdp":
-        net = shard(model, layout, stack)
+        net = shard(model, layout, stack, dp_mesh)
     else:
         raise SymacctError(f"no real run for {layout.dp_mode}", hint="ddp, fsdp (hsdp_shard for HSDP)")
     opt = optimizer(net.parameters())
@@ -293,7 +379,7 @@ def _dp_step(
         del warm
     hooked.clear()
     buckets = 0  # DDP's gradient buckets live in its C++ reducer: their sizes from its logging data
-    if layout.dp_mode == "ddp" and not layout.bucket_view:
+    if isinstance(net, DDP) and not layout.bucket_view:
         data = net._get_ddp_logging_data()
         sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", ""))
         buckets = sum(int(x) for x in sizes.replace(",", " ").split())
@@ -306,7 +392,7 @@ def _dp_step(
             counter.phase = "optimizer"
             opt.step()
     # DDP: the buckets as the hook saw them, not the hook's own all-reduce call again
-    log = [c for c in counter.log if not (layout.dp_mode == "ddp" and c[0] == "all_reduce" and c[1] == "backward")]
+    log = [c for c in counter.log if not (isinstance(net, DDP) and c[0] == "all_reduce" and c[1] == "backward")]
     log += hooked
     params, grads, states = static_bytes(net, opt)
     return RankMeasure(rank, params, grads, states, log, first_loss, tracker.peak)
@@ -424,7 +510,8 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
         raise SymacctError(
             "a pipeline of a tied head does not sum the copies' gradients", hint="--config tie_weights=false"
         )
-    acct = derive(model, optimizer=optimizer)
+    tensor_parallel = {"tensor_parallel": layout.plan, "tp": layout.tp} if layout.tp > 1 else {}
+    acct = derive(model, optimizer=optimizer, **tensor_parallel)
     par = derive_parallel(acct, layout).at(B=B, S=S)  # B: one micro-batch of one data-parallel rank
     build = Construct(type(model), cfg)
     opt = Optimizer(OPTIMIZERS[optimizer])
@@ -454,7 +541,7 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
             w, s = want.get(op, [0, 0]), seen.get(op, [0, 0])
             rows.append(Row(f"{who} {op} bytes", w[0], s[0], 0.0))
             rows.append(Row(f"{who} {op} calls", w[1], s[1], 0.0))
-        exact = layout.pp == 1 and layout.dp_mode == "ddp"
+        exact = layout.pp == 1 and (layout.dp == 1 or layout.dp_mode == "ddp")
         rows.append(Row(f"{who} peak bytes", p.peak, g.peak or 0, 0.0 if exact else float("inf")))
     last = got[-1]
     if last.loss is not None:

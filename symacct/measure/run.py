@@ -15,9 +15,27 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+
+def _no_storage(t: torch.Tensor) -> bool:
+    """A tensor that holds no memory of its own: a fake tensor (DTensor learns an output's global shape by
+    running the op on fake tensors), or a wrapper subclass (the functional collectives' AsyncCollectiveTensor,
+    a DTensor) whose storage is a placeholder reporting its size: the data lives in the tensor it wraps."""
+    return isinstance(t, FakeTensor) or is_traceable_wrapper_subclass(t)
+
+
+def dtensor_op(types: Any) -> bool:
+    """Whether a dispatch mode sees a DTensor op: returning NotImplemented for it lets DTensor's own dispatch
+    run, and the mode then sees the ops on the rank's shards (and DTensor's collectives)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed
+        return False
+    return any(issubclass(t, DTensor) for t in types)
 
 
 @dataclass
@@ -215,9 +233,11 @@ class StorageTracker(TorchDispatchMode):
         return live + self.extra
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if dtensor_op(types):
+            return NotImplemented  # DTensor runs it on the shards, seen here
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not _no_storage(t):
                 self._add(t)
         self.peak = max(self.peak, self.current())
         return out

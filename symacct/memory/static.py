@@ -68,6 +68,7 @@ class ParamRow:
     grad_itemsize: int
     states: tuple[tuple[str, tuple[Expr, ...], int], ...]
     places: frozenset[str]
+    grad_shape: tuple[Expr, ...] | None = None  # the gradient's, where it is not ``shape`` (see _grad_shape)
 
     @property
     def numel(self) -> Expr:
@@ -180,6 +181,15 @@ def _first_stack_op(trace: StepTrace, blocks: list[Any]) -> int | None:
     return next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "forward"), None)
 
 
+def _grad_shape(trace: StepTrace, g: int | None, read: Any, shape: tuple[int, ...]) -> tuple[Any, ...] | None:
+    """The gradient storage's shape where it is not the parameter's (a tensor-parallel rank's
+    vocabulary-parallel embedding: DTensor makes its gradient whole, replicated), else None."""
+    got = trace.storage_shape.get(g) if g is not None else None
+    if got is None or tuple(got[0]) == tuple(shape):
+        return None
+    return tuple(read(d) for d in got[0])
+
+
 def param_rows(
     trace: StepTrace, read: Any, names_count: dict[str, Any], stacks: list[str], blocks: list[Any]
 ) -> list[ParamRow]:
@@ -218,5 +228,6 @@ def param_rows(
             grad_itemsize=trace.storage_shape[g][1] if g is not None and g in trace.storage_shape else ph.meta.itemsize,
             states=tuple(sorted(states.get(ph.name, []))),
             places=frozenset(places.get(ph.meta.storage, {"before"})),
+            grad_shape=_grad_shape(trace, g, read, ph.meta.shape),
         )
     return [dataclasses.replace(r, count=sympy.expand(r.count)) for r in rows.values() if r.count != 0]

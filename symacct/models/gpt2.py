@@ -11,8 +11,11 @@ cache, the logits are those of the last position only (what generation samples f
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +58,11 @@ class CausalSelfAttention(nn.Module):
         self, x: torch.Tensor, kv: Cache | None = None, i: int = 0, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         B, S, D = x.shape
-        Dh = D // self.n_head
-        q, k, v = self.c_attn(x).split(D, dim=2)  # 3 x (B, S, D)
-        q = q.view(B, S, self.n_head, Dh).transpose(1, 2)  # (B, H, S, Dh)
-        k = k.view(B, S, self.n_head, Dh).transpose(1, 2)  # (B, H, S, Dh)
-        v = v.view(B, S, self.n_head, Dh).transpose(1, 2)  # (B, H, S, Dh)
+        Dh = D // self.n_head  # heads counted from c_attn's width: a tensor-parallel rank holds H/tp of them
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # 3 x (B, S, D)
+        q = q.view(B, S, -1, Dh).transpose(1, 2)  # (B, H, S, Dh)
+        k = k.view(B, S, -1, Dh).transpose(1, 2)  # (B, H, S, Dh)
+        v = v.view(B, S, -1, Dh).transpose(1, 2)  # (B, H, S, Dh)
         if kv is not None:
             return self._cached(q, k, v, kv, i, dtype)
         if self.sdpa:
@@ -71,7 +74,7 @@ class CausalSelfAttention(nn.Module):
             att = F.softmax(att, dim=-1)  # (B, H, S, S)
             att = self.attn_dropout(att)
             y = att @ v  # (B, H, S, Dh)
-        y = y.transpose(1, 2).contiguous().view(B, S, D)  # (B, S, D)
+        y = y.transpose(1, 2).contiguous().view(B, S, -1)  # (B, S, D)
         return self.resid_dropout(self.c_proj(y))  # (B, S, D)
 
     def _cached(
@@ -96,7 +99,7 @@ class CausalSelfAttention(nn.Module):
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(Dh))  # (B, H, S, C + S)
             att = att.masked_fill(~self.mask[C : C + S, : C + S], float("-inf"))  # (B, H, S, C + S)
             y = F.softmax(att, dim=-1) @ v  # (B, H, S, Dh)
-        y = y.transpose(1, 2).contiguous().view(B, S, self.n_head * Dh)  # (B, S, D)
+        y = y.transpose(1, 2).contiguous().view(B, S, -1)  # (B, S, D)
         return self.c_proj(y)  # (B, S, D)
 
 
@@ -192,9 +195,71 @@ class GPT2(nn.Module):
         V = self.config.vocab_size
         return torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
 
+    def tp_plan(self, sequence_parallel: bool = False) -> Callable[[nn.Module, Any], None]:
+        """The standard tensor-parallel plan (Megatron's for GPT-2), as a function ``plan(model, mesh)``: the
+        token embedding split by vocabulary rows (the position table replicated), each block's fused q/k/v
+        projection and MLP up projection by output columns, both output projections by input rows, the
+        tied head by vocabulary columns with the logits gathered (no loss parallelism). c_attn's rows are
+        first reordered so that each rank's columns are whole heads of q, k and v ([q_r; k_r; v_r] for rank
+        r, as Megatron lays out its fused projection): the sharded model computes what this one does. With
+        ``sequence_parallel`` the norms, dropouts and residual stream are split along the sequence (dim 1)
+        from the first block on, gathered before attention and the MLP, reduce-scattered after them."""
+        return functools.partial(_parallelize, sequence_parallel=sequence_parallel)
+
     def pipeline_stage(self, stage: int, pp: int) -> GPT2Stage:
         """Stage ``stage`` of ``pp`` for ``torch.distributed.pipelining`` (its modules shared with this model)."""
         return GPT2Stage(self, stage, pp)
+
+
+def _heads_by_rank(t: torch.Tensor, tp: int) -> torch.Tensor:
+    """c_attn's rows [q; k; v] (3D, ...) reordered as [q_0; k_0; v_0; q_1; ...]: rank r's D/tp rows of each."""
+    rest = t.shape[1:]
+    return t.reshape(3, tp, t.shape[0] // (3 * tp), *rest).transpose(0, 1).reshape(t.shape)
+
+
+def _parallelize(model: GPT2, mesh: Any, sequence_parallel: bool) -> None:
+    """``GPT2.tp_plan``'s plan applied to ``model`` over the 1-D tensor-parallel ``mesh``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp = mesh.size()
+    with torch.no_grad():
+        for block in model.blocks:
+            lin = block.attn.c_attn
+            lin.weight = nn.Parameter(_heads_by_rank(lin.weight, tp))
+            if lin.bias is not None:
+                lin.bias = nn.Parameter(_heads_by_rank(lin.bias, tp))
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
+    plan: dict[str, Any] = {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+    }
+    for i in range(len(model.blocks)):
+        p = f"blocks.{i}."
+        plan[p + "attn.c_attn"] = plan[p + "mlp.c_fc"] = ColwiseParallel()
+        plan[p + "attn.c_proj"] = RowwiseParallel(output_layouts=stream)
+        plan[p + "mlp.c_proj"] = RowwiseParallel(output_layouts=stream)
+        if sequence_parallel:  # attn(x, kv, i, dtype) and mlp(x): x gathered
+            plan[p + "ln_1"] = plan[p + "ln_2"] = SequenceParallel()
+            plan[p + "attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            )
+            plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if sequence_parallel:  # the embeddings' sum enters the stack whole: each rank keeps its part of S
+        plan["blocks.0"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        plan["ln_f"] = SequenceParallel()
+    tied = model.lm_head.weight is model.wte.weight
+    parallelize_module(model, mesh, plan)
+    if tied:  # both split the (V, D) table by rows: the head shares the embedding's shards again
+        model.lm_head.weight = model.wte.weight
 
 
 class GPT2Stage(nn.Module):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,10 +81,11 @@ class Attention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         B, S, _ = x.shape
-        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.wq(x).view(B, S, H, Dh).transpose(1, 2)  # (B, H, S, Dh)
-        k = self.wk(x).view(B, S, Hkv, Dh).transpose(1, 2)  # (B, H_kv, S, Dh)
-        v = self.wv(x).view(B, S, Hkv, Dh).transpose(1, 2)  # (B, H_kv, S, Dh)
+        Dh = self.head_dim  # heads counted from the projections' widths: a tensor-parallel rank holds H/tp of them
+        q = self.wq(x).view(B, S, -1, Dh).transpose(1, 2)  # (B, H, S, Dh)
+        k = self.wk(x).view(B, S, -1, Dh).transpose(1, 2)  # (B, H_kv, S, Dh)
+        v = self.wv(x).view(B, S, -1, Dh).transpose(1, 2)  # (B, H_kv, S, Dh)
+        H, Hkv = q.shape[1], k.shape[1]
         q = q * cos + rotate_half(q) * sin  # (B, H, S, Dh)
         k = k * cos + rotate_half(k) * sin  # (B, H_kv, S, Dh)
         if kv is not None:
@@ -108,7 +110,7 @@ class Attention(nn.Module):
         The cache holds ``dtype`` (prefill; decode keeps the cache's own): an fp8 cache is cast up to the
         compute dtype for attention."""
         B, H, S, Dh = q.shape
-        Hkv = self.n_kv_heads
+        Hkv = k.shape[1]
         if i == len(kv):  # prefill: (B, H_kv, S, Dh) each (k rotated: a tensor of its own; v a view of wv's output)
             kv.append((k, v) if dtype in (None, k.dtype) else (k.to(dtype), v.to(dtype)))
             C = 0
@@ -228,6 +230,44 @@ class Llama(nn.Module):
         """Token ids and next-token targets, both (B, S) int64."""
         V = self.config.vocab_size
         return torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, Any]:
+        """The standard tensor-parallel plan (Megatron's, as torchtitan writes it for
+        ``parallelize_module``): the token embedding split by vocabulary rows, each block's q/k/v and
+        gate/up projections by output columns, its output and down projections by input rows, the head by
+        vocabulary columns with the logits gathered (no loss parallelism). With ``sequence_parallel``
+        the norms and the residual stream are split along the sequence (dim 1), gathered before attention
+        and the MLP and reduce-scattered after them."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
+        plan: dict[str, Any] = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+            "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+        }
+        for i in range(len(self.layers)):
+            p = f"layers.{i}."
+            plan |= {p + f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+            plan |= {p + f"feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")}
+            plan[p + "attention.wo"] = RowwiseParallel(output_layouts=stream)
+            plan[p + "feed_forward.w2"] = RowwiseParallel(output_layouts=stream)
+            if sequence_parallel:  # attention(x, cos, sin, kv, i, dtype): x gathered, the rest as given
+                plan[p + "attention_norm"] = plan[p + "ffn_norm"] = SequenceParallel()
+                plan[p + "attention"] = PrepareModuleInput(
+                    input_layouts=(Shard(1), *[None] * 5), desired_input_layouts=(Replicate(), *[None] * 5)
+                )
+                plan[p + "feed_forward"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        return plan
 
     def pipeline_stage(self, stage: int, pp: int) -> LlamaStage:
         """Stage ``stage`` of ``pp`` for ``torch.distributed.pipelining`` (its modules shared with this model)."""

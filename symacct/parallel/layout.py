@@ -11,6 +11,11 @@ Conventions (docs/distributed.md):
   (optimizer states sharded), ``zero2`` (states and gradients sharded), ``fsdp`` (FSDP2 ``fully_shard`` of
   each block and then the root: parameters, gradients and states sharded; ``hsdp_shard`` set: HSDP,
   sharded over groups of that size and replicated over ``dp / hsdp_shard`` of them).
+- Tensor parallelism (``tp > 1``): the model sharded by a plan (``parallelize_module``; the reference models'
+  ``tp_plan``, Megatron's), ``sequence_parallel`` for the plan that also splits the norms and the residual
+  stream along the sequence; the per-rank step is traced on PyTorch's fake process group
+  (``symacct.trace.tensor_parallel``), so a layout with ``tp > 1`` needs an accounting derived with
+  ``tensor_parallel=``.
 - The pipeline (``pp > 1``): the layer stack split evenly, what runs before it on the first stage and
   what runs after it on the last; ``schedule`` one of ``gpipe``, ``1f1b``, ``interleaved`` (PyTorch's
   ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with ``v`` stages per rank).
@@ -58,8 +63,15 @@ class Layout:
     def replicate(self) -> int:
         return self.dp // self.shard
 
+    @property
+    def plan(self) -> str:
+        """The name of the reference models' tensor-parallel plan this layout runs."""
+        return "megatron-sp" if self.sequence_parallel else "megatron"
+
     def describe(self) -> str:
         parts = [f"dp={self.dp} ({self.dp_mode}" + (f", shard {self.hsdp_shard}" if self.hsdp_shard else "") + ")"]
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}" + (" (sequence parallel)" if self.sequence_parallel else ""))
         if self.pp > 1:
             parts.append(f"pp={self.pp} ({self.schedule}, m={self.micro_batches}, v={self.stages_per_rank})")
         elif self.micro_batches > 1:
@@ -84,8 +96,9 @@ def make_layout(
 ) -> Layout:
     """A checked ``Layout``: degrees positive, modes known, ``world = dp * tp * pp * cp`` when given.
 
-    Tensor and context parallelism are not derived yet: ``tp > 1`` or ``cp > 1`` is refused rather than
-    answered without them."""
+    Context parallelism is not derived yet: ``cp > 1`` is refused rather than answered without it. Whether
+    ``tp`` divides the model's sizes is the derivation's to check (``Accounting.at`` refuses a size its
+    constraints rule out: heads, F, V, S for sequence parallelism)."""
     unknown = set(options) - {f.name for f in dataclasses.fields(Layout)}
     if unknown:
         raise SymacctError(f"unknown layout option(s): {', '.join(sorted(unknown))}")
@@ -104,12 +117,14 @@ def make_layout(
             f"not the world size {world}",
             hint="choose degrees whose product is the number of GPUs",
         )
-    if lay.tp > 1 or lay.cp > 1 or lay.sequence_parallel:
+    if lay.cp > 1:
         raise SymacctError(
-            "tensor, sequence and context parallelism are not derived yet: symacct answers for data and pipeline "
-            "parallelism only",
-            hint="use tp=1, cp=1 (dp and pp layouts: ddp, zero1, zero2, fsdp, hsdp; gpipe, 1f1b, interleaved)",
+            "context parallelism is not derived yet: symacct answers for data, tensor (and sequence) and pipeline "
+            "parallelism",
+            hint="use cp=1",
         )
+    if lay.sequence_parallel and lay.tp == 1:
+        raise SymacctError("sequence parallelism splits the sequence over the tensor-parallel group", hint="tp >= 2")
     if lay.hsdp_shard is not None:
         _positive("hsdp_shard", lay.hsdp_shard)
         if lay.dp_mode != "fsdp":

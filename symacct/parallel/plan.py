@@ -8,22 +8,24 @@ Step time of the slowest rank (docs/distributed.md):
 - communication: each collective's wire bytes (ring: ``(n-1)/n`` of the payload for all-gather and
   reduce-scatter, ``2(n-1)/n`` for all-reduce) over the group's link: NVLink (``interconnect_gbs``) when
   the group lies in one node, the network (``network_gbs``, per GPU) when it spans nodes; ranks numbered
-  data-parallel innermost, then the pipeline (``symacct.parallel.layout``);
+  tensor-parallel innermost, then data-parallel, then the pipeline (``symacct.parallel.layout``);
 - overlap (an option, on by default, printed with the result): forward collectives hide behind the
   forward's compute and backward ones behind the backward's; what is longer than the compute is exposed;
-  the optimizer phase's all-gather (ZeRO-1/2) and a tied weight's all-reduce are never hidden. With a
-  pipeline, the data-parallel reduction overlaps the last micro-batch's backward only;
+  the optimizer phase's all-gather (ZeRO-1/2) and a tied weight's all-reduce are never hidden, nor are
+  tensor parallelism's collectives (each sits between two matmuls that wait for it). With a pipeline, the
+  data-parallel reduction overlaps the last micro-batch's backward only;
 - the optimizer: its bytes (read and written in the single-device step) scaled by the rank's share of the
   optimizer states, at the memory bandwidth.
 
-MFU of the whole job: the model FLOPs of the step (``flops.total`` at the micro-batch, times ``m * dp``)
-over the step time times the peak times the GPUs.
+MFU of the whole job: the model FLOPs of the step (``flops.total`` at the micro-batch, times ``m * dp``, and
+times ``tp`` for a tensor-parallel rank's derivation) over the step time times the peak times the GPUs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -57,13 +59,17 @@ class StepTime:
 
 
 def _link(hw: Accelerator, group: str, lay: Layout) -> float:
-    """Bytes/s of one GPU's link for a group: NVLink inside a node, the network across nodes."""
+    """Bytes/s of one GPU's link for a group: NVLink inside a node, the network across nodes. Ranks are
+    numbered tensor-parallel innermost, then data-parallel, then the pipeline (``Layout``): a group spans its
+    size times its stride."""
+    tp = lay.tp
     span = {
-        "dp": lay.dp,
-        "dp_shard": lay.shard,
-        "dp_replicate": lay.dp,
-        "pp": lay.dp * lay.pp,
-        "tied": lay.dp * lay.pp,
+        "tp": tp,
+        "dp": lay.dp * tp,
+        "dp_shard": lay.shard * tp,
+        "dp_replicate": lay.dp * tp,
+        "pp": lay.dp * tp * lay.pp,
+        "tied": lay.dp * tp * lay.pp,
     }[group]
     if span <= hw.gpus_per_node and hw.interconnect_gbs > 0:
         return hw.interconnect_gbs * GIGA
@@ -94,6 +100,7 @@ def step_time(
         ch = r.chunk
         comm: dict[str, float] = {}
         by_phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        in_line = 0.0  # tensor parallelism's collectives: between a layer's matmuls, never hidden
         transfer = 0.0
         for c in r.collectives:
             bw = _link(hw, c.group, lay)
@@ -102,6 +109,9 @@ def step_time(
                 transfer = float(c.payload) / bw
                 continue
             comm[c.group] = comm.get(c.group, 0.0) + t
+            if c.group == "tp":
+                in_line += t
+                continue
             by_phase["optimizer" if c.group == "tied" else c.phase] += t
         if lay.pp > 1:
             last = lay.pp * lay.stages_per_rank - 1
@@ -126,7 +136,10 @@ def step_time(
             compute, bubble = fwd + bwd, 0.0
             fwd_hide, bwd_hide = (fwd, bwd) if overlap else (0.0, 0.0)
         exposed = (
-            max(0.0, by_phase["forward"] - fwd_hide) + max(0.0, by_phase["backward"] - bwd_hide) + by_phase["optimizer"]
+            max(0.0, by_phase["forward"] - fwd_hide)
+            + max(0.0, by_phase["backward"] - bwd_hide)
+            + by_phase["optimizer"]
+            + in_line
         )
         opt = single_opt * (r.optimizer / par.acct_optimizer) / hw.bandwidth if par.acct_optimizer else 0.0
         total = compute + exposed + opt
@@ -140,6 +153,7 @@ def step_time(
     assumptions = [
         f"compute at {efficiency:.0%} of the {dtype} dense peak of {hw.name}",
         "collectives overlap the compute of their phase" if overlap else "no communication overlaps compute",
+        *(["tensor-parallel collectives overlap nothing (each sits between two matmuls)"] if lay.tp > 1 else []),
         f"links: NVLink {hw.interconnect_gbs} GB/s inside a node of {hw.gpus_per_node}; network "
         + (f"{hw.network_gbs} GB/s per GPU" if hw.network_gbs else "none in the catalog"),
     ]
@@ -171,6 +185,8 @@ class PlanRow:
         lay = self.layout
         return {
             "dp": lay.dp,
+            "tp": lay.tp,
+            "sequence_parallel": lay.sequence_parallel,
             "pp": lay.pp,
             "dp_mode": lay.dp_mode,
             "hsdp_shard": lay.hsdp_shard,
@@ -191,6 +207,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _tp_valid(acct: Accounting, tp: int, seq: int | None) -> str | None:
+    """Why ``acct`` (one tensor-parallel rank's derivation) cannot run tp ranks, or None: its constraints
+    (tp dividing the heads, F, V, S with sequence parallelism)."""
+    try:
+        acct._validate({"tp": tp, "B": 1, **({"S": seq} if seq is not None else {})})
+    except SymacctError as e:
+        return e.what
+    return None
+
+
 def layouts(
     acct: Accounting,
     gpus: int,
@@ -198,16 +224,53 @@ def layouts(
     *,
     dp_modes: tuple[str, ...] | None = None,
     return_outputs: bool = False,
+    tensor_parallel: Mapping[int, Accounting] | None = None,
+    seq: int | None = None,
 ) -> list[tuple[Layout, int]]:
     """Every valid (layout, micro-batch) of ``gpus`` GPUs for ``global_batch`` sequences a step; refused with
     the reasons when there is none. A pipeline's last stage keeps its outputs only with ``return_outputs``
-    (``schedule.step(return_outputs=False)``, what a training loop passes, is the default here)."""
+    (``schedule.step(return_outputs=False)``, what a training loop passes, is the default here).
+    ``tensor_parallel``: tensor-parallel degrees to try, each with its rank's derivation (``derive(...,
+    tensor_parallel=plan, tp=degree)``); a degree that does not divide the GPUs or that the derivation's
+    constraints refuse is left out, with the reason."""
     from symacct.parallel.layout import DP_MODES
 
     modes = dp_modes or DP_MODES
     L = acct.symbols.get("L") if acct.per_layer else None
     out: list[tuple[Layout, int]] = []
     reasons: list[str] = []
+    degrees = [(1, acct)] + sorted((tensor_parallel or {}).items())
+    for tp, rank_acct in degrees:
+        if gpus % tp:
+            reasons.append(f"tp={tp}: does not divide {gpus} GPUs")
+            continue
+        why = _tp_valid(rank_acct, tp, seq) if tp > 1 else None
+        if why is not None:
+            reasons.append(f"tp={tp}: {why}")
+            continue
+        sp = tp > 1 and rank_acct.options.get("tensor_parallel") == "megatron-sp"
+        out += _layouts_at(L, gpus // tp, tp, sp, global_batch, modes, return_outputs, reasons)
+    if not out:
+        raise SymacctError(
+            f"no valid layout of {gpus} GPUs for a global batch of {global_batch}: " + "; ".join(reasons[:6]),
+            hint="choose a global batch and a GPU count whose divisors fit the model's layers",
+        )
+    return out
+
+
+def _layouts_at(
+    L: int | None,
+    gpus: int,
+    tp: int,
+    sp: bool,
+    global_batch: int,
+    modes: tuple[str, ...],
+    return_outputs: bool,
+    reasons: list[str],
+) -> list[tuple[Layout, int]]:
+    """The (layout, micro-batch) pairs of ``gpus`` tensor-parallel groups of ``tp`` ranks."""
+    out: list[tuple[Layout, int]] = []
+    deg = {"tp": tp, "sequence_parallel": sp}
     for pp in _divisors(gpus):
         if pp > 1 and (L is None or L % pp):
             reasons.append(f"pp={pp}: does not divide the {L} layers" if L else f"pp={pp}: no layer stack")
@@ -222,22 +285,18 @@ def layouts(
                 if dp == 1 and mode != "ddp" or pp > 1 and mode in ("zero2", "fsdp") and dp > 1:
                     continue
                 if pp == 1:
-                    out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m), b))
+                    out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m, **deg), b))
                     if mode == "fsdp":  # HSDP: sharded over each proper divisor of dp, replicated over the rest
                         for shard in _divisors(dp)[1:-1]:
-                            out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m, hsdp_shard=shard), b))
+                            lay = make_layout(dp=dp, dp_mode=mode, micro_batches=m, hsdp_shard=shard, **deg)
+                            out.append((lay, b))
                     continue
                 kw = {"dp": dp, "pp": pp, "dp_mode": mode, "micro_batches": m, "return_outputs": return_outputs}
-                out.append((make_layout(schedule="gpipe", **kw), b))
+                out.append((make_layout(schedule="gpipe", **kw, **deg), b))
                 if m >= pp:
-                    out.append((make_layout(schedule="1f1b", **kw), b))
+                    out.append((make_layout(schedule="1f1b", **kw, **deg), b))
                 if L and L % (2 * pp) == 0 and m % pp == 0:
-                    out.append((make_layout(schedule="interleaved", stages_per_rank=2, **kw), b))
-    if not out:
-        raise SymacctError(
-            f"no valid layout of {gpus} GPUs for a global batch of {global_batch}: " + "; ".join(reasons[:6]),
-            hint="choose a global batch and a GPU count whose divisors fit the model's layers",
-        )
+                    out.append((make_layout(schedule="interleaved", stages_per_rank=2, **kw, **deg), b))
     return out
 
 
@@ -254,15 +313,22 @@ def plan(
     dtype: str = "bf16",
     dp_modes: tuple[str, ...] | None = None,
     return_outputs: bool = False,
+    tensor_parallel: Mapping[int, Accounting] | None = None,
 ) -> list[PlanRow]:
     """Every valid layout, evaluated and ranked: fitting ones first, then by step time (see the module
-    docstring); ``reserve`` is the fraction of memory kept free (allocator, workspaces)."""
+    docstring); ``reserve`` is the fraction of memory kept free (allocator, workspaces); ``tensor_parallel``
+    as for ``layouts``."""
     hw = get(hardware)
     capacity = hw.memory_bytes * (1 - reserve)
     rows = []
-    fast = _Fast(acct, seq)
-    for lay, b in layouts(acct, gpus, global_batch, dp_modes=dp_modes, return_outputs=return_outputs):
-        par = fast.at(derive_parallel(acct, lay), b)
+    accts = {1: acct, **(tensor_parallel or {})}
+    fast = {tp: _Fast(a, seq) for tp, a in accts.items()}
+    found = layouts(
+        acct, gpus, global_batch, dp_modes=dp_modes, return_outputs=return_outputs, tensor_parallel=tensor_parallel,
+        seq=seq,
+    )  # fmt: skip
+    for lay, b in found:
+        par = fast[lay.tp].at(derive_parallel(accts[lay.tp], lay), b)
         t = step_time(par, hw, efficiency=efficiency, overlap=overlap, dtype=dtype)
         worst = max(par.ranks, key=lambda r: r.peak)
         rows.append(PlanRow(lay, b, worst.peak, worst.stage, worst.peak <= capacity, t.seconds, t.tokens_per_s, t.mfu))
@@ -281,7 +347,8 @@ class _Fast:
     def at(self, par: Parallel, B: int) -> Parallel:
         values = {**self.acct.symbols, "B": B, "S": self.seq, **par.degrees()}
         out = dataclasses.replace(par, ranks=par.evaluated_ranks(values, self._ev), values=values)
-        out.job_flops = self._ev(self.acct.flops.total, values) * par.layout.micro_batches * par.layout.dp
+        lay = par.layout
+        out.job_flops = self._ev(self.acct.flops.total, values) * lay.micro_batches * lay.dp * lay.tp
         out.optimizer_bytes = self._ev(optimizer_bytes(self.acct), values)
         out.acct_optimizer = self._ev(self.acct.memory.optimizer, values)
         return out

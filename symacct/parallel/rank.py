@@ -64,7 +64,7 @@ class Collective:
     or broadcast, none for a receive (its sender counts it)."""
 
     op: str  # all_gather | reduce_scatter | all_reduce | broadcast | send | recv
-    group: str  # dp | dp_shard | dp_replicate | pp | tied
+    group: str  # dp | dp_shard | dp_replicate | pp | tied | tp
     size: Expr
     payload: Expr
     count: Expr
@@ -119,7 +119,7 @@ class Parallel:
     notes: list[str]
     values: dict[str, int] | None = None
     held: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # stage kind -> k, k_first, k_last
-    # set on an evaluated copy, for the step time: the job's model FLOPs of one step (flops.total * m * dp),
+    # set on an evaluated copy, for the step time: the job's model FLOPs of one step (flops.total * m * dp * tp),
     # the single-device optimizer phase's bytes read and written, and its optimizer-state bytes
     job_flops: Any = None
     optimizer_bytes: Any = None
@@ -128,13 +128,16 @@ class Parallel:
     def degrees(self) -> dict[str, int]:
         lay = self.layout
         out = {"dp": lay.dp, "pp": lay.pp, "m": lay.micro_batches, "v": lay.stages_per_rank}
+        if lay.tp > 1:
+            out["tp"] = lay.tp
         if lay.hsdp_shard:
             out["dp_shard"] = lay.hsdp_shard
         return out
 
     def at(self, **sizes: int) -> Parallel:
         """Every formula at the model's sizes (as ``Accounting.at``) and the layout's degrees, exactly."""
-        at = self.acct.at(**sizes)
+        tp = {"tp": self.layout.tp} if self.layout.tp > 1 else {}
+        at = self.acct.at(**sizes, **tp)
         base = {**at.values, **self.degrees()}
 
         def ev(e: Expr, values: dict[str, int]) -> int:
@@ -145,11 +148,17 @@ class Parallel:
 
         ranks = self.evaluated_ranks(base, ev)
         lay = self.layout
+        live = self.acct.liveness
+        if lay.pp == 1 and (lay.dp == 1 or lay.dp_mode == "ddp") and live is not None:
+            # replicas run the single-device (or tensor-parallel rank's) step: its later-step peak exactly, at
+            # every op, not the envelope of the points sampled for the formula
+            steady = live.steady().evaluate(at.values)[0]
+            ranks = [dataclasses.replace(r, peak=steady + r.working) for r in ranks]
         return dataclasses.replace(
             self,
             ranks=ranks,
             values=base,
-            job_flops=at.flops.total * lay.micro_batches * lay.dp,
+            job_flops=at.flops.total * lay.micro_batches * lay.dp * lay.tp,  # a tensor-parallel rank's: times tp
             optimizer_bytes=evaluate(optimizer_bytes(self.acct), base),
             acct_optimizer=at.memory.optimizer,
         )
@@ -197,7 +206,8 @@ def _rows_bytes(
         full = row.numel
         params += copies * row.itemsize * (local if shard_params else full)
         if row.grad:
-            grads += copies * row.grad_itemsize * (local if shard_grads else full)
+            whole = sympy.Mul(*row.grad_shape) if row.grad_shape else full  # a replicated gradient (see ParamRow)
+            grads += copies * row.grad_itemsize * (local if shard_grads else whole)
         for _key, shape, itemsize in row.states:
             same = tuple(shape) == tuple(row.shape) and bool(shape)
             numel = sympy.Mul(*shape) if shape else sympy.Integer(1)
@@ -251,6 +261,7 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
         raise SymacctError("this derivation has no parameter table", hint="derive the model again")
     stacks = list(acct.per_layer)
     check_model(layout, acct.symbols.get("L") if stacks else None, stacks)
+    _check_tensor_parallel(acct, layout)
     mode = layout.dp_mode if layout.dp > 1 else "ddp"
     kinds = ("only",) if layout.pp == 1 else (("first", "middle", "last") if layout.pp > 2 else ("first", "last"))
     key = (
@@ -262,6 +273,7 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
         layout.bucket_view,
         bool(layout.hsdp_shard),
         layout.dp > 1,
+        layout.tp > 1,
     )
     cache = acct.__dict__.setdefault("_parallel_formulas", {})
     if key not in cache:
@@ -294,6 +306,90 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
             f"(stage chunk, micro-batch) activations held at most per rank {flight} (PyTorch's action lists)"
         )
     return Parallel(layout, acct, list(ranks), flight, notes, held=held)
+
+
+def _check_tensor_parallel(acct: Accounting, layout: Layout) -> None:
+    """A layout with tp > 1 needs one tensor-parallel rank's derivation, by the plan the layout names."""
+    plan = acct.options.get("tensor_parallel")
+    if layout.tp > 1 and plan is None:
+        raise SymacctError(
+            f"tp={layout.tp} needs one tensor-parallel rank's derivation; this one is of the whole model",
+            hint=f"derive(model, tensor_parallel={layout.plan!r}, ...) (the CLI does it for --tp)",
+        )
+    if layout.tp == 1 and plan is not None:
+        raise SymacctError(
+            "this derivation is one tensor-parallel rank's: the layout needs tp >= 2",
+            hint="derive without tensor_parallel= for tp=1",
+        )
+    if layout.tp > 1 and plan in ("megatron", "megatron-sp") and plan != layout.plan:
+        raise SymacctError(
+            f"the derivation ran plan {plan!r}, the layout asks for {layout.plan!r}",
+            hint="derive with tensor_parallel= the layout's plan (sequence_parallel: 'megatron-sp')",
+        )
+
+
+_TP_OPS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
+
+
+def _tp_collectives(acct: Accounting, holds: dict[str, bool], piped: bool) -> list[Collective]:
+    """The collectives of the tensor-parallel rank's traced step (DTensor's, over the tp group): each kind
+    (op, phase, payload, module) once with its count per step; on a pipeline rank, its share of the stack
+    and the parts before and after it that its stage holds. Payload: an all-reduce's tensor, an all-gather's
+    output, a reduce-scatter's input (the rank's traced shapes)."""
+    trace = acct.step
+    if trace is None:
+        return []
+    L, pp, m = sym("L"), sym("pp"), sym("m")
+    stacks = list(acct.per_layer)
+    blocks = op_blocks(trace.ops, stacks)
+    first = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "forward"), None)
+    first_bwd = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "backward"), None)
+    found: dict[tuple[str, str, Any, str], Expr] = {}
+    for key, node in records(acct.graph):
+        if not node.op.startswith("_c10d_functional.") or node.op.startswith("_c10d_functional.wait_tensor"):
+            continue
+        name = node.op.split(".")[1]
+        if name not in _TP_OPS:
+            raise SymacctError(
+                f"no model of the collective {node.op} on a tensor-parallel rank",
+                module=node.module,
+                op=node.op,
+                hint="the plans' all-reduce, all-gather and reduce-scatter are modelled",
+            )
+        op = _TP_OPS[name]
+        shape = node.in_shapes[0] if op == "reduce_scatter" else node.shapes[0]
+        itemsize = getattr(torch, node.dtypes[0].removeprefix("torch.")).itemsize
+        payload = sympy.expand(itemsize * sympy.Mul(*shape))
+        in_stack = any(node.generic == st or node.generic.startswith(st + ".") for st in stacks)
+        if not isinstance(key, int):
+            continue
+        count = sympy.sympify(node.count)
+        if in_stack:
+            where = "stack"
+        elif node.phase == "optimizer":
+            # a gradient the optimizer reads (sequence parallelism's norm weights): where its parameter is
+            places = {w for row in acct.memory.tensors if row.module == node.module for w in row.places}
+            where = "after" if places == {"after"} else "before"
+        elif node.phase == "forward":
+            where = "before" if first is None or key < first else "after"
+        else:
+            where = "after" if first_bwd is None or key < first_bwd else "before"
+        if where == "stack" and piped:
+            count = count.subs(L, L / pp)
+        elif where != "stack" and not holds[where]:
+            continue
+        if node.phase != "optimizer":
+            count = m * count  # each micro-batch; the optimizer reads a gradient once a step
+        tag = (op, node.phase, payload, node.generic)
+        found[tag] = found.get(tag, ZERO) + count
+    return [
+        Collective(op, "tp", sym("tp"), payload, sympy.expand(count), phase, f"{module or '<root>'} (tensor parallel)")
+        for (op, phase, payload, module), count in found.items()
+    ]
 
 
 def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...]) -> list[Rank]:
@@ -346,6 +442,8 @@ def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...
             activations = act_total
         stack_rows = [(rw, c) for rw, c in rows if _in_stack(rw)]
         colls = _collectives(layout, mode, rows, stack_rows=stack_rows, n=n, stage=stage, mem=mem, dp=dp, m=m)
+        if layout.tp > 1:
+            colls += _tp_collectives(acct, holds, piped)
         working = ZERO
         if mode == "fsdp" and layout.dp > 1:
             root = [(rw, c) for rw, c in rows if not _in_stack(rw)]

@@ -114,6 +114,7 @@ def print_plan(rows: list[PlanRow], top: int, header: str) -> None:
     for col in (
         "#",
         "dp",
+        "tp",
         "pp",
         "data parallel",
         "schedule",
@@ -136,6 +137,7 @@ def print_plan(rows: list[PlanRow], top: int, header: str) -> None:
         t.add_row(
             str(i),
             str(lay.dp),
+            str(lay.tp) + (" sp" if lay.sequence_parallel else ""),
             str(lay.pp),
             mode,
             sched,

@@ -57,6 +57,10 @@ SECOND_PRIMES = (53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 101)
 # than any real one would trace another path than the user's model takes.
 HEAD_PRIMES = ((29, 23, 19), (31, 17, 13))  # first probe, second probe
 LAYERS = (4, 5)  # probe values of L in the first and second trace
+# own primes of a tensor-parallel degree tp in the first and second trace (fake process groups of that many
+# ranks): small, as no head width takes them; and the sizes besides the heads that a plan may split
+TP_PRIMES = (11, 37, 41, 43, 47)  # the first two not taken by a constant
+TP_SPLIT = ("F", "V", "S", "S_max")
 
 
 def _factor(v: int, primes: list[int]) -> tuple[dict[int, int], int]:
@@ -117,16 +121,17 @@ class Probe:
         refuses a wrong one.
         """
         shifts: list[tuple[int, sympy.Expr]] = []
-        bases = [(self.values[n], sym(n)) for n in self.order]
-        for name in self.order:  # whole quotients (patches per side: image_size/patch_size) and their squares
-            for other in self.order:
+        shiftable = [n for n in self.order if n != "tp"]  # a degree is never shifted (tp - 1 is 2*5 at 11)
+        bases = [(self.values[n], sym(n)) for n in shiftable]
+        for name in shiftable:  # whole quotients (patches per side: image_size/patch_size) and their squares
+            for other in shiftable:
                 if other != name and self.values[name] % self.values[other] == 0:
                     q = self.values[name] // self.values[other]
                     bases += [(q, sym(name) / sym(other)), (q * q, (sym(name) / sym(other)) ** 2)]
         for base, form in bases:  # a ViT's patches plus its class token: (image_size/patch_size)**2 + 1
             shifts += [(base + c, form + c) for c in OFFSETS]
-        for name in self.order:
-            for other in self.order:
+        for name in shiftable:
+            for other in shiftable:
                 if other != name:
                     shifts += [(self.values[name] + k * self.values[other], sym(name) + k * sym(other)) for k in (1, 2)]
         found: dict[sympy.Expr, sympy.Expr] = {}
@@ -181,6 +186,7 @@ def make_probe(
     head_primes: tuple[int, ...] = HEAD_PRIMES[0],
     heads: int = 1,
     scale: dict[str, int] | None = None,
+    tp_prime: int | None = None,
 ) -> Probe:
     """Probe values for ``names``; H_kv | H, 8H | D, patch_size | image_size, S_max largest.
 
@@ -194,6 +200,10 @@ def make_probe(
     ``scale``: a constant factor of a symbol's value (S = 64 * prime for a
     network that halves its image side: strided convolutions and pooling
     then give S/2, S/4, ... instead of rounded sizes).
+    ``tp_prime``: the own prime of ``tp`` (a tensor-parallel degree, in
+    ``names``): small, as it is a fake process group's world size; the
+    sizes a plan may split (the key/value heads, or the heads, F, V, S and
+    S_max) are multiples of it, so that every rank's shard is whole.
     """
     avoid = avoid or set()
     widths = [n for n in ("D", *HEAD_WIDTHS) if n in names]
@@ -212,7 +222,9 @@ def make_probe(
         extra = int(sympy.nextprime(extra))
         if usable(extra, set(pool)):
             pool.append(extra)
-    firsts = [n for n in ("patch_size", "k", "H_kv", "H", "D") if n in names]  # k (experts per token) < E
+    firsts = [n for n in ("tp", "patch_size", "k", "H_kv", "H", "D") if n in names]  # k (experts per token) < E
+    heads_tp = next((n for n in ("H_kv", "H") if n in names), None)
+    split = {heads_tp, *TP_SPLIT} if tp_prime is not None else set()
     middle = sorted(n for n in names if n not in firsts and n != "S_max")
     order = firsts + middle + (["S_max"] if "S_max" in names else [])
     own: dict[str, int] = {}
@@ -220,9 +232,16 @@ def make_probe(
     values: dict[str, int] = {}
     small = iter(pool[:-1])
     for name in order:
-        p = pool[-1] if name == "S_max" else head_own[name] if name in head_own else next(small)
+        if name == "tp":
+            if tp_prime is None:
+                raise AssertionError("probe: tp needs tp_prime")
+            p = tp_prime
+        else:
+            p = pool[-1] if name == "S_max" else head_own[name] if name in head_own else next(small)
         own[name] = p
         vec = {p: 1}
+        if name in split:  # a size a tensor-parallel plan may split: whole shards
+            vec[tp_prime] = vec.get(tp_prime, 0) + 1  # type: ignore[index]
         if name == "image_size" and "patch_size" in values:  # whole patches: image_size / patch_size a prime
             vec.update(vectors["patch_size"])
         if name == "H" and "H_kv" in values:

@@ -128,6 +128,7 @@ class StepTrace:
 
     def note_storage(self, st: int, t: torch.Tensor) -> None:
         """Record the bytes of storage ``st`` and, when ``t`` spans it, the shape they come from."""
+        t = local(t)
         nbytes = t.untyped_storage().nbytes()
         self.storage_nbytes[st] = nbytes
         if t.numel() * t.element_size() == nbytes:
@@ -143,6 +144,62 @@ class StepTrace:
             if all(d is not None for d in dims):
                 return shape[1] * math.prod(dims)
         return read(nb)
+
+
+class _Paused:
+    """Depth of DTensor sharding propagations under way: the ops they run on global-shape fake tensors to
+    learn an output's shape are not the rank's computation, and are not recorded."""
+
+    depth = 0
+
+
+_SHARDING_PROP = _Paused()
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed
+        return None
+    return DTensor
+
+
+def dtensor_op(types: Any) -> bool:
+    """Whether a dispatch mode sees a DTensor op (its ``types``): a mode that returns NotImplemented for it
+    lets DTensor's own dispatch run, and then sees the local ops on each shard."""
+    dt = _dtensor_type()
+    return dt is not None and any(t is dt for t in types)
+
+
+@contextlib.contextmanager
+def _sharding_prop_unrecorded() -> Any:
+    """While active, DTensor's output-shape propagation runs unrecorded (see ``_Paused``)."""
+    if _dtensor_type() is None:
+        yield
+        return
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def unrecorded(self: Any, op_schema: Any) -> Any:
+        _SHARDING_PROP.depth += 1
+        try:
+            return orig(self, op_schema)
+        finally:
+            _SHARDING_PROP.depth -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = unrecorded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = orig  # type: ignore[method-assign]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds and computes on); any other tensor itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
 
 
 class _Ids:
@@ -161,6 +218,7 @@ class _Ids:
         self._live: dict[int, int] = {}  # storage id -> its weak reference's handle, while alive
 
     def meta(self, t: torch.Tensor) -> TMeta:
+        t = local(t)
         vid = self._values.get(t)
         if vid is None:
             vid = self._values[t] = self._n_values
@@ -168,7 +226,7 @@ class _Ids:
         return TMeta(tuple(int(s) for s in t.shape), t.dtype, vid, self.storage(t))
 
     def storage(self, t: torch.Tensor) -> int:
-        st = t.untyped_storage()
+        st = local(t).untyped_storage()
         key = st._cdata
         sid = self._storages.get(key)
         if sid is None or self._refs[sid][1].expired():
@@ -248,12 +306,23 @@ def _grouped_mm_cpu(
     return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
+_WAIT = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+_WAIT = getattr(_WAIT, "default", None)
+
 # ops whose meta kernel follows another device's rules than the CPU kernel's: the CPU kernel's rules instead
 _CPU_KERNELS: dict[Any, Callable[..., torch.Tensor]] = {aten._grouped_mm.default: _grouped_mm_cpu}
 
 
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    """``_c10d_functional.wait_tensor`` returns the tensor it waited for (the collective's output, in place);
+    its fake kernel makes a new tensor, which would count the output's bytes twice."""
+    return t
+
+
 def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an op on fake tensors: by the CPU kernel's rules where the meta kernel's differ."""
+    if func is _WAIT:
+        return _wait(*args, **kwargs)
     own = _CPU_KERNELS.get(func)
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if own is not None and first is not None and first.device.type == "cpu":
@@ -484,8 +553,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func in _QUERIES or func.namespace == "profiler":
+        if func in _QUERIES or func.namespace == "profiler" or _SHARDING_PROP.depth:
             return func(*args, **kwargs)
+        if dtensor_op(types):
+            return NotImplemented  # a DTensor op: its own dispatch runs the local ops, recorded here
         if not self.only_ops:
             self.reap(len(self.trace.ops) - 0.25)  # died before this op
         try:
@@ -664,10 +735,10 @@ def record_step(
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = ids.storage(t)
             if st not in trace.external_storages:
-                trace.saved_storages[st] = t.untyped_storage().nbytes()
+                trace.saved_storages[st] = local(t).untyped_storage().nbytes()
             return t
 
-        with recorder, _removing(hooks), _quiet("torch._subclasses.fake_tensor"):
+        with recorder, _removing(hooks), _quiet("torch._subclasses.fake_tensor"), _sharding_prop_unrecorded():
             if step == "train":
                 # the loss is part of the step: what it saves for backward is activations too, and it runs
                 # under autocast as the forward does (as PyTorch's AMP recipe has it)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from symacct.cost.rules.registry import Call, Cost, nbytes, numel, rule
+from symacct.cost.rules.registry import Call, Cost, distinct, nbytes, numel, rule
 
 aten = torch.ops.aten
 
@@ -143,10 +143,18 @@ def create(call: Call) -> Cost:
     aten._foreach_copy_,
 )
 def copy(call: Call) -> Cost:
-    """A copy reads its source and writes its result: 0 FLOPs."""
+    """A copy reads its source and writes its result: 0 FLOPs.
+
+    ``cat`` / ``stack`` of distinct tensors of the output's dtype read what they write: counted as the
+    output's bytes, a formula whatever the list's length (DTensor gathers a tensor split on its last dim
+    as ``cat`` of tp chunks: tp pieces of 1/tp each)."""
     if call.op.overloadpacket in (aten.copy_, aten._foreach_copy_):
         src = call.inputs[len(call.mutated) :]
         return Cost(bytes_read=sum((nbytes(t) for t in src), 0))
+    if call.op.overloadpacket in (aten.cat, aten.stack) and call.outputs:
+        out = call.outputs[0]
+        if len(distinct(call.inputs)) == len(call.inputs) and all(t.dtype == out.dtype for t in call.inputs):
+            return Cost(bytes_read=nbytes(out))
     return Cost()
 
 

@@ -43,6 +43,11 @@ def pointwise(call: Call) -> Cost:
     return Cost(flops_other=_per_element(call) * sum((numel(t.shape) for t in distinct(written)), 0))
 
 
+# Python's operators on bool tensors (``a | b``: DTensor's vocabulary-parallel embedding masks the ids
+# out of its shard's range): aliases of bitwise_or / and / xor that carry no pointwise tag
+rule(aten.__or__, aten.__and__, aten.__xor__)(pointwise)
+
+
 def _foreach_packets() -> tuple[torch._ops.OpOverloadPacket, ...]:
     """Every ``aten._foreach_*`` op registered with the dispatcher (``dir(aten)`` lists only the packets some
     code has touched already, so what it gives depends on what was imported first), copy and zero excepted

@@ -1,0 +1,84 @@
+"""Tensor parallelism in a trace: the model sharded by PyTorch's own ``parallelize_module`` on its fake
+process group, so that the traced step is one rank's.
+
+A plan is what ``torch.distributed.tensor.parallel.parallelize_module`` takes (a dict from module paths to
+``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput`` ...), or a function
+``plan(model, mesh)`` that shards the model itself, or a name: ``"megatron"`` / ``"megatron-sp"`` ask the
+model for its own standard plan (``model.tp_plan(sequence_parallel=False / True)``, a dict or a function;
+the reference models have one). The trace then records the rank's local ops on its shards and the
+collectives DTensor runs (``symacct.trace.record``); the degree ``tp`` is the fake group's world size, a
+probe symbol like any size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from symacct.errors import SymacctError
+
+PLAN_NAMES = {"megatron": False, "megatron-sp": True}  # name -> sequence parallel
+
+
+def check_plan(plan: Any) -> None:
+    """Refuse what is not a plan, before anything is traced."""
+    if isinstance(plan, str) and plan not in PLAN_NAMES:
+        raise SymacctError(
+            f"unknown tensor-parallel plan {plan!r}",
+            hint=f"one of {', '.join(PLAN_NAMES)}, a parallelize_module plan (dict) or a function plan(model, mesh)",
+        )
+    if not isinstance(plan, (str, dict)) and not callable(plan):
+        raise SymacctError(
+            f"a tensor-parallel plan is a name, a dict or a function, not {type(plan).__name__}",
+            hint="pass tensor_parallel='megatron' (or 'megatron-sp'), a parallelize_module plan, or plan(model, mesh)",
+        )
+
+
+@contextlib.contextmanager
+def fake_group(world: int, rank: int = 0) -> Iterator[Any]:
+    """PyTorch's fake process group of ``world`` ranks (this process is ``rank``), and a 1-D device mesh over
+    it, for the ``with`` block; nothing is sent anywhere."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise SymacctError(
+            "a process group is already initialised in this process",
+            hint="derive tensor-parallel layouts outside a distributed job (the trace runs on a fake group)",
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def apply_plan(model: nn.Module, plan: Any, mesh: Any) -> nn.Module:
+    """Shard ``model`` over ``mesh`` by ``plan`` (see the module docstring)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if isinstance(plan, str):
+        own = getattr(model, "tp_plan", None)
+        if own is None:
+            raise SymacctError(
+                f"{type(model).__name__} has no standard tensor-parallel plan (model.tp_plan)",
+                hint="pass tensor_parallel= a parallelize_module plan (dict) or a function plan(model, mesh)",
+            )
+        plan = own(sequence_parallel=PLAN_NAMES[plan])
+    try:
+        if isinstance(plan, dict):
+            parallelize_module(model, mesh, plan)
+        else:
+            plan(model, mesh)
+    except SymacctError:
+        raise
+    except Exception as e:
+        raise SymacctError(
+            f"the tensor-parallel plan failed on {type(model).__name__}: {type(e).__name__}: {e}",
+            hint="each key must name a submodule (nn.Linear / nn.Embedding for Colwise/RowwiseParallel)",
+        ) from e
+    return model
