@@ -260,6 +260,11 @@ class Accounting:
             )
         return full
 
+    def values_at(self, **values: int) -> dict[str, int]:
+        """The sizes ``at`` would evaluate at, checked as ``at`` checks them (defaults, tied sizes filled in),
+        without evaluating anything: for callers that evaluate a few formulas themselves."""
+        return self._with_tied({s.name: v for s, v in self._subs(values).items()})
+
     def at(self, **values: int) -> Accounting:
         """The same accounting with every formula evaluated (config symbols default to the model's values)."""
         subs = self._subs(values)

@@ -175,3 +175,24 @@ def test_gloo_fsdp_by_tensor_parallel_world_four() -> None:
     rows = verify_parallel(Llama(_llama(4, 2, 8, 32, 64, 2)), make_layout(dp=2, tp=2), B=2, S=8)
     judged = [r for r in rows if "peak" not in r.name]
     assert len(judged) == len(rows) - 1 and all(r.ok for r in judged), [r for r in judged if not r.ok]
+
+
+def test_planner_over_tensor_parallel_degrees() -> None:
+    """The planner lays dp x tp x pp over each degree's own rank derivation; its float path gives the exact
+    formulas' peak for every row, and a degree the model cannot be split by is refused by name."""
+    from symacct.parallel.plan import layouts, plan
+
+    one = symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw")
+    ranks = {2: _derived("gpt2", "megatron", 0)}
+    rows = plan(one, gpus=8, hardware="H100-SXM", global_batch=16, seq=16, tensor_parallel=ranks)
+    assert {r.layout.tp for r in rows} == {1, 2}
+    for r in rows:
+        assert r.layout.world == 8 and r.micro_batch * r.layout.micro_batches * r.layout.dp == 16
+        acct = ranks[r.layout.tp] if r.layout.tp > 1 else one
+        exact = derive_parallel(acct, r.layout).at(B=r.micro_batch, S=16)
+        assert r.peak == max(k.peak for k in exact.ranks)
+    assert all(lay.tp == 1 for lay, _ in layouts(one, 3, 3, tensor_parallel={3: ranks[2]}, seq=16))
+    with pytest.raises(SymacctError, match="tp=3: .*tp divides"):  # 3 ranks do not split 4 heads: left out
+        layouts(one, 3, 2, tensor_parallel={3: ranks[2]}, seq=16)
+    with pytest.raises(SymacctError, match="tp=8 does not split this model: tp divides H"):
+        symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw", tensor_parallel="megatron", tp=8)

@@ -165,10 +165,13 @@ def borrowed_intervals(
     for t, o in enumerate(align):
         rb, ro = base.ops[t], other.ops[o]
         for mb_list, mo_list in ((rb.inputs, ro.inputs), (rb.outputs, ro.outputs), (rb.mutated, ro.mutated)):
-            if len(mb_list) != len(mo_list):
-                return None
-            for mb, mo in zip(mb_list, mo_list):
-                if not pair(mo.storage, mb.storage):
+            sb, so = [m.storage for m in mb_list], [m.storage for m in mo_list]
+            if len(sb) != len(so):  # a list as long as a size (cat of tp views of one gathered storage)
+                sb, so = list(dict.fromkeys(sb)), list(dict.fromkeys(so))
+                if len(sb) != len(so):
+                    return None
+            for b, o in zip(sb, so):
+                if not pair(o, b):
                     return None
     blocks = op_blocks(other.ops, stacks)
     by_block: dict[tuple[str, int], list[int]] = defaultdict(list)

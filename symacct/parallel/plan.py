@@ -96,6 +96,7 @@ def step_time(
     m = lay.micro_batches
     slowest: tuple[float, float, float, float, dict[str, float], float] | None = None  # ..., total
     single_opt = float(par.optimizer_bytes)
+    spans: dict[Any, tuple[float, list[float]]] = {}
     for r in par.ranks:
         ch = r.chunk
         comm: dict[str, float] = {}
@@ -125,7 +126,10 @@ def step_time(
                 )
                 return f / peak
 
-            span, busy = makespan(actions(lay.schedule, lay.pp, m, lay.stages_per_rank), duration, transfer)
+            key = (tuple(sorted(ch.items())), transfer)  # every rank runs the same schedule: simulated once
+            if key not in spans:
+                spans[key] = makespan(actions(lay.schedule, lay.pp, m, lay.stages_per_rank), duration, transfer)
+            span, busy = spans[key]
             compute = span
             bubble = span - max(busy)
             fwd_hide = 0.0
@@ -360,7 +364,8 @@ class _Fast:
         fn = self._fns.get(id(e))
         if fn is None:
             names = sorted(str(s) for s in e.free_symbols)
-            f = sympy.lambdify([sym(n) for n in names], e, modules=[{"ceiling": math.ceil, "Max": max}, "math"])
+            modules = [{"ceiling": math.ceil, "Max": max}, "math"]
+            f = sympy.lambdify([sym(n) for n in names], e, modules=modules, docstring_limit=0)  # no docstring print
             fn = (names, f, e)  # e kept: its id stays valid
             self._fns[id(e)] = fn
         names, f, _ = fn

@@ -137,8 +137,8 @@ class Parallel:
     def at(self, **sizes: int) -> Parallel:
         """Every formula at the model's sizes (as ``Accounting.at``) and the layout's degrees, exactly."""
         tp = {"tp": self.layout.tp} if self.layout.tp > 1 else {}
-        at = self.acct.at(**sizes, **tp)
-        base = {**at.values, **self.degrees()}
+        values = self.acct.values_at(**sizes, **tp)  # checked; only the formulas needed are evaluated
+        base = {**values, **self.degrees()}
 
         def ev(e: Expr, values: dict[str, int]) -> int:
             got = sympy.sympify(e).xreplace({sym(k): sympy.Integer(v) for k, v in values.items()})
@@ -152,15 +152,15 @@ class Parallel:
         if lay.pp == 1 and (lay.dp == 1 or lay.dp_mode == "ddp") and live is not None:
             # replicas run the single-device (or tensor-parallel rank's) step: its later-step peak exactly, at
             # every op, not the envelope of the points sampled for the formula
-            steady = live.steady().evaluate(at.values)[0]
+            steady = live.steady().evaluate(values)[0]
             ranks = [dataclasses.replace(r, peak=steady + r.working) for r in ranks]
         return dataclasses.replace(
             self,
             ranks=ranks,
             values=base,
-            job_flops=at.flops.total * lay.micro_batches * lay.dp * lay.tp,  # a tensor-parallel rank's: times tp
+            job_flops=evaluate(self.acct.flops.total, base) * lay.micro_batches * lay.dp * lay.tp,  # a TP rank's: x tp
             optimizer_bytes=evaluate(optimizer_bytes(self.acct), base),
-            acct_optimizer=at.memory.optimizer,
+            acct_optimizer=evaluate(self.acct.memory.optimizer, base),
         )
 
     def evaluated_ranks(self, base: dict[str, int], ev: Callable[[Expr, dict[str, int]], Any]) -> list[Rank]:
@@ -403,9 +403,12 @@ def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...
     before_act = mem.activations_outside.get("before", ZERO)
     after_act = mem.activations_outside.get("after", ZERO)
     stack_act = sympy.expand(act_total - before_act - after_act)
-    steady_peak, transient, excess_opt = _steady(acct)
-    head_out = _head_output(acct)
-    outside = _outside_flops(acct)
+    per_acct = acct.__dict__.setdefault("_parallel_parts", {})  # what depends on the derivation only
+    if not per_acct:
+        per_acct.update(steady=_steady(acct), head=_head_output(acct), outside=_outside_flops(acct))
+    steady_peak, transient, excess_opt = per_acct["steady"]
+    head_out = per_acct["head"]
+    outside = per_acct["outside"]
     fwd_stack = sympy.expand(acct.flops.forward - outside["before"]["forward"] - outside["after"]["forward"])
     bwd_stack = sympy.expand(acct.flops.backward - outside["before"]["backward"] - outside["after"]["backward"])
     ranks = []

@@ -34,6 +34,20 @@ class Action:
     micro: int
 
 
+@functools.cache
+def _compute_only(cls: type) -> type:
+    """``cls`` without the runtime's communication plan: a multi-stage schedule adds send, receive, unshard and
+    reshard actions to its compute order when built (quadratic in the micro-batches), which
+    ``get_schedule_ops`` then leaves unread; the compute order is the class's own."""
+
+    class ComputeOnly(cls):  # type: ignore[misc, valid-type]
+        def _prepare_schedule_with_comms(self, *args: object, **kwargs: object) -> None:
+            return None
+
+    ComputeOnly.__name__ = cls.__name__
+    return ComputeOnly
+
+
 @functools.lru_cache(maxsize=256)
 def actions(schedule: str, pp: int, m: int, v: int = 1) -> tuple[tuple[Action, ...], ...]:
     """Per rank, PyTorch's actions of one step (``schedule``: gpipe, 1f1b, interleaved)."""
@@ -42,7 +56,7 @@ def actions(schedule: str, pp: int, m: int, v: int = 1) -> tuple[tuple[Action, .
 
     cls = {"gpipe": sch.ScheduleGPipe, "1f1b": sch.Schedule1F1B, "interleaved": sch.ScheduleInterleaved1F1B}[schedule]
     try:
-        lists = get_schedule_ops(cls, pp, m, v if schedule == "interleaved" else None)
+        lists = get_schedule_ops(_compute_only(cls), pp, m, v if schedule == "interleaved" else None)
     except (ValueError, AssertionError) as e:
         raise SymacctError(
             f"PyTorch refuses the {schedule} schedule with pp={pp}, m={m}, v={v}: {e}",
@@ -89,13 +103,15 @@ def makespan(
     duration: Callable[[Action], float],
     transfer: float = 0.0,
 ) -> tuple[float, list[float]]:
-    """The step's time from first action to last, and each rank's busy time (see the module docstring)."""
+    """The step's time from first action to last, and each rank's busy time (see the module docstring).
+    ``duration(a)`` depends on the action's kind and stage only (it is asked once for each)."""
     n_stages = 1 + max(a.stage for row in acts for a in row)
     done: dict[tuple[int, str, int], float] = {}
     free = [0.0] * len(acts)
     pos = [0] * len(acts)
     busy = [0.0] * len(acts)
     remaining = sum(len(r) for r in acts)
+    took: dict[tuple[str, int], float] = {}
     while remaining:
         progressed = False
         for r, row in enumerate(acts):
@@ -108,7 +124,9 @@ def makespan(
                 if dep is not None and dep not in done:
                     break
                 ready = 0.0 if dep is None else done[dep] + (transfer if dep[0] != a.stage else 0.0)
-                t = duration(a)
+                t = took.get((a.kind, a.stage))
+                if t is None:
+                    t = took[(a.kind, a.stage)] = duration(a)
                 end = max(free[r], ready) + t
                 done[(a.stage, a.kind, a.micro)] = end
                 free[r] = end
