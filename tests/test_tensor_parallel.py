@@ -196,3 +196,48 @@ def test_planner_over_tensor_parallel_degrees() -> None:
         layouts(one, 3, 2, tensor_parallel={3: ranks[2]}, seq=16)
     with pytest.raises(SymacctError, match="tp=8 does not split this model: tp divides H"):
         symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw", tensor_parallel="megatron", tp=8)
+
+
+def test_transformers_llama_with_a_users_plan() -> None:
+    """A transformers LlamaForCausalLM with a plan dict a user writes (parallelize_module's wildcards): the
+    rank's bytes, saved bytes and collectives to the byte. The peaks differ by the logits alone: derive's
+    causal-LM step has the caller hold the model's output (logits and loss), the runner returns the loss."""
+    import transformers
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def plan(prefix: str) -> dict[str, object]:
+        layer = f"{prefix}model.layers.*."
+        out: dict[str, object] = {f"{layer}self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+        out |= {f"{layer}mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")}
+        return out | {f"{layer}self_attn.o_proj": RowwiseParallel(), f"{layer}mlp.down_proj": RowwiseParallel()}
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=96,
+        max_position_embeddings=64,
+    )
+    acct = symacct.derive(transformers.LlamaForCausalLM(cfg), optimizer="adamw", tensor_parallel=plan(""), tp=2)
+    B, S, V = 2, 8, 96
+    mem = acct.at(B=B, S=S, tp=2).memory
+    rank = derive_parallel(acct, make_layout(tp=2)).at(B=B, S=S).ranks[0]
+    got = tp_rank(_HFBuild(cfg), plan("lm."), 2, Batch(B, S, V), adamw)
+    assert (got.rank.params, got.rank.grads, got.rank.optimizer) == (mem.params, mem.grads, mem.optimizer)
+    assert got.saved == mem.activations
+    assert Counter(got.rank.collectives) == _collectives(rank)
+    logits = 4 * B * S * V
+    assert (got.first_peak + logits, got.rank.peak + logits) == (mem.peak, rank.peak)
+
+
+class _HFBuild:
+    def __init__(self, cfg: object) -> None:
+        self.cfg = cfg
+
+    def __call__(self) -> torch.nn.Module:
+        from parallel_cases import HFLoss
+
+        torch.manual_seed(0)
+        return HFLoss(self.cfg)
