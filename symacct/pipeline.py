@@ -522,7 +522,7 @@ def _probe_for(
     tp_prime: int | None = None,
 ) -> Probe:
     seq = {"S"} if src.seq is None else set()  # a decode step's one new token is no symbol
-    degree = {"tp"} if tp_prime is not None else set()
+    degree = {TP} if tp_prime is not None else set()
     letters = sorted(
         {letter for letter in src.fields.values() if letter != "L"} | {"B", *seq, *src.input_dims, *degree}
     )
@@ -598,14 +598,14 @@ def _trace(
     ``tensor_parallel``) the model is sharded on a fake process group of ``tp_world`` ranks (default: the
     probe's tp) and the step is rank 0's (``symacct.trace.tensor_parallel``)."""
     precision = dict(precision)
-    plan, degree = precision.pop("tensor_parallel", None), precision.pop("tp", None)
+    plan, degree = precision.pop("tensor_parallel", None), precision.pop(TP, None)
     if plan is None:
         group: Any = contextlib.nullcontext()
     else:
-        group = fake_group(tp_world or probe.values.get("tp") or degree)
+        group = fake_group(tp_world or probe.values.get(TP) or degree)
         unsharded = build
 
-        def build(fake: FakeTensorMode) -> nn.Module:
+        def build(fake: FakeTensorMode) -> nn.Module:  # called by record_step, inside the group below
             model = unsharded(fake)
             with fake:
                 return apply_plan(model, plan, mesh)
@@ -649,8 +649,8 @@ def _same_model(
             if "C" in dims:  # cached positions and new ones share the table: C + S < S_max
                 dims["C"] = max(1, min(dims["C"], src.values[f] - S - 1))  # (a whole table runs no slice)
     device = precision.get("device", "cpu")
-    if "tp" in precision:  # sequence parallelism splits S: whole shards at the user's degree
-        S = max(precision["tp"], S - S % precision["tp"])
+    if TP in precision:  # sequence parallelism splits S: whole shards at the user's degree
+        S = max(precision[TP], S - S % precision[TP])
 
     def user_trace(short: bool) -> StepTrace:
         def build(fake: FakeTensorMode) -> nn.Module:
@@ -659,10 +659,10 @@ def _same_model(
             with shortened(model, stacks):  # copied with its stacks shortened, then restored
                 return fake_copy(model, fake, device)
 
-        tp = precision.get("tp")
+        tp = precision.get(TP)
         return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims, tp_world=tp)
 
-    ignore = TENSOR_PARALLEL_IGNORED if "tp" in precision else frozenset()
+    ignore = TENSOR_PARALLEL_IGNORED if TP in precision else frozenset()
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
         compare_ops(user_trace(True), trace, stacks, probe.layers or 1, ignore)
     except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
@@ -992,7 +992,7 @@ def _request(
             raise SymacctError(f"tp={tp!r} is not a tensor-parallel degree", hint="pass tp= a whole number >= 2")
         if step != "train":
             raise SymacctError("tensor_parallel= is derived for step='train'", hint="drop tensor_parallel=")
-        precision |= {"tensor_parallel": tensor_parallel, "tp": tp}
+        precision |= {"tensor_parallel": tensor_parallel, TP: tp}
     return Request(
         step=step,
         make_opt=make_opt,
@@ -1124,7 +1124,7 @@ def read_source(model: Any, req: Request) -> _Source:
         for name, seq in src.lists.items():
             if len(seq) == src.values[lfield] and not _uniform(seq):
                 raise _FixLayers(src, f"the per-layer list {name} differs between layers (it has one entry a layer)")
-    src.notes += _follow_heads(src, req.degenerate, req.precision.get("tp"))
+    src.notes += _follow_heads(src, req.degenerate, req.precision.get(TP))
     src.constants = _not_sizes(src)
     for f in src.constants:
         del src.fields[f]
@@ -1157,7 +1157,13 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
                 avoid |= set(sympy.factorint(int(d))) if d > 1 else set()
     tp: list[int | None] = [None, None]
     if "tensor_parallel" in req.precision:  # the degree's own primes: the fake groups' world sizes
-        tp = [p for p in TP_PRIMES if p not in avoid][:2]
+        free = [p for p in TP_PRIMES if p not in avoid]
+        if len(free) < 2:
+            raise SymacctError(
+                f"the model's constants take the primes a tensor-parallel probe needs ({TP_PRIMES})",
+                hint="keep fewer fields fixed (fixed=...)",
+            )
+        tp = [free[0], free[1]]
     return Probes(
         _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True, tp_prime=tp[0]),
         _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1]),
@@ -1199,8 +1205,8 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
     """Pass 4: the user's own model runs the probe model's ops (``symacct.sameness``)."""
     if src.configless or req.dims is not None:
         return
-    if "tp" in req.precision:
-        _check_degree(src, probes.first, first.trace, req.precision["tp"])
+    if TP in req.precision:
+        _check_degree(src, probes.first, first.trace, req.precision[TP])
     try:
         _same_model(
             model, src, probes.first, first.trace, first.stacks, req.step, src.loss, req.precision, req.make_opt
@@ -1227,7 +1233,8 @@ def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None
         fields = ", ".join(f"{f}={src.values[f]}" for f, letter in src.fields.items() if letter in c.symbols())
         raise SymacctError(
             f"tp={tp} does not split this model: {c.describe()} breaks at {fields or at} (from {c.where})",
-            hint="choose a tensor-parallel degree that divides the sizes the plan splits",
+            hint="choose a tensor-parallel degree that divides the sizes the plan splits, or change those sizes "
+            "(Megatron pads the vocabulary to a multiple of 128 * tp)",
         )
 
 
@@ -1289,8 +1296,8 @@ def account(
     for f, letter in src.fields.items():
         defaults.setdefault(letter, src.values[f])
         field_names.setdefault(letter, f)
-    if "tp" in probe1.values:
-        defaults["tp"] = req.precision["tp"]
+    if TP in probe1.values:
+        defaults[TP] = req.precision[TP]
     acct = aggregate(
         graph,
         first.trace,

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from symacct.errors import SymacctError
 from symacct.measure.run import StorageTracker, _distinct_nbytes, _state_tensors, dtensor_op
 from symacct.parallel.layout import Layout
-from symacct.trace.tensor_parallel import apply_plan
+from symacct.trace.tensor_parallel import apply_plan, fake_group
 
 
 @dataclasses.dataclass
@@ -111,11 +111,9 @@ def shard(model: nn.Module, layout: Layout, stack: str, mesh: Any = None) -> nn.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if mesh is not None:
-        pass
-    elif layout.hsdp_shard:
+    if mesh is None and layout.hsdp_shard:
         mesh = init_device_mesh("cpu", (layout.replicate, layout.hsdp_shard), mesh_dim_names=("replicate", "shard"))
-    else:
+    elif mesh is None:
         mesh = init_device_mesh("cpu", (layout.dp,))
     for block in stack_of(model, stack):
         fully_shard(block, mesh=mesh, reshard_after_forward=layout.reshard_after_forward)
@@ -222,13 +220,7 @@ def tp_rank(
     ``tp`` ranks: ``parallelize_module`` by ``plan`` (a dict, a function ``plan(model, mesh)`` or a name the
     model's ``tp_plan`` answers); every buffer DTensor allocates is real, the collectives move nothing (the
     values are not the model's, which memory does not depend on)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp)
-    try:
-        mesh = init_device_mesh("cpu", (tp,))
+    with fake_group(tp, rank) as mesh:
         model = apply_plan(build(), plan, mesh)
         opt = optimizer(model.parameters())
         args = inputs(model)
@@ -263,8 +255,6 @@ def tp_rank(
             opt.step()
         measured = RankMeasure(rank, params, grads, states, counter.log, None, later.peak)
         return TensorParallelMeasure(measured, sum(saved.values()), first.peak)
-    finally:
-        dist.destroy_process_group()
 
 
 def gloo_world(
@@ -505,6 +495,11 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     if layout.pp > 1 and not hasattr(model, "pipeline_stage"):
         raise SymacctError(
             f"{type(model).__name__} has no pipeline_stage(stage, pp)", hint="the reference gpt2 and llama have one"
+        )
+    if layout.pp > 1 and layout.tp > 1:
+        raise SymacctError(
+            "no real run of tensor parallelism inside pipeline stages is built (the derivation models it)",
+            hint="verify --tp with --dp, or --pp without --tp",
         )
     if layout.pp > 1 and getattr(cfg, "tie_weights", False):
         raise SymacctError(

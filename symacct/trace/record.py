@@ -13,6 +13,11 @@ of it sees every aten op that reaches dispatch (the same ops that
 
 Shapes here are concrete integers (the probe sizes); ``symbolize`` turns
 them into sympy expressions afterwards.
+
+A tensor-parallel model (DTensor parameters, ``symacct.trace.tensor_parallel``) is recorded as one rank
+runs it: the mode lets each DTensor op through to DTensor's own dispatch and records the ops DTensor runs
+on the local shards and the collectives it issues; DTensor's output-shape propagation (ops on global-shape
+fake tensors) is not recorded; a DTensor's storage is its local shard's.
 """
 
 from __future__ import annotations
@@ -150,7 +155,8 @@ class _Paused:
     """Depth of DTensor sharding propagations under way: the ops they run on global-shape fake tensors to
     learn an output's shape are not the rank's computation, and are not recorded."""
 
-    depth = 0
+    def __init__(self) -> None:
+        self.depth = 0
 
 
 _SHARDING_PROP = _Paused()
@@ -306,23 +312,20 @@ def _grouped_mm_cpu(
     return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
-_WAIT = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
-_WAIT = getattr(_WAIT, "default", None)
-
 # ops whose meta kernel follows another device's rules than the CPU kernel's: the CPU kernel's rules instead
 _CPU_KERNELS: dict[Any, Callable[..., torch.Tensor]] = {aten._grouped_mm.default: _grouped_mm_cpu}
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    """``_c10d_functional.wait_tensor`` returns the tensor it waited for (the collective's output, in place);
-    its fake kernel makes a new tensor, which would count the output's bytes twice."""
-    return t
+# ``_c10d_functional.wait_tensor`` returns the tensor it waited for (a collective's output, in place); its
+# fake kernel makes a new tensor, which would count the output's bytes twice
+_WAIT = getattr(getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None), "default", None)
 
 
 def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run an op on fake tensors: by the CPU kernel's rules where the meta kernel's differ."""
+    """Run an op on fake tensors: by the CPU kernel's rules where the meta kernel's differ (and
+    ``wait_tensor`` as eager PyTorch runs it: its input back)."""
     if func is _WAIT:
-        return _wait(*args, **kwargs)
+        return args[0]
     own = _CPU_KERNELS.get(func)
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if own is not None and first is not None and first.device.type == "cpu":
