@@ -68,6 +68,7 @@ from symacct.models.hf import (
 )
 from symacct.models.hf import serving_inputs as hf_serving_inputs
 from symacct.models.hf import task as task_for
+from symacct.models.hf import tp_plan as hf_tp_plan
 from symacct.options import CACHE_DTYPES, optimizer_factory, torch_dtype
 from symacct.sameness import NOT_THE_SAME, TENSOR_PARALLEL_IGNORED, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
@@ -608,7 +609,7 @@ def _trace(
         def build(fake: FakeTensorMode) -> nn.Module:  # called by record_step, inside the group below
             model = unsharded(fake)
             with fake:
-                return apply_plan(model, plan, mesh)
+                return apply_plan(model, plan, mesh, carried=hf_tp_plan)
 
     with src.context(), group as mesh:
         return record_step(

@@ -198,10 +198,12 @@ def test_planner_over_tensor_parallel_degrees() -> None:
         symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw", tensor_parallel="megatron", tp=8)
 
 
-def test_transformers_llama_with_a_users_plan() -> None:
-    """A transformers LlamaForCausalLM with a plan dict a user writes (parallelize_module's wildcards): the
-    rank's bytes, saved bytes and collectives to the byte. The peaks differ by the logits alone: derive's
-    causal-LM step has the caller hold the model's output (logits and loss), the runner returns the loss."""
+def test_transformers_llama_with_a_users_plan_and_its_own() -> None:
+    """A transformers LlamaForCausalLM with a plan dict a user writes (parallelize_module's wildcards), and
+    with the plan the model carries (``tensor_parallel="megatron"``: its ``tp_plan`` names as PyTorch's
+    styles): the rank's bytes, saved bytes and collectives to the byte. The peaks differ by the logits alone:
+    derive's causal-LM step has the caller hold the model's output (logits and loss), the runner returns the
+    loss."""
     import transformers
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -220,16 +222,24 @@ def test_transformers_llama_with_a_users_plan() -> None:
         vocab_size=96,
         max_position_embeddings=64,
     )
-    acct = symacct.derive(transformers.LlamaForCausalLM(cfg), optimizer="adamw", tensor_parallel=plan(""), tp=2)
+    from symacct.models.hf import tp_plan
+
+    model = transformers.LlamaForCausalLM(cfg)
+    carried = {f"lm.{k}": v for k, v in (tp_plan(model) or {}).items()}  # the model's own, PyTorch's styles
+    assert "model.embed_tokens" in (tp_plan(model) or {})
     B, S, V = 2, 8, 96
-    mem = acct.at(B=B, S=S, tp=2).memory
-    rank = derive_parallel(acct, make_layout(tp=2)).at(B=B, S=S).ranks[0]
-    got = tp_rank(_HFBuild(cfg), plan("lm."), 2, Batch(B, S, V), adamw)
-    assert (got.rank.params, got.rank.grads, got.rank.optimizer) == (mem.params, mem.grads, mem.optimizer)
-    assert got.saved == mem.activations
-    assert Counter(got.rank.collectives) == _collectives(rank)
-    logits = 4 * B * S * V
-    assert (got.first_peak + logits, got.rank.peak + logits) == (mem.peak, rank.peak)
+    for asked, run in ((plan(""), plan("lm.")), ("megatron", carried)):
+        acct = symacct.derive(model, optimizer="adamw", tensor_parallel=asked, tp=2)
+        mem = acct.at(B=B, S=S, tp=2).memory
+        rank = derive_parallel(acct, make_layout(tp=2)).at(B=B, S=S).ranks[0]
+        got = tp_rank(_HFBuild(cfg), run, 2, Batch(B, S, V), adamw)
+        assert (got.rank.params, got.rank.grads, got.rank.optimizer) == (mem.params, mem.grads, mem.optimizer)
+        assert got.saved == mem.activations
+        assert Counter(got.rank.collectives) == _collectives(rank)
+        logits = 4 * B * S * V
+        assert (got.first_peak + logits, got.rank.peak + logits) == (mem.peak, rank.peak)
+    with pytest.raises(SymacctError, match="no standard tensor-parallel plan with sequence parallelism"):
+        symacct.derive(model, optimizer="adamw", tensor_parallel="megatron-sp", tp=2)
 
 
 class _HFBuild:

@@ -347,6 +347,40 @@ def check_routing(model: nn.Module, routing: Any) -> None:
             raise wrong_share_count(len(shares), name, n)
 
 
+def _tp_style(style: str, where: str) -> Any:
+    """A transformers tensor-parallel style name as PyTorch's ``parallelize_module`` style."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    }
+    if style not in styles:
+        raise SymacctError(
+            f"the model's tensor-parallel plan uses the style {style!r} ({where}), which symacct does not translate",
+            hint=f"pass tensor_parallel= a parallelize_module plan of your own; translated: {', '.join(styles)}",
+        )
+    return styles[style]()
+
+
+def tp_plan(model: nn.Module) -> dict[str, Any] | None:
+    """A transformers model's own tensor-parallel plan (``model.tp_plan``: module path -> style name, from its
+    config's ``base_model_tp_plan`` and the head's) with each style name as PyTorch's ``parallelize_module``
+    style: ``colwise`` ColwiseParallel, ``rowwise`` RowwiseParallel, ``colwise_gather_output`` a
+    ColwiseParallel gathering its output, ``embedding_rowwise`` the vocabulary-parallel RowwiseParallel.
+    transformers' own runtime is not what runs: PyTorch's styles of the same names do. None when the model
+    carries no plan."""
+    if not is_transformers_model(model):
+        return None
+    names = getattr(model, "tp_plan", None)
+    if not isinstance(names, dict) or not names:
+        return None
+    return {path: _tp_style(style, path) for path, style in names.items()}
+
+
 def is_config_file(name: str) -> bool:
     """Whether a CLI model name is a transformers config: a ``config.json`` file or a folder holding one."""
     from pathlib import Path

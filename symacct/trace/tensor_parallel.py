@@ -13,7 +13,7 @@ probe symbol like any size.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -57,18 +57,26 @@ def fake_group(world: int, rank: int = 0) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def apply_plan(model: nn.Module, plan: Any, mesh: Any) -> nn.Module:
-    """Shard ``model`` over ``mesh`` by ``plan`` (see the module docstring)."""
+def apply_plan(
+    model: nn.Module, plan: Any, mesh: Any, carried: Callable[[nn.Module], dict[str, Any] | None] | None = None
+) -> nn.Module:
+    """Shard ``model`` over ``mesh`` by ``plan`` (see the module docstring). ``carried(model)``: the plan a
+    model carries without a ``tp_plan`` method (a transformers model's config has one, without sequence
+    parallelism), for the name ``"megatron"``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if isinstance(plan, str):
         own = getattr(model, "tp_plan", None)
-        if own is None:
+        own = own if callable(own) else None  # transformers models have a tp_plan attribute of their own
+        found = carried(model) if own is None and carried is not None and plan == "megatron" else None
+        if own is None and found is None:
             raise SymacctError(
-                f"{type(model).__name__} has no standard tensor-parallel plan (model.tp_plan)",
+                f"{type(model).__name__} has no standard tensor-parallel plan"
+                + (" with sequence parallelism" if PLAN_NAMES[plan] and carried is not None else "")
+                + " (model.tp_plan, or a transformers config's base_model_tp_plan)",
                 hint="pass tensor_parallel= a parallelize_module plan (dict) or a function plan(model, mesh)",
             )
-        plan = own(sequence_parallel=PLAN_NAMES[plan])
+        plan = found if own is None else own(sequence_parallel=PLAN_NAMES[plan])
     try:
         if isinstance(plan, dict):
             parallelize_module(model, mesh, plan)
