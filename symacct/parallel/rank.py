@@ -227,25 +227,34 @@ def _gathered(rows: list[tuple[ParamRow, Expr]], n: Expr, grad: bool = False) ->
     return total
 
 
-def _outside_flops(acct: Accounting) -> dict[str, dict[str, Expr]]:
-    """Model FLOPs of the ops outside the layer stack, by phase, split 'before' / 'after' it."""
+def _sides(acct: Accounting) -> tuple[list[Any], Callable[[int, str], str]]:
+    """The step's ops' blocks, and where an op outside the stack runs: 'before' or 'after' it (op index, phase
+    forward or backward)."""
     trace = acct.step
-    stacks = list(acct.per_layer)
-    out = {w: {"forward": ZERO, "backward": ZERO} for w in ("before", "after")}
-    if trace is None:
-        return out
-    blocks = op_blocks(trace.ops, stacks)
+    assert trace is not None
+    blocks = op_blocks(trace.ops, list(acct.per_layer))
     first = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "forward"), None)
     # backward runs the stack in reverse: 'after' ops (head, loss) come before the stack's first backward op
     first_bwd = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "backward"), None)
+
+    def side(key: int, phase: str) -> str:
+        if phase == "forward":
+            return "before" if first is None or key < first else "after"
+        return "after" if first_bwd is None or key < first_bwd else "before"
+
+    return blocks, side
+
+
+def _outside_flops(acct: Accounting) -> dict[str, dict[str, Expr]]:
+    """Model FLOPs of the ops outside the layer stack, by phase, split 'before' / 'after' it."""
+    out = {w: {"forward": ZERO, "backward": ZERO} for w in ("before", "after")}
+    if acct.step is None:
+        return out
+    blocks, side = _sides(acct)
     for key, node in records(acct.graph):
         if node.phase not in ("forward", "backward") or not isinstance(key, int) or blocks[key] is not None:
             continue
-        if node.phase == "forward":
-            where = "before" if first is None or key < first else "after"
-        else:
-            where = "after" if first_bwd is None or key < first_bwd else "before"
-        out[where][node.phase] += node.cost.flops * node.count
+        out[side(key, node.phase)][node.phase] += node.cost.flops * node.count
     return {w: {p: sympy.expand(e) for p, e in d.items()} for w, d in out.items()}
 
 
@@ -340,17 +349,16 @@ def _tp_collectives(acct: Accounting, holds: dict[str, bool], piped: bool) -> li
     (op, phase, payload, module) once with its count per step; on a pipeline rank, its share of the stack
     and the parts before and after it that its stage holds. Payload: an all-reduce's tensor, an all-gather's
     output, a reduce-scatter's input (the rank's traced shapes)."""
-    trace = acct.step
-    if trace is None:
+    if acct.step is None:
         return []
     L, pp, m = sym("L"), sym("pp"), sym("m")
     stacks = list(acct.per_layer)
-    blocks = op_blocks(trace.ops, stacks)
-    first = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "forward"), None)
-    first_bwd = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "backward"), None)
+    _, side = _sides(acct)
     found: dict[tuple[str, str, Any, str], Expr] = {}
     for key, node in records(acct.graph):
-        if not node.op.startswith("_c10d_functional.") or node.op.startswith("_c10d_functional.wait_tensor"):
+        if not isinstance(key, int) or not node.op.startswith("_c10d_functional."):
+            continue
+        if node.op.startswith("_c10d_functional.wait_tensor"):
             continue
         name = node.op.split(".")[1]
         if name not in _TP_OPS:
@@ -364,20 +372,15 @@ def _tp_collectives(acct: Accounting, holds: dict[str, bool], piped: bool) -> li
         shape = node.in_shapes[0] if op == "reduce_scatter" else node.shapes[0]
         itemsize = getattr(torch, node.dtypes[0].removeprefix("torch.")).itemsize
         payload = sympy.expand(itemsize * sympy.Mul(*shape))
-        in_stack = any(node.generic == st or node.generic.startswith(st + ".") for st in stacks)
-        if not isinstance(key, int):
-            continue
         count = sympy.sympify(node.count)
-        if in_stack:
+        if any(node.generic == st or node.generic.startswith(st + ".") for st in stacks):
             where = "stack"
         elif node.phase == "optimizer":
             # a gradient the optimizer reads (sequence parallelism's norm weights): where its parameter is
             places = {w for row in acct.memory.tensors if row.module == node.module for w in row.places}
             where = "after" if places == {"after"} else "before"
-        elif node.phase == "forward":
-            where = "before" if first is None or key < first else "after"
         else:
-            where = "after" if first_bwd is None or key < first_bwd else "before"
+            where = side(key, node.phase)
         if where == "stack" and piped:
             count = count.subs(L, L / pp)
         elif where != "stack" and not holds[where]:
