@@ -61,3 +61,28 @@ class HFLoss(nn.Module):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=ids, labels=labels).loss
+
+
+def released_collective_buffers(rank: int, store: str, rounds: int) -> None:
+    """A gloo rank issuing functional collectives under a ``StorageTracker``: once the program drops a
+    collective's input and output, the very next op reads them freed, every round (no race with gloo's
+    worker thread, which lets go of a finished collective an instant after the waiter wakes)."""
+    import torch.distributed as dist
+
+    from symacct.measure.run import StorageTracker
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        group = dist.group.WORLD.group_name
+        fc = torch.ops._c10d_functional
+        with StorageTracker([]) as tracker:
+            for i in range(rounds):
+                x = torch.ones(256)  # 1 KiB
+                y = fc.all_reduce(x, "sum", group) if i % 2 else fc.all_gather_into_tensor(x, 2, group)
+                y = fc.wait_tensor(y)
+                del x, y
+                z = torch.zeros(1)
+                assert tracker.current() == 4, (i, tracker.current())  # z alone
+                del z
+    finally:
+        dist.destroy_process_group()

@@ -9,6 +9,7 @@ seen through ``saved_tensors_hooks``.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,31 @@ def dtensor_op(types: Any) -> bool:
     except ImportError:  # a build without torch.distributed
         return False
     return any(issubclass(t, DTensor) for t in types)
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _settle_collective(func: Any, out: Any, timeout_s: float = 2.0) -> None:
+    """Wait for a functional collective ``func`` just issued, and until its process group has let go of its
+    tensors. A real backend's worker thread (gloo's) drops its hold on a finished collective an instant after
+    the waiter wakes, so live bytes read right after a later op would race with that thread: a buffer the
+    program has released (the collective's input, its output) could still show as held. Settled at issue,
+    a real run's live bytes follow program order, as a derivation does. Once the group lets go, a fresh
+    output is held by this frame alone, and its storage by that tensor alone (a view the group keeps would
+    share it); in-place collectives and the wait itself are left alone."""
+    if func.namespace != "_c10d_functional" or func._schema.is_mutable:
+        return
+    if func.overloadpacket.__name__ in ("wait_tensor", "_wrap_tensor_autograd"):
+        return
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and not _no_storage(t)]
+    for t in outs:
+        torch.ops._c10d_functional.wait_tensor(t)
+    alone = _storage_refs(torch.empty(1))  # a tensor's own hold, with the one the query takes
+    deadline = time.monotonic() + timeout_s
+    while any(t._use_count() > 1 or _storage_refs(t) > alone for t in outs) and time.monotonic() < deadline:
+        time.sleep(1e-4)
 
 
 @dataclass
@@ -236,6 +262,7 @@ class StorageTracker(TorchDispatchMode):
         if dtensor_op(types):
             return NotImplemented  # DTensor runs it on the shards, seen here
         out = func(*args, **(kwargs or {}))
+        _settle_collective(func, out)
         for t in torch.utils._pytree.tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not _no_storage(t):
                 self._add(t)
