@@ -521,6 +521,7 @@ def _probe_for(
     head_primes: tuple[int, ...],
     offsets: bool = False,
     tp_prime: int | None = None,
+    tp_sequence: bool = True,
 ) -> Probe:
     seq = {"S"} if src.seq is None else set()  # a decode step's one new token is no symbol
     degree = {TP} if tp_prime is not None else set()
@@ -546,6 +547,7 @@ def _probe_for(
         heads=heads,
         scale=scale or None,
         tp_prime=tp_prime,
+        tp_sequence=tp_sequence,
     )
 
 
@@ -650,7 +652,7 @@ def _same_model(
             if "C" in dims:  # cached positions and new ones share the table: C + S < S_max
                 dims["C"] = max(1, min(dims["C"], src.values[f] - S - 1))  # (a whole table runs no slice)
     device = precision.get("device", "cpu")
-    if TP in precision:  # sequence parallelism splits S: whole shards at the user's degree
+    if TP in precision and _splits_sequence(precision):  # sequence parallelism: whole shards of S at the degree
         S = max(precision[TP], S - S % precision[TP])
 
     def user_trace(short: bool) -> StepTrace:
@@ -1165,10 +1167,17 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
                 hint="keep fewer fields fixed (fixed=...)",
             )
         tp = [free[0], free[1]]
+    seq = _splits_sequence(req.precision)
     return Probes(
-        _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True, tp_prime=tp[0]),
-        _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1]),
+        _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True, tp_prime=tp[0], tp_sequence=seq),
+        _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1], tp_sequence=seq),
     )
+
+
+def _splits_sequence(precision: dict[str, Any]) -> bool:
+    """Whether a tensor-parallel plan may split the sequence: all but ``"megatron"`` (the model's plan without
+    sequence parallelism) may; S is then probed and run as a multiple of the degree."""
+    return precision.get("tensor_parallel", "megatron") != "megatron"
 
 
 @dataclasses.dataclass(frozen=True)

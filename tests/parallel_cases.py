@@ -57,7 +57,7 @@ class HFLoss(nn.Module):
         super().__init__()
         import transformers
 
-        self.lm = transformers.LlamaForCausalLM(config)
+        self.lm = getattr(transformers, type(config).__name__.replace("Config", "ForCausalLM"))(config)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=ids, labels=labels).loss

@@ -250,6 +250,43 @@ def test_transformers_llama_with_a_users_plan_and_its_own() -> None:
         symacct.derive(model, optimizer="adamw", tensor_parallel="megatron-sp", tp=2)
 
 
+@pytest.mark.parametrize("family", ["Qwen3", "Mistral"])
+def test_transformers_plans_beyond_llama(family: str) -> None:
+    """transformers models whose own plans need more than Llama's: Qwen3's per-head ``q_norm`` / ``k_norm``
+    (``replicated_with_grad_allreduce``: whole weights, gradients summed over the group, 2 L in-place
+    all-reduces in backward) and Mistral's sliding window (S probed below it, as without tensor
+    parallelism): the rank's bytes, saved bytes and collectives to the byte against the real rank."""
+    import transformers
+
+    kw = {"head_dim": 8} if family == "Qwen3" else {}
+    cfg = getattr(transformers, f"{family}Config")(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=96,
+        max_position_embeddings=64,
+        **kw,
+    )
+    from symacct.models.hf import tp_plan
+
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg)
+    carried = {f"lm.{k}": v for k, v in (tp_plan(model) or {}).items()}
+    B, S, V = 2, 8, 96
+    acct = symacct.derive(model, optimizer="adamw", tensor_parallel="megatron", tp=2)
+    mem = acct.at(B=B, S=S, tp=2).memory
+    rank = derive_parallel(acct, make_layout(tp=2)).at(B=B, S=S).ranks[0]
+    got = tp_rank(_HFBuild(cfg), carried, 2, Batch(B, S, V), adamw)
+    assert (got.rank.params, got.rank.grads, got.rank.optimizer) == (mem.params, mem.grads, mem.optimizer)
+    assert got.saved == mem.activations
+    assert Counter(got.rank.collectives) == _collectives(rank)
+    norms = Counter(c for c in got.rank.collectives if c == ("all_reduce", "backward", 4 * 8))
+    assert sum(norms.values()) == (2 * 2 if family == "Qwen3" else 0)  # q_norm and k_norm of each block
+    logits = 4 * B * S * V
+    assert (got.first_peak + logits, got.rank.peak + logits) == (mem.peak, rank.peak)
+
+
 class _HFBuild:
     def __init__(self, cfg: object) -> None:
         self.cfg = cfg

@@ -59,6 +59,7 @@ _NAMES = {
     "reduce_scatter_": "reduce_scatter",
     "allreduce_": "all_reduce",
     "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
     "send": "send",
     "recv_": "recv",
     "broadcast_": "broadcast",

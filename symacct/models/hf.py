@@ -42,6 +42,7 @@ the packed-sequence mask is kept and a (B, 1, S, S) mask built and saved.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -347,6 +348,31 @@ def check_routing(model: nn.Module, routing: Any) -> None:
             raise wrong_share_count(len(shares), name, n)
 
 
+def _sum_gradient(param: torch.Tensor, group: str) -> None:
+    """Sum a whole parameter's gradient over the tensor-parallel group, in place (PyTorch's functional
+    collective, as DTensor issues its own)."""
+    c10d = torch.ops._c10d_functional
+    c10d.wait_tensor(c10d.all_reduce_(param.grad, "sum", group))
+
+
+def _replicated_with_grad_allreduce() -> Any:
+    """transformers' ``replicated_with_grad_allreduce`` as a PyTorch ``ParallelStyle``: the module's
+    parameters stay whole and plain on every rank, and each gradient is summed over the group once
+    accumulated (``register_post_accumulate_grad_hook``, as transformers does): a norm over the heads this
+    rank holds (Qwen3's ``q_norm``, ``k_norm``) sees only their part of its gradient."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicatedWithGradAllReduce(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            group = device_mesh.get_group().group_name
+            for p in module.parameters(recurse=False):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(functools.partial(_sum_gradient, group=group))
+            return module
+
+    return ReplicatedWithGradAllReduce()
+
+
 def _tp_style(style: str, where: str) -> Any:
     """A transformers tensor-parallel style name as PyTorch's ``parallelize_module`` style."""
     from torch.distributed.tensor import Replicate
@@ -357,6 +383,7 @@ def _tp_style(style: str, where: str) -> Any:
         "rowwise": RowwiseParallel,
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "replicated_with_grad_allreduce": _replicated_with_grad_allreduce,
     }
     if style not in styles:
         raise SymacctError(
@@ -370,7 +397,8 @@ def tp_plan(model: nn.Module) -> dict[str, Any] | None:
     """A transformers model's own tensor-parallel plan (``model.tp_plan``: module path -> style name, from its
     config's ``base_model_tp_plan`` and the head's) with each style name as PyTorch's ``parallelize_module``
     style: ``colwise`` ColwiseParallel, ``rowwise`` RowwiseParallel, ``colwise_gather_output`` a
-    ColwiseParallel gathering its output, ``embedding_rowwise`` the vocabulary-parallel RowwiseParallel.
+    ColwiseParallel gathering its output, ``embedding_rowwise`` the vocabulary-parallel RowwiseParallel,
+    ``replicated_with_grad_allreduce`` whole parameters whose gradients are summed over the group.
     transformers' own runtime is not what runs: PyTorch's styles of the same names do. None when the model
     carries no plan."""
     if not is_transformers_model(model):

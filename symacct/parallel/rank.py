@@ -339,6 +339,7 @@ def _check_tensor_parallel(acct: Accounting, layout: Layout) -> None:
 
 _TP_OPS = {
     "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",  # in place: a whole parameter's gradient summed over the group
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
 }

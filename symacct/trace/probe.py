@@ -60,7 +60,8 @@ LAYERS = (4, 5)  # probe values of L in the first and second trace
 # own primes of a tensor-parallel degree tp in the first and second trace (fake process groups of that many
 # ranks): small, as no head width takes them; and the sizes besides the heads that a plan may split
 TP_PRIMES = (11, 37, 41, 43, 47)  # the first two not taken by a constant
-TP_SPLIT = ("F", "V", "S", "S_max")
+TP_SPLIT = ("F", "V")
+TP_SEQUENCE = ("S", "S_max")  # split by sequence parallelism only
 
 
 def _factor(v: int, primes: list[int]) -> tuple[dict[int, int], int]:
@@ -187,6 +188,7 @@ def make_probe(
     heads: int = 1,
     scale: dict[str, int] | None = None,
     tp_prime: int | None = None,
+    tp_sequence: bool = True,
 ) -> Probe:
     """Probe values for ``names``; H_kv | H, 8H | D, patch_size | image_size, S_max largest.
 
@@ -204,6 +206,9 @@ def make_probe(
     ``names``): small, as it is a fake process group's world size; the
     sizes a plan may split (the key/value heads, or the heads, F, V, S and
     S_max) are multiples of it, so that every rank's shard is whole.
+    ``tp_sequence``: whether S and S_max are among them (a plan that may
+    split the sequence); without, S stays a prime of its own, as small as
+    without tensor parallelism (a sliding window's side is the user's).
     """
     avoid = avoid or set()
     widths = [n for n in ("D", *HEAD_WIDTHS) if n in names]
@@ -211,7 +216,7 @@ def make_probe(
     if len(head_pool) < len(widths):
         widths = widths[: len(head_pool)]  # the rest take large primes (wide heads), the second trace checks them
     head_own = dict(zip(widths, head_pool))
-    avoid_all = avoid | set(head_own.values())
+    avoid_all = avoid | set(head_own.values()) | ({tp_prime} if tp_prime is not None else set())  # tp: S - 1 too
 
     def usable(p: int, taken: set[int]) -> bool:
         return p not in avoid_all and (not offsets or _offset_safe(p, taken | avoid_all))
@@ -224,7 +229,7 @@ def make_probe(
             pool.append(extra)
     firsts = [n for n in ("tp", "patch_size", "k", "H_kv", "H", "D") if n in names]  # k (experts per token) < E
     heads_tp = next((n for n in ("H_kv", "H") if n in names), None)
-    split = {heads_tp, *TP_SPLIT} if tp_prime is not None else set()
+    split = {heads_tp, *TP_SPLIT, *(TP_SEQUENCE if tp_sequence else ())} if tp_prime is not None else set()
     middle = sorted(n for n in names if n not in firsts and n != "S_max")
     order = firsts + middle + (["S_max"] if "S_max" in names else [])
     own: dict[str, int] = {}
