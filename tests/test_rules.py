@@ -201,3 +201,60 @@ def test_graph_records_are_frozen_and_left_alone_downstream():
     acct.at(B=4)
     assert dict(records(acct.graph)) == before
     assert set(roof.by_node) == {n for n, a in before.items() if a.phase != "input"}
+
+
+class _Activated(torch.nn.Module):
+    """L blocks of Linear -> an activation: (B, width) -> (B, width)."""
+
+    def __init__(self, act: type[torch.nn.Module], width: int, L: int) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(width, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), act()) for _ in range(L))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, width)
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+# activation -> its ops without PyTorch's pointwise tag, each with its FLOPs per written element counted
+# by hand from its definition (the second output of PReLU's backward is the weight's elementwise gradient)
+_UNTAGGED = {
+    torch.nn.Softplus: {"softplus_backward": 5},
+    torch.nn.ELU: {"elu_backward": 3},
+    torch.nn.LeakyReLU: {"leaky_relu_backward": 2},
+    torch.nn.Hardtanh: {"hardtanh_backward": 1},
+    torch.nn.Hardsigmoid: {"hardsigmoid_backward": 2},
+    torch.nn.Hardswish: {"hardswish": 4, "hardswish_backward": 3},
+    torch.nn.Mish: {"mish_backward": 9},
+    torch.nn.Softshrink: {"softshrink_backward": 1},
+    torch.nn.Hardshrink: {"hardshrink_backward": 1},
+    torch.nn.PReLU: {"_prelu_kernel": 2, "_prelu_kernel_backward": 2 * 2},
+    torch.nn.RReLU: {"rrelu_with_noise": 3, "rrelu_with_noise_backward": 2},
+}
+
+
+@pytest.mark.parametrize("act", list(_UNTAGGED), ids=lambda a: a.__name__)
+def test_activations_without_the_pointwise_tag_are_costed(act: type[torch.nn.Module]) -> None:
+    """Activations whose kernels PyTorch does not tag pointwise derive (no refusal) and cost their
+    definition's arithmetic on each of the L * B * width elements they write."""
+    import sympy
+
+    import symacct
+    from symacct.cost.graph import records
+    from symacct.symbols import sym
+
+    acct = symacct.derive(
+        lambda width, L: _Activated(act, width, L),
+        dims={"width": 16, "L": 2},
+        inputs=lambda model, B, S: (torch.randn(B, model.inp.in_features),),
+        loss=lambda out: out.sum(),
+    )
+    B, width, L = sym("B"), sym("width"), sym("L")
+    for name, k in _UNTAGGED[act].items():
+        total = sum(
+            (n.cost.flops_other * n.count for _, n in records(acct.graph) if n.op.startswith(f"aten.{name}.")),
+            sympy.Integer(0),
+        )
+        assert sympy.expand(total - k * L * B * width) == 0, (name, total)

@@ -255,7 +255,7 @@ def test_transformers_plans_beyond_llama(family: str) -> None:
     """transformers models whose own plans need more than Llama's: Qwen3's per-head ``q_norm`` / ``k_norm``
     (``replicated_with_grad_allreduce``: whole weights, gradients summed over the group, 2 L in-place
     all-reduces in backward) and Mistral's sliding window (S probed below it, as without tensor
-    parallelism): the rank's bytes, saved bytes and collectives to the byte against the real rank."""
+    parallelism): the rank's bytes, saved bytes, collectives and peaks to the byte against the real rank."""
     import transformers
 
     kw = {"head_dim": 8} if family == "Qwen3" else {}

@@ -29,6 +29,21 @@ PER_ELEMENT: dict[str, int] = {
     "threshold_backward": 1,
     "sigmoid_backward": 3,
     "tanh_backward": 3,
+    # activations PyTorch does not tag pointwise (the rule below): their definitions' arithmetic
+    "hardswish": 4,  # x * min(max(x + 3, 0), 6) / 6
+    "_prelu_kernel": 2,  # x where x > 0, else w * x (compare, mul)
+    "_prelu_kernel_backward": 2,  # per output (grad of x, elementwise grad of w): compare, mul
+    "rrelu_with_noise": 3,  # training: a uniform slope drawn into noise, compare, mul
+    "rrelu_with_noise_backward": 2,  # grad * noise where x <= 0
+    "softplus_backward": 5,  # grad * z / (z + 1), z = exp(beta * x)
+    "elu_backward": 3,  # grad * (out + alpha) where out <= 0 (compare, add, mul)
+    "leaky_relu_backward": 2,  # grad * slope where x <= 0 (compare, mul)
+    "hardtanh_backward": 1,  # grad where min < x < max
+    "hardsigmoid_backward": 2,  # grad / 6 where -3 < x < 3
+    "hardswish_backward": 3,  # grad * (2 x + 3) / 6 where -3 < x < 3
+    "mish_backward": 9,  # grad * (t + x * s * (1 - t^2)), t = tanh(softplus x), s = sigmoid x
+    "softshrink_backward": 1,
+    "hardshrink_backward": 1,
 }
 
 
@@ -41,6 +56,26 @@ def _per_element(call: Call) -> int:
 def pointwise(call: Call) -> Cost:
     written = call.outputs or call.mutated
     return Cost(flops_other=_per_element(call) * sum((numel(t.shape) for t in distinct(written)), 0))
+
+
+# activations and backward kernels without the pointwise tag (each output element from the same element of
+# its inputs), costed like any elementwise op by PER_ELEMENT
+rule(
+    aten.hardswish,
+    aten._prelu_kernel,
+    aten._prelu_kernel_backward,
+    aten.rrelu_with_noise,
+    aten.rrelu_with_noise_backward,
+    aten.softplus_backward,
+    aten.elu_backward,
+    aten.leaky_relu_backward,
+    aten.hardtanh_backward,
+    aten.hardsigmoid_backward,
+    aten.hardswish_backward,
+    aten.mish_backward,
+    aten.softshrink_backward,
+    aten.hardshrink_backward,
+)(pointwise)
 
 
 # Python's operators on bool tensors (``a | b``: DTensor's vocabulary-parallel embedding masks the ids
