@@ -298,6 +298,12 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
             "+ the single-device peak's temporaries (+ gradients once a backward ran) and gradients + the "
             "optimizer's temporaries: a model, measured in docs/distributed.md"
         ]
+        if mode == "fsdp" and layout.dp > 1:
+            notes.append(
+                "FSDP2's peak: to the byte where activations dominate the start of backward, up to a quarter low "
+                "where they are small next to a block's parameters (gathered blocks in flight, unsharded "
+                "gradients and reduce-scatter buffers: docs/distributed.md)"
+            )
     if layout.pp > 1:
         acts = actions(layout.schedule, layout.pp, layout.micro_batches, layout.stages_per_rank)
         flight = in_flight(acts)
