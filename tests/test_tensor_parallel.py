@@ -250,12 +250,13 @@ def test_transformers_llama_with_a_users_plan_and_its_own() -> None:
         symacct.derive(model, optimizer="adamw", tensor_parallel="megatron-sp", tp=2)
 
 
-@pytest.mark.parametrize("family", ["Qwen3", "Mistral"])
+@pytest.mark.parametrize("family", ["Qwen3", "Mistral", "Olmo2"])
 def test_transformers_plans_beyond_llama(family: str) -> None:
     """transformers models whose own plans need more than Llama's: Qwen3's per-head ``q_norm`` / ``k_norm``
     (``replicated_with_grad_allreduce``: whole weights, gradients summed over the group, 2 L in-place
-    all-reduces in backward) and Mistral's sliding window (S probed below it, as without tensor
-    parallelism): the rank's bytes, saved bytes, collectives and peaks to the byte against the real rank."""
+    all-reduces in backward), Mistral's sliding window (S probed below it, as without tensor
+    parallelism) and Olmo2's gathered q / k / v split again by ``o_proj`` (``rowwise_split_input``): the
+    rank's bytes, saved bytes, collectives and peaks to the byte against the real rank."""
     import transformers
 
     kw = {"head_dim": 8} if family == "Qwen3" else {}

@@ -88,7 +88,13 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    """The tensor whose storage holds ``t``'s bytes: a DTensor's local shard; the tensor a functional
+    collective's ``AsyncCollectiveTensor`` wraps (its own storage is a placeholder, another object for the
+    same bytes)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    while type(t).__name__ == "AsyncCollectiveTensor":
+        t = t.elem
+    return t
 
 
 def static_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int, int]:

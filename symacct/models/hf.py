@@ -383,6 +383,8 @@ def _tp_style(style: str, where: str) -> Any:
         "rowwise": RowwiseParallel,
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # a whole input split by the layer itself (after a gathered projection: Phi3, Olmo2, GLM)
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
         "replicated_with_grad_allreduce": _replicated_with_grad_allreduce,
     }
     if style not in styles:
@@ -398,6 +400,7 @@ def tp_plan(model: nn.Module) -> dict[str, Any] | None:
     config's ``base_model_tp_plan`` and the head's) with each style name as PyTorch's ``parallelize_module``
     style: ``colwise`` ColwiseParallel, ``rowwise`` RowwiseParallel, ``colwise_gather_output`` a
     ColwiseParallel gathering its output, ``embedding_rowwise`` the vocabulary-parallel RowwiseParallel,
+    ``rowwise_split_input`` a RowwiseParallel taking a whole input and splitting it itself,
     ``replicated_with_grad_allreduce`` whole parameters whose gradients are summed over the group.
     transformers' own runtime is not what runs: PyTorch's styles of the same names do. None when the model
     carries no plan."""
