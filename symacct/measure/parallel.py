@@ -91,8 +91,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds ``t``'s bytes: a DTensor's local shard; the tensor a functional
     collective's ``AsyncCollectiveTensor`` wraps (its own storage is a placeholder, another object for the
     same bytes)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
     t = t.to_local() if hasattr(t, "to_local") else t
-    while type(t).__name__ == "AsyncCollectiveTensor":
+    while isinstance(t, AsyncCollectiveTensor):
         t = t.elem
     return t
 
