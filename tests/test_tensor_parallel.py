@@ -206,6 +206,47 @@ def test_planner_over_tensor_parallel_degrees() -> None:
         symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw", tensor_parallel="megatron", tp=8)
 
 
+def _hf_config(family: str, **kw: object) -> object:
+    """A small transformers config of ``family`` (D = 64, F = 96, L = 2, H = 8, H_kv = 4, V = 96)."""
+    import transformers
+
+    return getattr(transformers, f"{family}Config")(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=96,
+        max_position_embeddings=64,
+        **kw,
+    )
+
+
+def _carried(model: torch.nn.Module) -> dict[str, object]:
+    """The model's own plan as PyTorch's styles, its paths under the runner's ``lm.``."""
+    from symacct.models.hf import tp_plan
+
+    return {f"lm.{k}": v for k, v in (tp_plan(model) or {}).items()}
+
+
+def _against_the_real_rank(model: torch.nn.Module, cfg: object, asked: object, run: object) -> list[tuple]:
+    """``derive`` with the plan ``asked`` beside the real rank run by the same plan ``run`` (tp = 2, B = 2,
+    S = 8): the rank's bytes, saved bytes and collectives to the byte; the peaks differ by the logits alone
+    (derive's causal-LM step has the caller hold the model's output, the runner returns the loss). Returns
+    the real rank's collectives."""
+    B, S, V = 2, 8, 96
+    acct = symacct.derive(model, optimizer="adamw", tensor_parallel=asked, tp=2)
+    mem = acct.at(B=B, S=S, tp=2).memory
+    rank = derive_parallel(acct, make_layout(tp=2)).at(B=B, S=S).ranks[0]
+    got = tp_rank(_HFBuild(cfg), run, 2, Batch(B, S, V), adamw)
+    assert (got.rank.params, got.rank.grads, got.rank.optimizer) == (mem.params, mem.grads, mem.optimizer)
+    assert got.saved == mem.activations
+    assert Counter(got.rank.collectives) == _collectives(rank)
+    logits = 4 * B * S * V
+    assert (got.first_peak + logits, got.rank.peak + logits) == (mem.peak, rank.peak)
+    return got.rank.collectives
+
+
 def test_transformers_llama_with_a_users_plan_and_its_own() -> None:
     """A transformers LlamaForCausalLM with a plan dict a user writes (parallelize_module's wildcards), and
     with the plan the model carries (``tensor_parallel="megatron"``: its ``tp_plan`` names as PyTorch's
@@ -215,37 +256,19 @@ def test_transformers_llama_with_a_users_plan_and_its_own() -> None:
     import transformers
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from symacct.models.hf import tp_plan
+
     def plan(prefix: str) -> dict[str, object]:
         layer = f"{prefix}model.layers.*."
         out: dict[str, object] = {f"{layer}self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
         out |= {f"{layer}mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")}
         return out | {f"{layer}self_attn.o_proj": RowwiseParallel(), f"{layer}mlp.down_proj": RowwiseParallel()}
 
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=96,
-        max_position_embeddings=64,
-    )
-    from symacct.models.hf import tp_plan
-
+    cfg = _hf_config("Llama")
     model = transformers.LlamaForCausalLM(cfg)
-    carried = {f"lm.{k}": v for k, v in (tp_plan(model) or {}).items()}  # the model's own, PyTorch's styles
     assert "model.embed_tokens" in (tp_plan(model) or {})
-    B, S, V = 2, 8, 96
-    for asked, run in ((plan(""), plan("lm.")), ("megatron", carried)):
-        acct = symacct.derive(model, optimizer="adamw", tensor_parallel=asked, tp=2)
-        mem = acct.at(B=B, S=S, tp=2).memory
-        rank = derive_parallel(acct, make_layout(tp=2)).at(B=B, S=S).ranks[0]
-        got = tp_rank(_HFBuild(cfg), run, 2, Batch(B, S, V), adamw)
-        assert (got.rank.params, got.rank.grads, got.rank.optimizer) == (mem.params, mem.grads, mem.optimizer)
-        assert got.saved == mem.activations
-        assert Counter(got.rank.collectives) == _collectives(rank)
-        logits = 4 * B * S * V
-        assert (got.first_peak + logits, got.rank.peak + logits) == (mem.peak, rank.peak)
+    for asked, run in ((plan(""), plan("lm.")), ("megatron", _carried(model))):
+        _against_the_real_rank(model, cfg, asked, run)
     with pytest.raises(SymacctError, match="no standard tensor-parallel plan with sequence parallelism"):
         symacct.derive(model, optimizer="adamw", tensor_parallel="megatron-sp", tp=2)
 
@@ -259,33 +282,11 @@ def test_transformers_plans_beyond_llama(family: str) -> None:
     rank's bytes, saved bytes, collectives and peaks to the byte against the real rank."""
     import transformers
 
-    kw = {"head_dim": 8} if family == "Qwen3" else {}
-    cfg = getattr(transformers, f"{family}Config")(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=96,
-        max_position_embeddings=64,
-        **kw,
-    )
-    from symacct.models.hf import tp_plan
-
+    cfg = _hf_config(family, **({"head_dim": 8} if family == "Qwen3" else {}))
     model = getattr(transformers, f"{family}ForCausalLM")(cfg)
-    carried = {f"lm.{k}": v for k, v in (tp_plan(model) or {}).items()}
-    B, S, V = 2, 8, 96
-    acct = symacct.derive(model, optimizer="adamw", tensor_parallel="megatron", tp=2)
-    mem = acct.at(B=B, S=S, tp=2).memory
-    rank = derive_parallel(acct, make_layout(tp=2)).at(B=B, S=S).ranks[0]
-    got = tp_rank(_HFBuild(cfg), carried, 2, Batch(B, S, V), adamw)
-    assert (got.rank.params, got.rank.grads, got.rank.optimizer) == (mem.params, mem.grads, mem.optimizer)
-    assert got.saved == mem.activations
-    assert Counter(got.rank.collectives) == _collectives(rank)
-    norms = Counter(c for c in got.rank.collectives if c == ("all_reduce", "backward", 4 * 8))
+    collectives = _against_the_real_rank(model, cfg, "megatron", _carried(model))
+    norms = Counter(c for c in collectives if c == ("all_reduce", "backward", 4 * 8))
     assert sum(norms.values()) == (2 * 2 if family == "Qwen3" else 0)  # q_norm and k_norm of each block
-    logits = 4 * B * S * V
-    assert (got.first_peak + logits, got.rank.peak + logits) == (mem.peak, rank.peak)
 
 
 class _HFBuild:
