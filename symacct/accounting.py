@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +25,10 @@ from symacct.cost.rules import Cost
 from symacct.errors import SymacctError
 from symacct.formula import overview_latex, overview_md
 from symacct.memory.liveness import Liveness
+from symacct.memory.reserved import Reserved, Timeline, replay_steps
 from symacct.memory.static import Memory
 from symacct.symbols import Terms, sort_key, sym
+from symacct.time.hardware import get as get_hardware
 from symacct.time.model import train_time
 from symacct.trace.constraints import Constraint
 from symacct.trace.constraints import check as check_constraints
@@ -109,6 +111,8 @@ class Accounting:
     input_sizes: dict[str, str | None] = field(default_factory=dict)
     # the probe trace the graph was costed from: its ops' arguments, for acct.fx
     step: StepTrace | None = field(default=None, repr=False)
+    # blocks -> the step's storage timeline with that many blocks (symacct.memory.reserved), for reserved()
+    timelines: Callable[[int | None], Timeline] | None = field(default=None, repr=False)
 
     @property
     def fx(self) -> torch.fx.GraphModule:
@@ -322,6 +326,32 @@ class Accounting:
         out = {m: live.mark_value(m, full) for m in ("after_forward", "after_backward", "after_optimizer")}
         out["peak"] = live.evaluate(full)[0]
         return out
+
+    def reserved(self, *, steps: int = 1, warmup: bool = False, hardware: Any = None, **values: int) -> Reserved:
+        """What PyTorch's CUDA caching allocator reserves for ``steps`` training steps at these sizes:
+        ``torch.cuda.max_memory_reserved()``, with ``max_memory_allocated()`` as the allocator counts it
+        (blocks rounded to 512 bytes, unsplit remainders), by replaying the step's storage timeline through
+        a model of the allocator (``symacct.memory.reserved``). ``hardware`` adds its cuBLAS workspace;
+        ``warmup`` first runs one forward and backward, as ``symacct verify`` does on a GPU.
+
+        The timeline of a model with L blocks is traced once per L (on fake tensors, at the probe's sizes).
+        """
+        if self.timelines is None or self.liveness is None:
+            raise SymacctError("this accounting keeps no storage timeline", hint="call reserved() on a derive() result")
+        if steps < 1:
+            raise SymacctError(f"steps={steps}: at least one step", hint="pass steps=1 or more")
+        workspace = 0
+        if hardware is not None:
+            hw = get_hardware(hardware)
+            if hw.cublas_workspace is None:
+                raise SymacctError(
+                    f"{hw.name} has no cuBLAS workspace figure in the catalog",
+                    hint="reserved() models the CUDA caching allocator; give a CUDA GPU, or none",
+                )
+            workspace = hw.cublas_workspace
+        full = self.values_at(**values)
+        layers = full["L"] if "L" in self.free_symbols() else None
+        return replay_steps(self.timelines(layers), full, steps=steps, warmup=warmup, workspace=workspace)
 
     def time(self, *, hardware: Any, tokens: float, gpus: int = 1, mfu: float = 0.5, **sizes: int) -> Any:
         """Training time for ``tokens`` with this step's derived FLOPs (``symacct.time.model.train_time``)."""

@@ -41,13 +41,17 @@ class _Parser(argparse.ArgumentParser):
 
 def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
     from symacct.pipeline import derive
-    from symacct.report.summary import summary
+    from symacct.report.summary import reserved_summary, summary
 
     model = load_model(args.model, overrides_of(args.config))
     acct = derive(model, causal_discount=args.causal_discount, **_step_options(args))
     B = args.batch
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
-    return summary(acct, B=B, S=S, name=args.model)
+    report = summary(acct, B=B, S=S, name=args.model)
+    if args.reserved:
+        sizes = {"B": B, "S": S} if "S" in acct.free_symbols() else {"B": B}
+        report["reserved"] = reserved_summary(acct.reserved(steps=args.reserved, hardware=args.hardware, **sizes))
+    return report
 
 
 def _step_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -614,7 +618,20 @@ def _main(argv: Sequence[str] | None) -> int:
     d.add_argument("--causal-discount", action="store_true", help="halve attention-score FLOPs (Megatron)")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     _layout_args(d)
-    d.add_argument("--hardware", default=None, help="with a layout: the step time on this accelerator")
+    d.add_argument(
+        "--hardware",
+        default=None,
+        help="with a layout: the step time on this accelerator; with --reserved: its cuBLAS workspace",
+    )
+    d.add_argument(
+        "--reserved",
+        type=_count,
+        nargs="?",
+        const=3,
+        default=None,
+        metavar="STEPS",
+        help="replay STEPS steps (default 3) through the CUDA caching-allocator model: reserved and allocated bytes",
+    )
     d.add_argument("--efficiency", type=_number, default=0.5, help="with a layout: compute at this share of the peak")
     d.add_argument("--no-overlap", action="store_true", help="with a layout: no communication hides behind compute")
     pl = sub.add_parser("plan", help="every valid dp x pp layout of a job on N GPUs: memory, step time, ranked")

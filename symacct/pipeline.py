@@ -56,7 +56,8 @@ from symacct.cost.experts import note as experts_note
 from symacct.cost.graph import CostedOp, build_graph, cost_ops
 from symacct.cost.layers import METRICS, factor, find_stacks, generic_path, repeated
 from symacct.errors import SymacctError
-from symacct.memory.liveness import Liveness, fill_phases, liveness
+from symacct.memory.liveness import Liveness, fill_phases, intervals, liveness
+from symacct.memory.reserved import Timeline
 from symacct.memory.static import Memory, static_and_activations
 from symacct.models.hf import (
     carry_checkpointing,
@@ -1324,6 +1325,7 @@ def account(
     acct.memory = memory
     acct.liveness = live
     acct.step = first.trace
+    acct.timelines = _timelines(src, probe1, first.trace, live, req)
     acct.tied = _tied(src)
     for f in src.values:  # the config field behind a tied letter, for the notation tables
         if letter_for_field(f) in acct.tied:
@@ -1348,6 +1350,25 @@ def account(
 
 
 derive = _locked(_derive)
+
+
+def _timelines(
+    src: _Source, probe: Probe, trace: StepTrace, live: Liveness, req: Request
+) -> Callable[[int | None], Timeline]:
+    """Blocks -> the step's storage timeline with that many blocks (``symacct.memory.reserved``): the first
+    trace's for its own number, else one more trace at the probe's sizes, its bytes read by the probe."""
+    device = req.precision.get("device", "cpu")
+    cache = {probe.layers: Timeline.of(trace, live.base, device)}
+
+    def timeline(layers: int | None) -> Timeline:
+        if layers not in cache:
+            more = dataclasses.replace(probe, layers=layers, _cache={})
+            with _LOCK, _no_cycle_collection():
+                got = _record(src, more, req.step, src.loss, req.make_opt, req.precision)
+            cache[layers] = Timeline.of(got, intervals(got, probe), device)
+        return cache[layers]
+
+    return timeline
 
 
 def _eager_transformers(src: _Source) -> None:

@@ -13,6 +13,7 @@ import sympy
 
 from symacct.accounting import Accounting
 from symacct.formula import si, text
+from symacct.memory.reserved import Reserved
 from symacct.symbols import MEANING, sort_key
 
 _ROWS = (
@@ -77,6 +78,38 @@ def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
     }
 
 
+def reserved_summary(r: Reserved) -> dict[str, Any]:
+    """The caching-allocator replay (``Accounting.reserved``), JSON-ready."""
+    sizes: dict[int, int] = {}
+    for seg in r.segments:
+        sizes[seg] = sizes.get(seg, 0) + 1
+    return {
+        "steps": r.steps,
+        "reserved_peak": r.reserved_peak,
+        "allocated_peak": r.allocated_peak,
+        "requested_peak": r.requested_peak,
+        "workspace": r.workspace,
+        "segments": [{"bytes": b, "count": n} for b, n in sorted(sizes.items())],
+    }
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.4g} MiB"
+
+
+def _reserved_lines(r: dict[str, Any]) -> list[str]:
+    segs = ", ".join(f"{s['count']} x {_mib(s['bytes'])}" for s in r["segments"])
+    ws = f", cuBLAS workspace {_mib(r['workspace'])}" if r["workspace"] else ""
+    return [
+        "",
+        f"CUDA caching allocator (a model of it; {r['steps']} step(s) replayed{ws}):",
+        f"  reserved peak   {r['reserved_peak']}  ({_mib(r['reserved_peak'])})  torch.cuda.max_memory_reserved",
+        f"  allocated peak  {r['allocated_peak']}  ({_mib(r['allocated_peak'])})  max_memory_allocated: whole blocks",
+        f"  live peak       {r['requested_peak']}  ({_mib(r['requested_peak'])})  the storages' own bytes",
+        f"  segments        {segs}",
+    ]
+
+
 def render_text(report: dict[str, Any]) -> str:
     """The summary as aligned plain text."""
     lines = [f"symacct derive {report['model']}  (step: {report['step']})", "", "symbols:"]
@@ -98,6 +131,8 @@ def render_text(report: dict[str, Any]) -> str:
         f"bytes per parameter: {report['bytes_per_param']} between steps, "
         f"{report['bytes_per_param_peak']} at the optimizer step's peak",
     ]
+    if "reserved" in report:
+        lines += _reserved_lines(report["reserved"])
     if report["notes"]:
         lines += ["", "notes:"] + [f"  {n}" for n in report["notes"]]
     if report["unaccounted"]:

@@ -13,7 +13,7 @@ Users add their own entries from a JSON (or, on Python >= 3.11, TOML) file
 with :func:`load`; the file holds a list of objects with the fields of
 :class:`Accelerator` (``peak`` in TFLOP/s per dtype, ``memory_gb``,
 ``bandwidth_tbs``, ``interconnect_gbs``, ``source``; for many GPUs ``network_gbs``, ``gpus_per_node``,
-``network_source``).
+``network_source``; for ``Accounting.reserved`` ``cublas_workspace`` in bytes).
 
 Interconnect: ``interconnect_gbs`` is the scale-up link inside a node (NVLink, one direction, per GPU);
 ``network_gbs`` the scale-out network between nodes, per GPU and one direction (a DGX's one 400 Gb/s
@@ -50,6 +50,8 @@ class Accelerator:
     network_gbs: float | None = None  # per GPU between nodes, one direction, 10**9 bytes/s
     gpus_per_node: int = 1
     network_source: str = ""
+    # bytes the cuBLAS workspace takes from the caching allocator at the first matmul (None: no CUDA)
+    cublas_workspace: int | None = None
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         """Dense peak in FLOP/s for ``dtype`` ('bf16', 'fp16', 'fp8', 'tf32', 'fp32')."""
@@ -72,6 +74,12 @@ class Accelerator:
 
 
 _NV = "NVIDIA datasheet"
+# PyTorch's default cuBLAS workspace (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize, with
+# CUBLAS_WORKSPACE_CONFIG unset; cuBLASLt shares it by default): 4096 KiB x 8 on compute capability 9.x to 12.x
+# (Hopper, Blackwell), ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB) on the others. None for MI300X: on ROCm
+# hipBLASLt keeps a workspace of its own beside hipBLAS's, which no run here has measured
+_WS_HOPPER = 8 * 4096 * 1024
+_WS_OTHER = 2 * 4096 * 1024 + 8 * 16 * 1024
 _POD = (
     "NVIDIA DGX BasePOD reference architecture, core components: DGX H100 / H200 / B200, eight GPUs and "
     "eight single-port ConnectX-7 VPI, up to 400 Gb/s InfiniBand/Ethernet each"
@@ -93,6 +101,7 @@ CATALOG: dict[str, Accelerator] = {
             network_gbs=25,
             gpus_per_node=8,
             network_source=_DGXA100,
+            cublas_workspace=_WS_OTHER,
         ),
         Accelerator(
             "A100-40GB",
@@ -107,6 +116,7 @@ CATALOG: dict[str, Accelerator] = {
             network_gbs=25,
             gpus_per_node=8,
             network_source=_DGXA100,
+            cublas_workspace=_WS_OTHER,
         ),
         Accelerator(
             "H100-SXM",
@@ -120,6 +130,7 @@ CATALOG: dict[str, Accelerator] = {
             network_gbs=50,
             gpus_per_node=8,
             network_source=_POD,
+            cublas_workspace=_WS_HOPPER,
         ),
         Accelerator(
             "H100-PCIe",
@@ -130,6 +141,7 @@ CATALOG: dict[str, Accelerator] = {
             f"{_NV}: H100 Tensor Core GPU (PCIe); PCIe Gen5 x16 128 GB/s bidirectional",
             sparse={"bf16": 1513, "fp16": 1513, "fp8": 3026, "tf32": 756},
             aliases=("H100-PCIE",),
+            cublas_workspace=_WS_HOPPER,
         ),
         Accelerator(
             "H200",
@@ -143,6 +155,7 @@ CATALOG: dict[str, Accelerator] = {
             network_gbs=50,
             gpus_per_node=8,
             network_source=_POD,
+            cublas_workspace=_WS_HOPPER,
         ),
         Accelerator(
             "B200",
@@ -155,6 +168,7 @@ CATALOG: dict[str, Accelerator] = {
             network_gbs=50,
             gpus_per_node=8,
             network_source=_POD,
+            cublas_workspace=_WS_HOPPER,
         ),
         Accelerator(
             "L40S",
@@ -164,6 +178,7 @@ CATALOG: dict[str, Accelerator] = {
             32,
             f"{_NV}: L40S GPU (362.05 dense / 733 sparse BF16 as printed); PCIe Gen4 x16 64 GB/s bidirectional",
             sparse={"bf16": 733, "fp16": 733, "fp8": 1466, "tf32": 366},
+            cublas_workspace=_WS_OTHER,
         ),
         Accelerator(
             "RTX-4090",
@@ -175,6 +190,7 @@ CATALOG: dict[str, Accelerator] = {
             sparse={"bf16": 330.4, "fp16": 330.4, "tf32": 165.2},
             aliases=("4090", "RTX4090"),
             notes="bf16/fp16 with FP32 accumulate; FP8 omitted: sources disagree",
+            cublas_workspace=_WS_OTHER,
         ),
         Accelerator(
             "MI300X",
@@ -293,6 +309,7 @@ def load(path: str | Path) -> list[Accelerator]:
                 network_gbs=float(item["network_gbs"]) if item.get("network_gbs") is not None else None,
                 gpus_per_node=int(item.get("gpus_per_node", 1)),
                 network_source=str(item.get("network_source", "")),
+                cublas_workspace=int(item["cublas_workspace"]) if item.get("cublas_workspace") is not None else None,
             )
             validate(a)
             CATALOG[a.name] = a

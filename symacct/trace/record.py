@@ -130,12 +130,16 @@ class StepTrace:
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
     storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
     persistent_buffers: set[int] = field(default_factory=set)  # buffer storages that state_dict() saves
+    # storages on the CPU: all of a CPU step's; on CUDA, those eager code keeps there (AdamW's step counters)
+    storage_device: dict[int, str] = field(default_factory=dict)
 
     def note_storage(self, st: int, t: torch.Tensor) -> None:
         """Record the bytes of storage ``st`` and, when ``t`` spans it, the shape they come from."""
         t = local(t)
         nbytes = t.untyped_storage().nbytes()
         self.storage_nbytes[st] = nbytes
+        if t.device.type == "cpu":
+            self.storage_device[st] = "cpu"
         if t.numel() * t.element_size() == nbytes:
             self.storage_shape[st] = (tuple(int(d) for d in t.shape), t.element_size())
 
