@@ -61,6 +61,8 @@ def _step_options(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": args.optimizer if args.step == "train" else None,
         "autocast": args.autocast,
         "params_dtype": args.params_dtype,
+        "device": args.device,
+        "sdpa_backend": args.sdpa_backend,
     }
 
 
@@ -605,6 +607,15 @@ def _step_args(p: argparse.ArgumentParser, steps: tuple[str, ...] = ("train", "f
     p.add_argument("--optimizer", default="adamw", help="optimizer traced in the step (default adamw)")
     p.add_argument("--autocast", choices=LOW_PRECISION, default=None, help="forward under torch.autocast")
     p.add_argument("--params-dtype", choices=LOW_PRECISION, default=None, help="parameters in this dtype")
+    p.add_argument(
+        "--device", default="cpu", help="cpu (default) or cuda: CUDA's kernels (the CUDA build of torch, no GPU needed)"
+    )
+    p.add_argument(
+        "--sdpa-backend",
+        choices=("flash", "cudnn", "efficient", "math"),
+        default=None,
+        help="with --device cuda: the kernel scaled_dot_product_attention runs (required without a GPU)",
+    )
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -86,7 +86,8 @@ from symacct.trace.probe import (
     Probe,
     make_probe,
 )
-from symacct.trace.record import StepTrace, call_inputs, record_step
+from symacct.trace.record import StepTrace, call_inputs, check_device, record_step
+from symacct.trace.sdpa import check_backend
 from symacct.trace.tensor_parallel import apply_plan, check_plan, fake_group
 
 
@@ -801,6 +802,7 @@ def _derive(
     autocast: torch.dtype | str | None = None,
     params_dtype: torch.dtype | str | None = None,
     device: str = "cpu",
+    sdpa_backend: str | None = None,
     routing: Sequence[Any] | None = None,
     cache_dtype: torch.dtype | str | None = None,
     tensor_parallel: Any = None,
@@ -848,7 +850,13 @@ def _derive(
             training or inference); float inputs follow.
         device: the device the fake tensors claim to be on (``"cpu"``
             default; ``"cuda"`` traces the CUDA kernels, e.g. flash attention,
-            and needs a CUDA build of torch).
+            and needs a CUDA build of torch, not a GPU: without one the
+            backward runs node by node from Python, ``symacct.trace.engine``).
+        sdpa_backend: the kernel ``scaled_dot_product_attention`` runs on CUDA:
+            ``"flash"``, ``"cudnn"``, ``"efficient"`` or ``"math"``; needed on
+            CUDA without a GPU when the model calls SDPA (there is no device to
+            choose it), a restriction of PyTorch's choice with one
+            (symacct.trace.sdpa).
         routing: a mixture of experts' split of the routed (token, expert)
             pairs over the E experts, as E non-negative shares (normalised),
             for ``acct.experts``; default balanced. Totals do not depend on
@@ -880,6 +888,7 @@ def _derive(
         autocast=autocast,
         params_dtype=params_dtype,
         device=device,
+        sdpa_backend=sdpa_backend,
         routing=routing,
         cache_dtype=cache_dtype,
         tensor_parallel=tensor_parallel,
@@ -963,6 +972,7 @@ def _request(
     autocast: torch.dtype | str | None,
     params_dtype: torch.dtype | str | None,
     device: str,
+    sdpa_backend: str | None,
     routing: Sequence[Any] | None,
     cache_dtype: torch.dtype | str | None,
     _degenerate: bool,
@@ -984,12 +994,11 @@ def _request(
     for name, dt in (("autocast", autocast), ("params_dtype", params_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise SymacctError(f"{name}={dt!r} is not a floating dtype", hint="use torch.bfloat16 or torch.float16")
-    if device != "cpu" and (not device.startswith("cuda") or not torch.cuda.is_available()):
-        raise SymacctError(
-            f"cannot trace for device {device!r} here",
-            hint="device='cuda' needs a CUDA build of torch and a GPU; otherwise use device='cpu'",
-        )
+    check_device(device)
+    check_backend(sdpa_backend)
     precision: dict[str, Any] = {"autocast": autocast, "params_dtype": params_dtype, "device": device}
+    if sdpa_backend is not None:
+        precision["sdpa_backend"] = sdpa_backend
     if tensor_parallel is not None:
         check_plan(tensor_parallel)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
@@ -1012,6 +1021,7 @@ def _request(
             "params_dtype": str(params_dtype) if params_dtype else None,
             "cache_dtype": str(kv_dtype) if kv_dtype else None,
             "device": device,
+            "sdpa_backend": sdpa_backend,
             "tensor_parallel": _plan_name(tensor_parallel),
         },
         inputs=inputs,

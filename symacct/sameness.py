@@ -42,8 +42,9 @@ Key = tuple[str, str, str]  # phase, op, module path within its block (or the fu
 
 
 def fake_copy(model: nn.Module, fake: FakeTensorMode, device: str = "cpu") -> nn.Module:
-    """``model`` copied with fake parameters and buffers (nothing allocated); meta tensors become fake ones on
-    ``device``, so that a model built on the meta device runs with the step's inputs."""
+    """``model`` copied with fake parameters and buffers (nothing allocated); meta tensors, and tensors on
+    another device than ``device`` (a CPU model derived for CUDA), become fake ones on ``device``, so that
+    the copy runs with the step's inputs."""
     with FakeCopyMode(fake):
         out = copy.deepcopy(model)
     moved: dict[int, torch.Tensor] = {}
@@ -51,7 +52,7 @@ def fake_copy(model: nn.Module, fake: FakeTensorMode, device: str = "cpu") -> nn
         for module in out.modules():
             for table in (module._parameters, module._buffers):
                 for name, t in table.items():
-                    if t is None or t.device.type != "meta":
+                    if t is None or (t.device.type != "meta" and t.device.type == torch.device(device).type):
                         continue
                     if id(t) not in moved:  # tied weights stay tied
                         new = torch.empty(t.shape, dtype=t.dtype, device=device)

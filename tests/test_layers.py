@@ -23,6 +23,8 @@ ORDER = [
     "recipes",
     "options",
     "formula",
+    "trace.engine",
+    "trace.sdpa",
     "trace.record",
     "trace.probe",
     "trace.constraints",

@@ -27,7 +27,7 @@ import functools
 import inspect
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
@@ -41,6 +41,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from symacct.errors import SymacctError
+from symacct.trace.engine import Saved
+from symacct.trace.engine import backward as engine_backward
+from symacct.trace.sdpa import choosing
 
 aten = torch.ops.aten
 _EXPIRED = torch.UntypedStorage._expired  # type: ignore[attr-defined]  # the C call StorageWeakRef.expired makes
@@ -650,6 +653,8 @@ def record_step(
     params_dtype: torch.dtype | None = None,
     device: str = "cpu",
     only_ops: bool = False,
+    python_engine: bool | None = None,
+    sdpa_backend: str | None = None,
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
@@ -668,7 +673,14 @@ def record_step(
     no default device set, even when ``derive`` is called inside
     ``with torch.device("meta")`` (where a model too large to build is made):
     the optimizer's step counters, say, stay fake CPU tensors.
+
+    ``python_engine`` runs the backward node by node from Python (``symacct.trace.engine``): by default for
+    fake CUDA tensors on a machine without a GPU, where PyTorch's engine cannot start. ``sdpa_backend``: the
+    kernel ``scaled_dot_product_attention`` runs on CUDA (``symacct.trace.sdpa``; required without a GPU).
     """
+    check_device(device)
+    if python_engine is None:
+        python_engine = device != "cpu" and not torch.cuda.is_available()
     trace = StepTrace()
     ids = _Ids()
     fake = FakeTensorMode(allow_non_fake_inputs=False)
@@ -745,12 +757,22 @@ def record_step(
                 trace.saved_storages[st] = local(t).untyped_storage().nbytes()
             return t
 
-        with recorder, _removing(hooks), _quiet("torch._subclasses.fake_tensor"), _sharding_prop_unrecorded():
+        with (
+            recorder,
+            _removing(hooks),
+            _quiet("torch._subclasses.fake_tensor"),
+            _sharding_prop_unrecorded(),
+            choosing(sdpa_backend, device),
+        ):
             if step == "train":
                 # the loss is part of the step: what it saves for backward is activations too, and it runs
                 # under autocast as the forward does (as PyTorch's AMP recipe has it)
                 # hooks are set for a trace of ops only too: their presence changes what some ops run (a detach)
-                saving = torch.autograd.graph.saved_tensors_hooks(_same if only_ops else pack, _same)
+                boxes = Saved(None if only_ops else pack)  # the Python engine empties each node's once it has run
+                if python_engine:
+                    saving = torch.autograd.graph.saved_tensors_hooks(boxes.pack, boxes.unpack)
+                else:
+                    saving = torch.autograd.graph.saved_tensors_hooks(_same if only_ops else pack, _same)
                 with saving, _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
                     value = _call_loss(loss, out) if loss is not None else out
@@ -772,7 +794,14 @@ def record_step(
                         module="",
                         hint="a training step needs parameters on the path to the loss; use step='forward'",
                     )
-                value.backward()
+                if python_engine:
+                    # the caller's hold on the output keeps its storages, not the graph (the engine releases
+                    # each node's saved tensors as PyTorch's does only where nothing else holds the node)
+                    _held = [t.untyped_storage() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                    del out, t
+                    engine_backward(value, boxes)
+                else:
+                    value.backward()
                 recorder.mark("after_backward")
                 for name, p in model.named_parameters():
                     if p.grad is not None:
@@ -913,11 +942,48 @@ def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
                 module._buffers[name] = b.to(dtype)
 
 
+def check_device(device: str) -> None:
+    """Refuse a device the fake trace cannot run on, before anything touches it (the CPU build of torch
+    aborts the process at the first CUDA device guard)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return
+    if kind != "cuda":
+        raise SymacctError(f"cannot trace for device {device!r}", hint="use device='cpu' or device='cuda'")
+    if torch.version.cuda is None:
+        raise SymacctError(
+            f"device={device!r} needs the CUDA build of torch; this is {torch.__version__}, a CPU build",
+            hint="install a CUDA build (e.g. pip install torch==2.14.1; no GPU is needed to derive), "
+            "or derive with device='cpu'",
+        )
+
+
 def _autocast(dtype: torch.dtype | None, device: str) -> Any:
-    """``torch.autocast`` on the device the trace's fake tensors are on, or nothing."""
+    """``torch.autocast`` on the device the trace's fake tensors are on, or nothing. CUDA autocast on a
+    machine without a GPU: ``torch.autocast`` would warn and switch itself off, so its state is set
+    directly (``_cuda_autocast``)."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        return _cuda_autocast(dtype)
+    return torch.autocast(device_type=kind, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
+    """What ``torch.autocast("cuda", dtype)`` does on entry and exit, without its check for a GPU."""
+    enabled, was = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", was)
 
 
 def _attribute_optimizer_ops(trace: StepTrace) -> None:

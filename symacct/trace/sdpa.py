@@ -1,0 +1,141 @@
+"""Which kernel ``F.scaled_dot_product_attention`` runs on CUDA: chosen by the caller, never guessed.
+
+On a GPU, PyTorch picks a kernel (cuDNN, flash, memory-efficient or the math composite) from the compute
+capability, the dtype, the head size, the mask, the cuDNN version and the order its release prefers; each
+saves different tensors for backward (flash and cuDNN: the output and a logsumexp row per query; math:
+the attention probabilities). On fake CUDA tensors without a GPU, PyTorch cannot ask the device and
+falls back to the math kernel, which a GPU would rarely run: a silent wrong number. So there:
+
+- ``backend=None``: a step that calls SDPA is refused, naming the choices;
+- ``backend="flash" | "efficient" | "cudnn" | "math"``: that kernel is called, as PyTorch's
+  ``scaled_dot_product_attention`` (``aten/src/ATen/native/transformers/attention.cpp``) calls it once
+  chosen: flash pads the head dimension to a multiple of 8 and slices the output back, the fused kernels
+  compute the logsumexp only when a gradient is wanted, the scale defaults to 1/sqrt(head dim).
+
+With a GPU present, ``backend`` restricts PyTorch's own choice (``torch.nn.attention.sdpa_kernel``).
+A mask, or grouped-query heads left to ``enable_gqa``, are modelled for ``math`` only here (refused for
+the fused kernels without a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from symacct.errors import SymacctError
+
+BACKENDS = ("flash", "efficient", "cudnn", "math")
+_NAMES = {
+    "flash": "flash attention",
+    "efficient": "memory-efficient attention",
+    "cudnn": "cuDNN attention",
+    "math": "the math composite",
+}
+
+
+def describe(backend: str) -> str:
+    return _NAMES[backend]
+
+
+def check_backend(backend: str | None) -> None:
+    if backend is not None and backend not in BACKENDS:
+        raise SymacctError(f"unknown SDPA backend {backend!r}", hint=f"one of {', '.join(BACKENDS)}")
+
+
+@contextlib.contextmanager
+def choosing(backend: str | None, device: str) -> Iterator[None]:
+    """The step's SDPA calls run ``backend`` (module docstring); on the CPU nothing changes."""
+    check_backend(backend)
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    if torch.cuda.is_available():
+        if backend is None:
+            yield
+            return
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kinds = {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }
+        with sdpa_kernel([kinds[backend]]):
+            yield
+        return
+    with _Forced(backend):
+        yield
+
+
+class _Forced(TorchFunctionMode):
+    def __init__(self, backend: str | None) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention and func is not torch._C._nn.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        if self.backend is None:
+            raise SymacctError(
+                "the model calls scaled_dot_product_attention, whose kernel (and what it saves for backward) "
+                "a GPU chooses; there is none here to ask",
+                op="scaled_dot_product_attention",
+                shapes=[tuple(a.shape) for a in args[:3] if isinstance(a, torch.Tensor)],
+                hint="pass sdpa_backend='flash', 'cudnn', 'efficient' or 'math' (CLI: --sdpa-backend), the kernel "
+                "your GPU runs (symacct verify on it shows which), or derive on a machine with the GPU",
+            )
+        return _call(self.backend, *args, **kwargs)
+
+
+def _call(
+    backend: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if backend == "math":
+        out = torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+        )
+        return out[0]
+    if attn_mask is not None or (enable_gqa and query.size(-3) != key.size(-3)):
+        raise SymacctError(
+            f"SDPA with {'a mask' if attn_mask is not None else 'grouped-query heads'} on {describe(backend)} is "
+            "not modelled without a GPU",
+            op="scaled_dot_product_attention",
+            shapes=[tuple(query.shape), tuple(key.shape), tuple(value.shape)],
+            hint="use sdpa_backend='math', or derive on a machine with the GPU",
+        )
+    head = query.size(-1)
+    scale = 1.0 / math.sqrt(head) if scale is None else scale
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if backend == "flash":
+        pad = -head % 8
+        if pad:
+            query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )
+        return out[0][..., :head] if pad else out[0]
+    if backend == "efficient":
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, grad, dropout_p, is_causal, scale=scale
+        )
+        return out[0]
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query, key, value, None, grad, dropout_p, is_causal, False, scale=scale
+    )
+    return out[0]

@@ -1,0 +1,130 @@
+"""CUDA semantics without a GPU: ``derive(device="cuda")`` with the CUDA build of torch on a machine that has
+no GPU (skipped on the CPU build, which cannot make a fake CUDA tensor without aborting).
+
+Checked here:
+- the saved activations of the CUDA derivation equal an independent count: ``saved_tensors_hooks`` on a
+  forward of the user's model on fake CUDA tensors at the same sizes (parameters, buffers and inputs
+  excluded), with PyTorch's own autograd (the forward needs no engine);
+- they differ from the CPU derivation by the terms CUDA's kernels change, each named: dropout's bool
+  mask (1 byte) where the CPU saves a noise tensor of the input's dtype; softmax in fp32 under CUDA
+  autocast (the CPU's autocast leaves it in bf16); flash attention's random-number state.
+- the Python engine's backward is PyTorch's on the CPU (``tests/test_engine.py``); here it runs on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sympy
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import symacct
+from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
+from symacct.symbols import sym
+
+pytestmark = pytest.mark.skipif(torch.version.cuda is None, reason="needs the CUDA build of torch (no GPU needed)")
+
+B_, S_, D_, H_ = (sym(n) for n in "BSDH")
+
+
+def _gpt2(**kw: Any) -> GPT2:
+    return GPT2(GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, block_size=64, **kw))
+
+
+def _llama(**kw: Any) -> Llama:
+    return Llama(
+        LlamaConfig(n_layers=3, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=128, max_seq_len=64, **kw)
+    )
+
+
+def _saved_on_fake_cuda(
+    model: torch.nn.Module, B: int, S: int, autocast: torch.dtype | None, backend: str | None
+) -> int:
+    """Bytes of the distinct storages autograd saves in one forward (and loss) of ``model`` on fake CUDA
+    tensors, parameters, buffers and inputs excluded: PyTorch's forward, counted by its own hooks."""
+    from symacct.trace.record import _autocast
+    from symacct.trace.sdpa import choosing
+
+    from symacct.sameness import fake_copy
+
+    fake = FakeTensorMode()
+    m = fake_copy(model, fake, "cuda").train()  # parameters as fake CUDA tensors, ties kept
+    with fake:
+        args = tuple(a.to("cuda") for a in model.example_inputs(B, S))
+        own = {t.untyped_storage()._cdata for t in [*m.parameters(), *m.buffers(), *args]}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            if st._cdata not in own:
+                saved[st._cdata] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), choosing(backend, "cuda"):
+            with _autocast(autocast, "cuda"):
+                out = m(*args)
+    del out
+    return sum(saved.values())
+
+
+CASES = {
+    "gpt2 bf16 autocast": (_gpt2, {}, {"autocast": torch.bfloat16}),
+    "gpt2 bf16 params": (_gpt2, {}, {"params_dtype": torch.bfloat16}),
+    "gpt2 no dropout": (_gpt2, {"dropout": 0.0}, {"autocast": torch.bfloat16}),
+    "gpt2 sdpa flash": (_gpt2, {"sdpa": True}, {"autocast": torch.bfloat16, "sdpa_backend": "flash"}),
+    "gpt2 sdpa math": (_gpt2, {"sdpa": True}, {"autocast": torch.bfloat16, "sdpa_backend": "math"}),
+    "llama bf16 autocast": (_llama, {}, {"autocast": torch.bfloat16}),
+    "llama sdpa flash": (_llama, {"sdpa": True}, {"autocast": torch.bfloat16, "sdpa_backend": "flash"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_saved_bytes_equal_an_independent_count(case: str) -> None:
+    make, config, kw = CASES[case]
+    acct = symacct.derive(make(**config), optimizer="adamw", device="cuda", **kw)
+    B, S = 3, 40
+    model = make(**config)
+    if kw.get("params_dtype") is not None:
+        model = model.to(kw["params_dtype"])
+    counted = _saved_on_fake_cuda(model, B, S, kw.get("autocast"), kw.get("sdpa_backend"))
+    assert acct.at(B=B, S=S).memory.activations == counted
+
+
+def _per_layer(acct: Any) -> sympy.Expr:
+    (expr,) = acct.memory.activations_per_layer.values()
+    return sympy.expand(expr)
+
+
+def test_gpt2_cuda_minus_cpu_is_the_named_terms() -> None:
+    """Per layer, CUDA minus CPU, worked out from the kernels: each of a block's two B*S*D dropouts saves a
+    bool mask (1 byte) where the CPU saves a noise tensor of the input's dtype (bf16 under autocast: 2,
+    fp32: 4); the attention dropout likewise on B*H*S^2 scores; and under CUDA autocast softmax runs and
+    saves its output in fp32 (4 bytes) where the CPU's autocast keeps bf16 (2)."""
+    for kw, want in (
+        ({"autocast": torch.bfloat16}, 2 * (1 - 2) * B_ * S_ * D_ + ((1 - 2) + (4 - 2)) * B_ * H_ * S_**2),
+        ({}, 2 * (1 - 4) * B_ * S_ * D_ + (1 - 4) * B_ * H_ * S_**2),
+    ):
+        cuda = symacct.derive(_gpt2(), optimizer="adamw", device="cuda", **kw)
+        cpu = symacct.derive(_gpt2(), optimizer="adamw", **kw)
+        assert sympy.expand(_per_layer(cuda) - _per_layer(cpu)) == sympy.expand(want), kw
+
+
+def test_sdpa_without_a_gpu_is_refused_unless_a_kernel_is_named() -> None:
+    from symacct.errors import SymacctError
+
+    with pytest.raises(SymacctError, match="sdpa_backend"):
+        symacct.derive(_gpt2(sdpa=True), device="cuda", autocast=torch.bfloat16)
+    with pytest.raises(SymacctError, match="unknown SDPA backend"):
+        symacct.derive(_gpt2(sdpa=True), device="cuda", sdpa_backend="fast")
+
+
+def test_llama_flash_cuda_minus_cpu_is_the_random_number_state() -> None:
+    """CUDA's flash attention saves what the CPU's flash kernel saves (the output and an fp32 logsumexp per
+    query) plus its random-number state, a (2,) and a () uint64 tensor as PyTorch's fake kernel makes them:
+    24 bytes a layer."""
+    kw = {"autocast": torch.bfloat16}
+    cuda = symacct.derive(_llama(sdpa=True), optimizer="adamw", device="cuda", sdpa_backend="flash", **kw)
+    cpu = symacct.derive(_llama(sdpa=True), optimizer="adamw", **kw)
+    assert sympy.expand(_per_layer(cuda) - _per_layer(cpu)) == 24

@@ -1,0 +1,99 @@
+"""The Python autograd engine (``symacct.trace.engine``) against PyTorch's, on CPU fake tensors.
+
+The engine exists for fake CUDA tensors on a machine without a GPU, where PyTorch's engine cannot start;
+there it cannot be compared with anything but itself. On the CPU both run, so both trace the same step
+and every op (name, module, phase, output shapes), every saved storage and every storage's death must
+be the same: the order of the nodes, the gradients' sums and fits, when saved tensors are released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig, ResNet, ResNetConfig
+from symacct.recipes import MixedPrecisionAdamW
+from symacct.trace.record import StepTrace, record_step
+
+
+def _gpt2(**kw: Any) -> Callable[[], torch.nn.Module]:
+    return lambda: GPT2(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=32, **kw))
+
+
+def _adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(m.parameters())
+
+
+CASES: dict[str, tuple[Callable[[], torch.nn.Module], dict[str, Any]]] = {
+    "gpt2": (_gpt2(), {}),
+    "gpt2-adamw-bf16-autocast": (_gpt2(), {"optimizer": _adamw, "autocast": torch.bfloat16}),
+    "gpt2-checkpoint": (_gpt2(checkpoint=True), {"optimizer": _adamw}),
+    "gpt2-sdpa": (_gpt2(sdpa=True), {"optimizer": _adamw, "autocast": torch.bfloat16}),
+    "gpt2-mixed-recipe": (  # fp32 grads made by post-accumulate-grad hooks
+        _gpt2(),
+        {"optimizer": lambda m: MixedPrecisionAdamW(m.parameters()), "params_dtype": torch.bfloat16},
+    ),
+    "llama": (
+        lambda: Llama(
+            LlamaConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=64, max_seq_len=32)
+        ),
+        {"optimizer": _adamw},
+    ),
+    "cruncher-sgd": (
+        lambda: Cruncher(CruncherConfig(dim=16, n_layers=3)),
+        {"optimizer": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)},
+    ),
+    "resnet": (lambda: ResNet(ResNetConfig(width=8, num_classes=10, blocks=(1, 1))), {"optimizer": _adamw}),
+}
+
+
+def _trace(make: Callable[[], torch.nn.Module], python_engine: bool, **kw: Any) -> StepTrace:
+    def build(fake: Any) -> torch.nn.Module:
+        with fake:
+            return make()
+
+    return record_step(build, lambda m: m.example_inputs(2, 16), python_engine=python_engine, **kw)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_python_engine_runs_the_step_pytorchs_engine_runs(case: str) -> None:
+    make, kw = CASES[case]
+    real, ours = _trace(make, False, **kw), _trace(make, True, **kw)
+
+    def ops(t: StepTrace) -> list[tuple[str, str, str, tuple[tuple[int, ...], ...]]]:
+        return [(str(r.op), r.module, r.phase, tuple(tuple(m.shape) for m in r.outputs)) for r in t.ops]
+
+    assert ops(ours) == ops(real)
+    assert any(r.phase == "backward" for r in real.ops)
+    assert ours.storage_end == real.storage_end
+    assert ours.saved_storages == real.saved_storages
+    assert ours.grad_storages == real.grad_storages
+
+
+def test_the_cpu_build_refuses_cuda_before_touching_it() -> None:
+    """On the CPU build a fake CUDA tensor aborts the process at its first device guard: refused first."""
+    from symacct.errors import SymacctError
+    from symacct.trace.record import check_device
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch: device='cuda' is taken")
+    with pytest.raises(SymacctError, match="CUDA build of torch"):
+        check_device("cuda")
+    with pytest.raises(SymacctError, match="cannot trace for device"):
+        check_device("mps")
+    check_device("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["gpt2-adamw-bf16-autocast", "gpt2-checkpoint", "llama"])
+def test_on_a_gpu_the_two_engines_trace_the_same_cuda_step(case: str) -> None:
+    """With a GPU, PyTorch's engine runs fake CUDA tensors too: the route taken without a GPU (the Python
+    engine) must trace the same step."""
+    make, kw = CASES[case]
+    real, ours = _trace(make, False, device="cuda", **kw), _trace(make, True, device="cuda", **kw)
+    assert [(str(r.op), r.module) for r in ours.ops] == [(str(r.op), r.module) for r in real.ops]
+    assert ours.storage_end == real.storage_end and ours.saved_storages == real.saved_storages
