@@ -44,10 +44,9 @@ def _saved_on_fake_cuda(
 ) -> int:
     """Bytes of the distinct storages autograd saves in one forward (and loss) of ``model`` on fake CUDA
     tensors, parameters, buffers and inputs excluded: PyTorch's forward, counted by its own hooks."""
+    from symacct.sameness import fake_copy
     from symacct.trace.record import _autocast
     from symacct.trace.sdpa import choosing
-
-    from symacct.sameness import fake_copy
 
     fake = FakeTensorMode()
     m = fake_copy(model, fake, "cuda").train()  # parameters as fake CUDA tensors, ties kept
