@@ -104,6 +104,12 @@ def test_gpt2_cuda_minus_cpu_is_the_named_terms() -> None:
     for kw, want in (
         ({"autocast": torch.bfloat16}, 2 * (1 - 2) * B_ * S_ * D_ + ((1 - 2) + (4 - 2)) * B_ * H_ * S_**2),
         ({}, 2 * (1 - 4) * B_ * S_ * D_ + (1 - 4) * B_ * H_ * S_**2),
+        # bf16 parameters: the masks against bf16 noise, and LayerNorm's mean and rstd in fp32 on CUDA, in
+        # the input's bf16 on the CPU (two norms, two tensors of B*S each: 2 * 2 * (4 - 2))
+        (
+            {"params_dtype": torch.bfloat16},
+            2 * (1 - 2) * B_ * S_ * D_ + (1 - 2) * B_ * H_ * S_**2 + 2 * 2 * (4 - 2) * B_ * S_,
+        ),
     ):
         cuda = symacct.derive(_gpt2(), optimizer="adamw", device="cuda", **kw)
         cpu = symacct.derive(_gpt2(), optimizer="adamw", **kw)
@@ -127,3 +133,12 @@ def test_llama_flash_cuda_minus_cpu_is_the_random_number_state() -> None:
     cuda = symacct.derive(_llama(sdpa=True), optimizer="adamw", device="cuda", sdpa_backend="flash", **kw)
     cpu = symacct.derive(_llama(sdpa=True), optimizer="adamw", **kw)
     assert sympy.expand(_per_layer(cuda) - _per_layer(cpu)) == 24
+
+
+def test_korthikanti_on_cuda_semantics() -> None:
+    """Megatron's setting (bf16 parameters, dropout, eager attention) on CUDA's kernels: per layer exactly
+    s*b*h*(34 + 5*a*s/h) plus what PyTorch adds: LayerNorm's fp32 mean and rstd (two norms: 16*B*S) and
+    the causal mask's bool S x S slice that masked_fill saves (S^2)."""
+    acct = symacct.derive(_gpt2(), device="cuda", params_dtype=torch.bfloat16)
+    want = 34 * B_ * S_ * D_ + 5 * B_ * H_ * S_**2 + 16 * B_ * S_ + S_**2
+    assert _per_layer(acct) == sympy.expand(want)
