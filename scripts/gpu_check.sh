@@ -25,7 +25,7 @@ start=$(date +%s)
   echo
   echo '## CUDA tests'
   echo '```'
-  timeout 200 "$py" -m pytest -q -p no:cacheprovider --rootdir "$repo" -m cuda "$repo/tests/test_cuda.py" 2>&1 | tail -15
+  timeout 200 "$py" -m pytest -q -p no:cacheprovider --rootdir "$repo" -m cuda "$repo/tests/test_cuda.py" "$repo/tests/test_engine.py" 2>&1 | tail -15
   echo '```'
   for spec in \
     "gpt2 --config n_layer=4 --config n_embd=256 --config n_head=4 --batch 8 --seq 256" \

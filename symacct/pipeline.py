@@ -88,6 +88,7 @@ from symacct.trace.probe import (
 )
 from symacct.trace.record import StepTrace, call_inputs, check_device, record_step
 from symacct.trace.sdpa import check_backend
+from symacct.trace.sdpa import describe as describe_sdpa
 from symacct.trace.tensor_parallel import apply_plan, check_plan, fake_group
 
 
@@ -1350,6 +1351,15 @@ def account(
         acct.notes.append(experts_note(acct.experts))
         acct.options["routing"] = None if req.routing is None else [str(s) for s in acct.experts[0].shares or ()]
     acct.notes[:0] = src.notes
+    device = req.precision.get("device", "cpu")
+    if torch.device(device).type == "cuda":
+        how = "on fake CUDA tensors" + (
+            "" if torch.cuda.is_available() else ", no GPU: backward by symacct.trace.engine"
+        )
+        sdpa = req.precision.get("sdpa_backend")
+        acct.notes.append(
+            f"CUDA kernels traced {how}" + (f"; SDPA: {describe_sdpa(sdpa)} (named by sdpa_backend)" if sdpa else "")
+        )
     if "B" not in acct.free_symbols():
         acct.notes.append(
             "B reaches no tensor shape: the inputs do not use their B argument, so every figure is per call "
