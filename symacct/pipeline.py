@@ -973,12 +973,12 @@ def _request(
     autocast: torch.dtype | str | None,
     params_dtype: torch.dtype | str | None,
     device: str,
-    sdpa_backend: str | None,
     routing: Sequence[Any] | None,
     cache_dtype: torch.dtype | str | None,
     _degenerate: bool,
     tensor_parallel: Any = None,
     tp: int = 2,
+    sdpa_backend: str | None = None,
 ) -> Request:
     """Check the options and put them in one record."""
     autocast, params_dtype = torch_dtype("autocast", autocast), torch_dtype("params_dtype", params_dtype)

@@ -142,3 +142,20 @@ def test_korthikanti_on_cuda_semantics() -> None:
     acct = symacct.derive(_gpt2(), device="cuda", params_dtype=torch.bfloat16)
     want = 34 * B_ * S_ * D_ + 5 * B_ * H_ * S_**2 + 16 * B_ * S_ + S_**2
     assert _per_layer(acct) == sympy.expand(want)
+
+
+def test_reserved_on_cuda_leaves_out_what_eager_cuda_keeps_on_the_cpu() -> None:
+    """AdamW's step counters stay on the CPU in an eager CUDA run (no capturable/fused), and so do the scalars
+    its foreach step computes from them: the CUDA trace records them there, and the caching-allocator replay
+    leaves out exactly the storages recorded on the CPU, the step counters among them."""
+    acct = symacct.derive(_gpt2(), optimizer="adamw", device="cuda", autocast=torch.bfloat16)
+    L = acct.liveness.layers  # the first trace's blocks (acct.step is that trace)
+    values = {sym(k): v for k, v in acct.values_at(B=2, S=16, L=L).items()}
+    tl = acct.timelines(L)
+    full = acct.liveness.base
+    left_out = {st for st in full.start if st not in tl.intervals.start}
+    assert left_out == {st for st in full.start if acct.step.storage_device.get(st) == "cpu"}
+    steps = {st for st, (_, key) in acct.step.state_storages.items() if key == "step"}
+    assert steps and steps <= left_out
+    step_bytes = sum(int(full.nbytes[st].subs(values)) for st in steps)
+    assert step_bytes == acct.at(B=2, S=16, L=L).memory.optimizer_by_state["step"]

@@ -54,6 +54,8 @@ def test_request_refuses_bad_options_before_any_trace():
         _request(**{**OPTIONS, "step": "forward"})
     with pytest.raises(SymacctError, match="not a dtype name"):
         _request(**{**OPTIONS, "autocast": "fp64"})
+    with pytest.raises(SymacctError, match="unknown SDPA backend"):
+        _request(**{**OPTIONS, "sdpa_backend": "fastest"})
     with pytest.raises(SymacctError, match="cache_dtype"):  # a cache dtype for a training step
         _request(**{**OPTIONS, "cache_dtype": "fp8"})
     with pytest.raises(SymacctError, match="not a dtype name"):
