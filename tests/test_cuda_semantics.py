@@ -159,3 +159,29 @@ def test_reserved_on_cuda_leaves_out_what_eager_cuda_keeps_on_the_cpu() -> None:
     assert steps and steps <= left_out
     step_bytes = sum(int(full.nbytes[st].subs(values)) for st in steps)
     assert step_bytes == acct.at(B=2, S=16, L=L).memory.optimizer_by_state["step"]
+
+
+def test_a_transformers_model_with_grouped_query_flash_attention() -> None:
+    """transformers' Llama with its SDPA path (enable_gqa: two key/value heads for four query heads): on
+    CUDA's flash kernel it saves what the CPU's flash kernel saves plus the 24-byte random-number state a
+    layer; the eager path runs CUDA's kernels too."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config._attn_implementation = "sdpa"
+    kw = {"autocast": torch.bfloat16, "optimizer": "adamw"}
+    cuda = symacct.derive(model, device="cuda", sdpa_backend="flash", **kw)
+    cpu = symacct.derive(model, **kw)
+    assert sympy.expand(_per_layer(cuda) - _per_layer(cpu)) == 24
+    assert any("flash attention" in n for n in cuda.notes)
+    model.config._attn_implementation = "eager"
+    eager = symacct.derive(model, device="cuda", **kw)
+    assert eager.at(B=2, S=16).memory.activations > 0

@@ -13,8 +13,8 @@ falls back to the math kernel, which a GPU would rarely run: a silent wrong numb
   compute the logsumexp only when a gradient is wanted, the scale defaults to 1/sqrt(head dim).
 
 With a GPU present, ``backend`` restricts PyTorch's own choice (``torch.nn.attention.sdpa_kernel``).
-A mask, or grouped-query heads left to ``enable_gqa``, are modelled for ``math`` only here (refused for
-the fused kernels without a GPU).
+A mask is modelled for ``math`` only here, grouped-query heads left to ``enable_gqa`` for ``math`` and
+``flash`` (whose kernel takes fewer key/value heads as they are); the other cases are refused without a GPU.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def _call(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )
         return out[0]
-    if attn_mask is not None or (enable_gqa and query.size(-3) != key.size(-3)):
+    gqa = enable_gqa and query.size(-3) != key.size(-3)  # flash takes fewer key/value heads as they are
+    if attn_mask is not None or (gqa and backend != "flash"):
         raise SymacctError(
             f"SDPA with {'a mask' if attn_mask is not None else 'grouped-query heads'} on {describe(backend)} is "
             "not modelled without a GPU",
