@@ -97,3 +97,36 @@ def test_on_a_gpu_the_two_engines_trace_the_same_cuda_step(case: str) -> None:
     real, ours = _trace(make, False, device="cuda", **kw), _trace(make, True, device="cuda", **kw)
     assert [(str(r.op), r.module) for r in ours.ops] == [(str(r.op), r.module) for r in real.ops]
     assert ours.storage_end == real.storage_end and ours.saved_storages == real.saved_storages
+
+
+def test_hooks_the_python_engine_would_not_run_are_refused() -> None:
+    """A gradient hook on a tensor, or a module's full backward hook, runs inside PyTorch's engine only: a
+    step that registers one is refused on the Python engine (and traced as before on PyTorch's)."""
+    from symacct.errors import SymacctError
+
+    class Hooked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            y.register_hook(lambda g: g)
+            return y.sum()
+
+        def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+            return (torch.randn(B, 8),)
+
+    with pytest.raises(SymacctError, match="gradient hook"):
+        _trace(Hooked, True)
+    assert _trace(Hooked, False).ops
+
+    def with_module_hook() -> torch.nn.Module:
+        m = Cruncher(CruncherConfig(dim=8, n_layers=2))
+        m.layers[0].register_full_backward_hook(lambda mod, gi, go: None)
+        return m
+
+    with pytest.raises(SymacctError, match="module backward hook"):
+        _trace(with_module_hook, True)
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(lambda g: g)  # restored after the trace: registering works again

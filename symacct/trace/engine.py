@@ -15,14 +15,17 @@ for one graph task on one thread with ``retain_graph=False``:
   largest there is); the heap is ``std::priority_queue``'s, and ``heapq`` breaks ties the same way;
 - each output is fitted to the next node's input metadata before it is passed on
   (``validate_outputs``: ``sum_to`` a broadcast shape, ``to`` the dtype or device);
-- after a node runs, its saved tensors are released: by dropping the last reference to the node where
-  nothing else holds it, and by clearing what it unpacked through the step's saved-tensor hooks
-  (``SavedBox``), so that they die where the engine's ``release_variables`` lets them die.
+- after a node runs, its saved tensors are released where the engine's ``release_variables`` releases
+  them: the step's saved-tensor hooks file each under its node (``Saved``) and empty them, and the node
+  itself is dropped (with what other hooks saved for it: activation checkpointing's recomputation);
+- code run by a node that asks the engine (``_current_autograd_node``, ``_current_graph_task_id``) is
+  answered as inside it.
 
 It runs no hooks that the engine would run around a node (``Tensor.register_hook``, module backward
-hooks, node pre/post hooks); ``AccumulateGrad``'s post-accumulate-grad hooks run, as they run inside the
-node. A graph with such hooks is refused (``hooks``). The engine is checked against PyTorch's on CPU
-fake tensors, op for op and storage lifetime for lifetime (``tests/test_engine.py``).
+hooks): a step that registers one while the Python engine is to run it is refused (``refusing_hooks``).
+``AccumulateGrad``'s post-accumulate-grad hooks run, as they run inside the node. The engine is checked
+against PyTorch's on CPU fake tensors, op for op and storage lifetime for lifetime
+(``tests/test_engine.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,31 @@ import torch
 from symacct.errors import SymacctError
 
 _ACCUMULATE = 2**64 - 1  # AccumulateGrad's sequence number (UINT64_MAX)
+
+
+@contextlib.contextmanager
+def refusing_hooks() -> Iterator[None]:
+    """While a step the Python engine will run is traced: registering a gradient hook on a tensor, or a
+    module's backward hook, is refused (the engine would not run it)."""
+    from torch.utils.hooks import BackwardHook
+
+    def refuse(what: str) -> Callable[..., Any]:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise SymacctError(
+                f"the step registers {what}, which symacct's Python autograd engine (CUDA without a GPU) does not run",
+                hint="derive on a machine with a GPU, or with device='cpu'",
+            )
+
+        return refused
+
+    saved = (torch.Tensor.register_hook, BackwardHook.setup_input_hook, BackwardHook.setup_output_hook)
+    torch.Tensor.register_hook = refuse("a gradient hook (Tensor.register_hook)")  # type: ignore[method-assign]
+    BackwardHook.setup_input_hook = refuse("a module backward hook")  # type: ignore[method-assign]
+    BackwardHook.setup_output_hook = refuse("a module backward hook")  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook, BackwardHook.setup_input_hook, BackwardHook.setup_output_hook = saved
 
 
 class SavedBox:

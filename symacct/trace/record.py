@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from symacct.errors import SymacctError
-from symacct.trace.engine import Saved
+from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
 from symacct.trace.sdpa import choosing
 
@@ -763,6 +763,7 @@ def record_step(
             _quiet("torch._subclasses.fake_tensor"),
             _sharding_prop_unrecorded(),
             choosing(sdpa_backend, device),
+            refusing_hooks() if python_engine else contextlib.nullcontext(),
         ):
             if step == "train":
                 # the loss is part of the step: what it saves for backward is activations too, and it runs
