@@ -92,10 +92,6 @@ class Stats:
     peak_requested: int = 0
     segments: list[int] = field(default_factory=list)  # the size of each segment, in the order reserved
 
-    def reset_peaks(self) -> None:
-        """As ``torch.cuda.reset_peak_memory_stats``: the peaks restart from the current bytes."""
-        self.peak_allocated, self.peak_reserved, self.peak_requested = self.allocated, self.reserved, self.requested
-
 
 class CachingAllocator:
     """The caching allocator's block pools, replayed request by request (see the module docstring)."""
