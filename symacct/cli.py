@@ -217,6 +217,8 @@ def _fit(args: argparse.Namespace) -> dict[str, Any]:
 
     hw = get(args.hardware)
     gpus = args.gpus
+    if args.model is None and args.allocator:
+        raise UsageError("--allocator needs a model: the bare rule has no step to replay")
     if args.model is None:
         # bytes per parameter read off a derived step (a small reference model), not a table
         from symacct.models import Cruncher, CruncherConfig
@@ -243,7 +245,7 @@ def _fit(args: argparse.Namespace) -> dict[str, Any]:
         sizes["B"] = args.batch
     if symbol != "S":
         sizes["S"] = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
-    res = fit(acct, symbol, hardware=hw, gpus=gpus, reserve=args.reserve, **sizes)
+    res = fit(acct, symbol, hardware=hw, gpus=gpus, reserve=args.reserve, allocator=args.allocator, **sizes)
     return {
         "formula": res.formula,
         "solve": symbol,
@@ -708,6 +710,11 @@ def _main(argv: Sequence[str] | None) -> int:
     f.add_argument("--params-dtype", choices=LOW_PRECISION, default=None)
     f.add_argument("--autocast", choices=LOW_PRECISION, default=None)
     f.add_argument("--reserve", type=_number, default=0.15, help="fraction kept for what formulas cannot see")
+    f.add_argument(
+        "--allocator",
+        action="store_true",
+        help="fit what the CUDA caching allocator reserves (a model of it, 2 steps), not the live peak",
+    )
     f.add_argument("--solve", choices=("batch", "seq", "layers"), default="batch")
     f.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
     f.add_argument("--batch", type=int, default=8)

@@ -278,3 +278,28 @@ def test_the_docs_example_is_what_the_command_prints(capsys) -> None:
     out = capsys.readouterr().out
     for line in block.group(2).strip().splitlines():
         assert line in out, line
+
+
+def test_fit_by_the_allocator_is_no_larger_than_by_the_live_peak(gpt2_adamw, capsys) -> None:
+    """Reserved bytes are at least the allocated ones, which are at least the live bytes, over both steps:
+    the largest batch that fits what the allocator reserves is never above the one that fits the live peak,
+    and it fits while the next batch does not."""
+    import json
+
+    import symacct
+    from symacct.cli import main
+    from symacct.time.hardware import Accelerator
+
+    small = Accelerator("tiny", {"fp32": 1.0}, 0.12, 1.0, 1.0, "a made-up 120 MB device", cublas_workspace=32 * MiB)
+    plain = symacct.fit(gpt2_adamw, "B", hardware=small, S=32, reserve=0.0)
+    by_alloc = symacct.fit(gpt2_adamw, "B", hardware=small, S=32, reserve=0.0, allocator=True)
+    assert by_alloc.value <= plain.value
+    assert by_alloc.peak_bytes <= by_alloc.budget_bytes < by_alloc.next_peak_bytes
+    assert by_alloc.peak_bytes == gpt2_adamw.reserved(steps=2, hardware=small, B=by_alloc.value, S=32).reserved_peak
+    assert "caching allocator" in by_alloc.formula
+    argv = ["fit", "gpt2", "--config", "n_layer=2", "--config", "n_embd=32", "--config", "n_head=4"]
+    argv += ["--config", "vocab_size=64", "--hardware", "H100", "--seq", "32", "--solve", "batch", "--json"]
+    assert main([*argv, "--allocator"]) == 0
+    assert "caching allocator" in json.loads(capsys.readouterr().out)["formula"]
+    assert main(["fit", "--hardware", "H100", "--allocator"]) == 2
+    assert "--allocator needs a model" in capsys.readouterr().err

@@ -291,6 +291,7 @@ def fit(
     gpus: int = 1,
     reserve: float = DEFAULT_RESERVE,
     limit: int = 1 << 24,
+    allocator: bool = False,
     **sizes: int,
 ) -> Fit:
     """The largest value of ``symbol`` (B, S, L, ...) whose peak fits one device's budget.
@@ -303,6 +304,11 @@ def fit(
     doubling then bisection; it fits and the next value does not. Solving S
     on a model with a position table raises S_max with S (the table grows
     with it), and says so in ``notes``.
+
+    ``allocator=True`` fits what the CUDA caching allocator would reserve instead of the live peak:
+    ``acct.reserved`` over two steps (the first, and one with the optimizer states alive) with the
+    device's cuBLAS workspace (``symacct.memory.reserved``); the search assumes it grows with the size,
+    as the live peak does, and the answer is checked on both sides.
     """
     if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
         raise SymacctError(f"reserve must be in [0, 1), got {reserve!r}", hint="e.g. reserve=0.15")
@@ -315,6 +321,8 @@ def fit(
         vals = {**sizes, symbol: v}
         if raise_smax:
             vals["S_max"] = max(acct.symbols["S_max"], v)
+        if allocator:
+            return acct.reserved(steps=2, hardware=hw, **vals).reserved_peak
         return int(acct.peak(**vals))
 
     lo = acct.minimum.get(symbol, 1)
@@ -349,7 +357,12 @@ def fit(
         peak(lo),
         budget,
         peak(lo + 1),
-        "largest v with memory.peak(v) <= capacity * (1 - reserve)",
+        (
+            "largest v with the caching allocator's reserved bytes (2 steps, cuBLAS workspace) <= capacity * "
+            "(1 - reserve)"
+            if allocator
+            else "largest v with memory.peak(v) <= capacity * (1 - reserve)"
+        ),
         replicas=gpus,
         global_batch=B * gpus if B is not None else None,
         notes=notes,
