@@ -20,6 +20,7 @@ import importlib
 from functools import cache
 
 import pytest
+import sympy
 import torch
 from cases import (
     _SMALL,
@@ -329,3 +330,47 @@ def test_sweep_of_the_peak_is_exact_where_the_sampled_envelope_is_not():
     exact = [acct.at(**p).memory.peak for p in points]
     assert swept.tolist() == exact and swept.dtype == np.int64
     assert evaluate(acct.memory.peak, points[0]) < exact[0]  # the envelope's miss that sweep must not copy
+
+
+class _SavesItsInput(torch.nn.Module):
+    """Blocks whose activation saves its input and a buffer (LogSigmoid), so that a block's output is saved
+    only by the next block's Linear: the last block's output, summed into the loss, by nothing."""
+
+    def __init__(self, config: object) -> None:
+        super().__init__()
+        self.config = config
+        w = config.width  # type: ignore[attr-defined]
+        n = config.n_layers  # type: ignore[attr-defined]
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.LogSigmoid()) for _ in range(n)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, width)
+        for block in self.blocks:
+            x = block(x)  # (B, width)
+        return x.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, self.config.width),)  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass
+class _WidthConfig:
+    width: int = 16
+    n_layers: int = 3
+
+
+@pytest.mark.parametrize(("L", "B"), [(2, 3), (3, 5), (6, 2)])
+def test_a_block_output_saved_only_by_the_next_block(L: int, B: int) -> None:
+    """Each block saves three (B, width) tensors, but the last block's output is saved by no one: the
+    derived activations count it once less (against saved_tensors_hooks on the real model)."""
+    from symacct.measure.run import measure_step
+
+    acct = symacct.derive(_SavesItsInput(_WidthConfig()))
+    model = _SavesItsInput(_WidthConfig(n_layers=L))
+    counted = measure_step(model, model.example_inputs(B, 1)).saved_bytes
+    assert acct.at(B=B, L=L).memory.activations == counted
+    mem = acct.memory
+    (per_layer,) = mem.activations_per_layer.values()
+    total = sympy.expand(symacct.symbols.sym("L") * per_layer + sum(mem.activations_outside.values()))
+    assert total == mem.activations

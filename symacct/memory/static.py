@@ -75,6 +75,27 @@ class ParamRow:
         return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
 
 
+def _last_block_twins(trace: StepTrace, blocks: list[Any]) -> dict[int, int]:
+    """Each storage an op of a block makes -> what the same op of its stack's last block makes (blocks are
+    alike op for op: the layer stack's factoring checked it)."""
+    by_block: dict[Any, list[int]] = defaultdict(list)
+    for i, b in enumerate(blocks):
+        if b is not None:
+            by_block[b].append(i)
+    last: dict[str, int] = {}
+    for stack, i in by_block:
+        last[stack] = max(last.get(stack, i), i)
+    twins: dict[int, int] = {}
+    for (stack, i), ops in by_block.items():
+        final = by_block[(stack, last[stack])]
+        if i == last[stack] or len(final) != len(ops):
+            continue
+        for p, q in zip(ops, final):
+            for a, b in zip(trace.ops[p].outputs, trace.ops[q].outputs):
+                twins.setdefault(a.storage, b.storage)
+    return twins
+
+
 def static_and_activations(
     trace: StepTrace,
     probe: Probe,
@@ -100,6 +121,8 @@ def static_and_activations(
     by_module: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
     per_layer: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
     blocks = op_blocks(trace.ops, stacks)
+    last_twin = _last_block_twins(trace, blocks)
+    last_less = sympy.Integer(0)
     for st, nbytes in trace.saved_storages.items():
         producer = trace.storage_producer.get(st)
         if producer is None:
@@ -108,6 +131,11 @@ def static_and_activations(
         if c == 0:
             continue
         b = trace.bytes_of(st, nb, nbytes)
+        if c.has(L) and st in last_twin and last_twin[st] not in trace.saved_storages:
+            # saved by the next block (a block's output its successor saves): the last block's has no
+            # successor, and what follows the stack does not save it; one less, on the side after the stack
+            c = c - 1
+            last_less += b
         module = trace.ops[producer].module
         acts += b * c
         by_module[generic(module)] += b * c
@@ -147,7 +175,7 @@ def static_and_activations(
     mem.activations_by_module = {k: sympy.expand(v) for k, v in sorted(by_module.items())}
     mem.activations_per_layer = {k: sympy.expand(v) for k, v in sorted(per_layer.items())}
     mem.tensors = param_rows(trace, nb, names_count, stacks, blocks)
-    outside: dict[str, Any] = {"before": sympy.Integer(0), "after": sympy.Integer(0)}
+    outside: dict[str, Any] = {"before": sympy.Integer(0), "after": -last_less}
     first = _first_stack_op(trace, blocks)
     for st, nbytes in trace.saved_storages.items():
         producer = trace.storage_producer.get(st)

@@ -63,6 +63,8 @@ FUSED: dict[str, int] = {
     "_fused_rms_norm": 5,  # square, mean, rsqrt-mul, * weight
     "_fused_rms_norm_backward": 9,
     "native_dropout": 3,  # mask draw, mul mask, mul scale
+    "log_sigmoid_forward": 5,  # min(x, 0) - log1p(exp(-|x|)): abs, exp, log1p, min, sub (the CPU keeps exp in a buffer)
+    "log_sigmoid_backward": 4,  # grad * sigmoid(-x): exp, add, div, mul
 }
 
 
