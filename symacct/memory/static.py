@@ -96,6 +96,12 @@ def _last_block_twins(trace: StepTrace, blocks: list[Any]) -> dict[int, int]:
     return twins
 
 
+def _counted_by_others(trace: StepTrace, counts: list[Any], storage: int) -> bool:
+    """Whether the op making ``storage`` has no count of its own (its block is counted by another's)."""
+    producer = trace.storage_producer.get(storage)
+    return producer is not None and counts[producer] == 0
+
+
 def static_and_activations(
     trace: StepTrace,
     probe: Probe,
@@ -131,9 +137,16 @@ def static_and_activations(
         if c == 0:
             continue
         b = trace.bytes_of(st, nb, nbytes)
-        if c.has(L) and st in last_twin and last_twin[st] not in trace.saved_storages:
+        twin = last_twin.get(st)
+        if (
+            c.has(L)
+            and twin is not None
+            and twin not in trace.saved_storages
+            and _counted_by_others(trace, counts, twin)
+        ):
             # saved by the next block (a block's output its successor saves): the last block's has no
-            # successor, and what follows the stack does not save it; one less, on the side after the stack
+            # successor, and what follows the stack does not save it; where the last block is counted
+            # with the others (it has no count of its own), one less, on the side after the stack
             c = c - 1
             last_less += b
         module = trace.ops[producer].module
