@@ -185,3 +185,43 @@ def test_a_transformers_model_with_grouped_query_flash_attention() -> None:
     model.config._attn_implementation = "eager"
     eager = symacct.derive(model, device="cuda", **kw)
     assert eager.at(B=2, S=16).memory.activations > 0
+
+
+def test_sdpa_under_cuda_autocast_runs_as_cpu_autocast_runs_it() -> None:
+    """Autocast runs ahead of the named kernel as it runs ahead of PyTorch's own choice: SDPA is on both
+    devices' lower-precision lists, so query, key and value (fp32 after a rotary embedding, bf16 from a
+    linear) are cast to bf16 and the kernel runs with autocast off. The reference is the CPU build's own
+    autocast around the math kernel (``sdpa_kernel``): the ops and dtypes inside it must be the same on the
+    CUDA route (without the cast and the switch-off, math's fp32 upcast would be cast back by its matmuls)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from symacct.trace.record import _autocast
+    from symacct.trace.sdpa import choosing
+
+    class Spy(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.namespace != "aten":  # prim.device: the CPU path asks for devices more often
+                return out
+            flat = [*args, *(kwargs or {}).values(), *(out if isinstance(out, tuple) else (out,))]
+            self.seen.append((str(func), tuple(t.dtype for t in flat if isinstance(t, torch.Tensor))))
+            return out
+
+    def run(device: str, backend: Any) -> list[tuple[str, tuple[torch.dtype, ...]]]:
+        with FakeTensorMode():
+            q, k = (torch.randn(2, 4, 16, 8, device=device, requires_grad=True) for _ in range(2))
+            v = torch.randn(2, 4, 16, 8, device=device, dtype=torch.bfloat16, requires_grad=True)
+            with _autocast(torch.bfloat16, device), backend, Spy() as spy:
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return spy.seen
+
+    cpu = run("cpu", sdpa_kernel([SDPBackend.MATH]))
+    assert ("aten._to_copy.default", (torch.float32, torch.bfloat16)) in cpu  # the casts are there to check
+    assert run("cuda", choosing("math", "cuda")) == cpu
+    flash = [d for f, d in run("cuda", choosing("flash", "cuda")) if "flash" in f]
+    assert flash and set(flash[0][:3]) == {torch.bfloat16}

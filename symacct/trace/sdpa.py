@@ -10,7 +10,9 @@ falls back to the math kernel, which a GPU would rarely run: a silent wrong numb
 - ``backend="flash" | "efficient" | "cudnn" | "math"``: that kernel is called, as PyTorch's
   ``scaled_dot_product_attention`` (``aten/src/ATen/native/transformers/attention.cpp``) calls it once
   chosen: flash pads the head dimension to a multiple of 8 and slices the output back, the fused kernels
-  compute the logsumexp only when a gradient is wanted, the scale defaults to 1/sqrt(head dim).
+  compute the logsumexp only when a gradient is wanted, the scale defaults to 1/sqrt(head dim). Under CUDA
+  autocast the arguments are cast first and the kernel runs with autocast off, as autocast's wrapper does
+  ahead of PyTorch's own choice (math then upcasts half inputs to fp32 and keeps them there).
 
 With a GPU present, ``backend`` restricts PyTorch's own choice (``torch.nn.attention.sdpa_kernel``).
 A mask is modelled for ``math`` only here, grouped-query heads left to ``enable_gqa`` for ``math`` and
@@ -92,7 +94,24 @@ class _Forced(TorchFunctionMode):
                 hint="pass sdpa_backend='flash', 'cudnn', 'efficient' or 'math' (CLI: --sdpa-backend), the kernel "
                 "your GPU runs (symacct verify on it shows which), or derive on a machine with the GPU",
             )
-        return _call(self.backend, *args, **kwargs)
+        if not torch.is_autocast_enabled("cuda"):
+            return _call(self.backend, *args, **kwargs)
+        # Autocast runs ahead of this mode on a GPU: SDPA is on its lower-precision list, so every floating
+        # CUDA tensor argument but a float64 one (query, key, value, a float mask) is cast to the autocast
+        # dtype, and the kernel runs with autocast off (autocast_mode.cpp, cached_cast and the excluded key)
+        dtype = torch.get_autocast_dtype("cuda")
+        args, kwargs = tuple(_cast(a, dtype) for a in args), {k: _cast(v, dtype) for k, v in kwargs.items()}
+        torch.set_autocast_enabled("cuda", False)
+        try:
+            return _call(self.backend, *args, **kwargs)
+        finally:
+            torch.set_autocast_enabled("cuda", True)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64:
+        return value.to(dtype)
+    return value
 
 
 def _call(
