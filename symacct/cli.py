@@ -63,6 +63,8 @@ def _step_options(args: argparse.Namespace) -> dict[str, Any]:
         "params_dtype": args.params_dtype,
         "device": args.device,
         "sdpa_backend": args.sdpa_backend,
+        # on CUDA, the GPU named by --hardware chooses the kernels (SDPA) as PyTorch does on it
+        "hardware": getattr(args, "hardware", None) if args.device.startswith("cuda") else None,
     }
 
 
@@ -616,7 +618,8 @@ def _step_args(p: argparse.ArgumentParser, steps: tuple[str, ...] = ("train", "f
         "--sdpa-backend",
         choices=("flash", "cudnn", "efficient", "math"),
         default=None,
-        help="with --device cuda: the kernel scaled_dot_product_attention runs (required without a GPU)",
+        help="with --device cuda: the kernel scaled_dot_product_attention runs (default: as PyTorch chooses on "
+        "--hardware, or on this GPU)",
     )
 
 
@@ -634,7 +637,8 @@ def _main(argv: Sequence[str] | None) -> int:
     d.add_argument(
         "--hardware",
         default=None,
-        help="with a layout: the step time on this accelerator; with --reserved: its cuBLAS workspace",
+        help="with a layout: the step time on this accelerator; with --reserved: its cuBLAS workspace; with "
+        "--device cuda: the GPU whose kernel choices (SDPA) the step follows",
     )
     d.add_argument(
         "--reserved",

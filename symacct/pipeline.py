@@ -88,7 +88,7 @@ from symacct.trace.probe import (
 )
 from symacct.trace.record import StepTrace, call_inputs, check_device, record_step
 from symacct.trace.sdpa import check_backend
-from symacct.trace.sdpa import describe as describe_sdpa
+from symacct.trace.sdpa_choice import Target
 from symacct.trace.tensor_parallel import apply_plan, check_plan, fake_group
 
 
@@ -604,6 +604,8 @@ def _trace(
     ``tensor_parallel``) the model is sharded on a fake process group of ``tp_world`` ranks (default: the
     probe's tp) and the step is rank 0's (``symacct.trace.tensor_parallel``)."""
     precision = dict(precision)
+    if "sdpa_target" in precision:
+        precision["sdpa_size"] = _own_size(src, probe)
     plan, degree = precision.pop("tensor_parallel", None), precision.pop(TP, None)
     if plan is None:
         group: Any = contextlib.nullcontext()
@@ -626,6 +628,22 @@ def _trace(
             only_ops=only_ops,
             **precision,
         )
+
+
+def _own_size(src: _Source, probe: Probe) -> Callable[[int], int]:
+    """A traced dimension as the user's model has it, for the kernel choices that read sizes: its reading in
+    symbols at the model's own values (a head D/H, 232 wide at the probe, is 128 in a model with D = 4096 and
+    H = 32); a dimension with no reading, or in symbols the model leaves free (B, S), as traced."""
+    own = {sym(letter): src.values[f] for f, letter in src.fields.items() if f in src.values}
+
+    def size(n: int) -> int:
+        expr = probe.to_expr(n)
+        if expr is None:
+            return n
+        value = sympy.sympify(expr).subs(own)
+        return int(value) if value.is_Integer else n
+
+    return size
 
 
 def _same_model(
@@ -804,6 +822,7 @@ def _derive(
     params_dtype: torch.dtype | str | None = None,
     device: str = "cpu",
     sdpa_backend: str | None = None,
+    hardware: Any = None,
     routing: Sequence[Any] | None = None,
     cache_dtype: torch.dtype | str | None = None,
     tensor_parallel: Any = None,
@@ -858,6 +877,12 @@ def _derive(
             CUDA without a GPU when the model calls SDPA (there is no device to
             choose it), a restriction of PyTorch's choice with one
             (symacct.trace.sdpa).
+        hardware: with ``device="cuda"``, the GPU (a catalog name or entry)
+            whose kernel choices the step follows: SDPA runs the kernel
+            PyTorch 2.14 picks on it (by compute capability, dtype, head dim,
+            mask, the cuDNN this torch loads; symacct.trace.sdpa_choice),
+            with or without a GPU here, and a note names it; a named
+            ``sdpa_backend`` overrides the choice.
         routing: a mixture of experts' split of the routed (token, expert)
             pairs over the E experts, as E non-negative shares (normalised),
             for ``acct.experts``; default balanced. Totals do not depend on
@@ -890,6 +915,7 @@ def _derive(
         params_dtype=params_dtype,
         device=device,
         sdpa_backend=sdpa_backend,
+        hardware=hardware,
         routing=routing,
         cache_dtype=cache_dtype,
         tensor_parallel=tensor_parallel,
@@ -979,6 +1005,7 @@ def _request(
     tensor_parallel: Any = None,
     tp: int = 2,
     sdpa_backend: str | None = None,
+    hardware: Any = None,
 ) -> Request:
     """Check the options and put them in one record."""
     autocast, params_dtype = torch_dtype("autocast", autocast), torch_dtype("params_dtype", params_dtype)
@@ -1000,6 +1027,14 @@ def _request(
     precision: dict[str, Any] = {"autocast": autocast, "params_dtype": params_dtype, "device": device}
     if sdpa_backend is not None:
         precision["sdpa_backend"] = sdpa_backend
+    if hardware is not None:
+        if torch.device(device).type != "cuda":
+            raise SymacctError(
+                f"hardware= names the GPU whose CUDA kernel choices the step follows; device={device!r} runs the "
+                "CPU's kernels",
+                hint="pass device='cuda' with hardware= (CLI: --device cuda --hardware NAME)",
+            )
+        precision["sdpa_target"] = Target.of(hardware)
     if tensor_parallel is not None:
         check_plan(tensor_parallel)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
@@ -1023,6 +1058,7 @@ def _request(
             "cache_dtype": str(kv_dtype) if kv_dtype else None,
             "device": device,
             "sdpa_backend": sdpa_backend,
+            "hardware": precision["sdpa_target"].name if "sdpa_target" in precision else None,
             "tensor_parallel": _plan_name(tensor_parallel),
         },
         inputs=inputs,
@@ -1356,10 +1392,9 @@ def account(
         how = "on fake CUDA tensors" + (
             "" if torch.cuda.is_available() else ", no GPU: backward by symacct.trace.engine"
         )
-        sdpa = req.precision.get("sdpa_backend")
-        acct.notes.append(
-            f"CUDA kernels traced {how}" + (f"; SDPA: {describe_sdpa(sdpa)} (named by sdpa_backend)" if sdpa else "")
-        )
+        kernels = first.trace.sdpa_kernels
+        sdpa = "; ".join(f"SDPA: {k}" for k in sorted(kernels))  # each kernel once, however many calls
+        acct.notes.append(f"CUDA kernels traced {how}" + (f"; {sdpa}" if sdpa else ""))
     if "B" not in acct.free_symbols():
         acct.notes.append(
             "B reaches no tensor shape: the inputs do not use their B argument, so every figure is per call "

@@ -79,3 +79,38 @@ def test_cuda_later_steps_time_and_mfu():
 
     achieved = mfu(acct.at(B=B, S=S, **sizes).flops.total, min(run.seconds[1:]), device_hardware())
     assert 0 < achieved <= 1
+
+
+def test_sdpa_choice_is_pytorchs_on_this_gpu() -> None:
+    """symacct's reading of PyTorch's SDPA kernel choice (``symacct.trace.sdpa_choice``) against PyTorch's own
+    (``torch._fused_sdp_choice``) on this GPU, over dtypes, head dims, masks, dropout, causality, decode shapes,
+    grouped heads and gradients."""
+    import itertools
+
+    from symacct.trace.sdpa_choice import Target, choose
+
+    names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
+    major, minor = torch.cuda.get_device_capability()
+    target = Target("this GPU", major, minor, torch.backends.cudnn.version())
+    grid = itertools.product(
+        (torch.bfloat16, torch.float16, torch.float32),
+        (64, 124, 128, 192, 232, 256, 300),
+        (None, "bool"),
+        (0.0, 0.1, 0.125),
+        (False, True),
+        ((64, 64), (1, 64)),
+        ((8, 8, False), (8, 2, True)),
+        (False, True),
+    )
+    differ = []
+    for dtype, head, mask, dropout, causal, (s_q, s_k), (h, h_kv, gqa), grad in grid:
+        if causal and mask is not None:
+            continue
+        q = torch.zeros(2, h, s_q, head, device="cuda", dtype=dtype, requires_grad=grad)
+        k, v = (torch.zeros(2, h_kv, s_k, head, device="cuda", dtype=dtype, requires_grad=grad) for _ in range(2))
+        m = torch.ones(s_q, s_k, device="cuda", dtype=torch.bool) if mask else None
+        theirs = names[torch._fused_sdp_choice(q, k, v, m, dropout, causal, None, gqa)]
+        ours = choose(target, q, k, v, m, dropout, causal, gqa).backend
+        if ours != theirs:
+            differ.append((dtype, head, mask, dropout, causal, s_q, s_k, h_kv, gqa, grad, ours, theirs))
+    assert not differ, differ[:10]

@@ -13,6 +13,7 @@ Checked here:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -225,3 +226,46 @@ def test_sdpa_under_cuda_autocast_runs_as_cpu_autocast_runs_it() -> None:
     assert run("cuda", choosing("math", "cuda")) == cpu
     flash = [d for f, d in run("cuda", choosing("flash", "cuda")) if "flash" in f]
     assert flash and set(flash[0][:3]) == {torch.bfloat16}
+
+
+def _wide_llama() -> Llama:
+    cfg = LlamaConfig(n_layers=3, dim=512, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=128, max_seq_len=64)
+    return Llama(dataclasses.replace(cfg, sdpa=True))
+
+
+def test_hardware_runs_the_kernel_pytorch_chooses_there() -> None:
+    """derive(hardware=...) runs the kernel PyTorch 2.14 picks on that GPU, judged at the model's own head dim
+    (128) and not the probe's (232, which cuDNN's backward rule would turn away): cuDNN attention on an H100,
+    flash on an A100; each derivation equals the one with that kernel named, and the two differ (cuDNN keeps
+    two int64 random-number scalars, 16 bytes a layer, flash a (2,) and a () tensor, 24)."""
+    kw: dict[str, Any] = {"autocast": torch.bfloat16, "optimizer": "adamw", "device": "cuda"}
+    per_layer = {}
+    for hw, backend, name in (
+        ("H100", "cudnn", "cuDNN attention (sm90, bf16, head dim 128) on H100-SXM"),
+        ("A100", "flash", "flash attention (sm80, bf16, head dim 128) on A100-SXM-80GB"),
+    ):
+        chosen = symacct.derive(_wide_llama(), hardware=hw, **kw)
+        named = symacct.derive(_wide_llama(), sdpa_backend=backend, **kw)
+        assert any(name in n for n in chosen.notes), chosen.notes
+        assert _per_layer(chosen) == _per_layer(named)
+        assert chosen.at(B=2, S=32).memory.activations == named.at(B=2, S=32).memory.activations
+        per_layer[backend] = _per_layer(chosen)
+    assert sympy.expand(per_layer["flash"] - per_layer["cudnn"]) == 8
+
+
+def test_hardware_names_the_kernel_it_passed_over() -> None:
+    """gpt2's attention dropout of 0.1 is no multiple of 1/16: on an H100 cuDNN is passed over for flash, and
+    the note says why."""
+    acct = symacct.derive(_gpt2(sdpa=True), device="cuda", hardware="H100", autocast=torch.bfloat16)
+    (note,) = [n for n in acct.notes if "SDPA:" in n]
+    assert "flash attention (sm90, bf16, head dim 16; not cuDNN attention: dropout not a multiple of 1/16)" in note
+    named = symacct.derive(_gpt2(sdpa=True), device="cuda", sdpa_backend="flash", autocast=torch.bfloat16)
+    assert _per_layer(acct) == _per_layer(named)
+
+
+def test_hardware_on_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from symacct.cli import main
+
+    args = ["derive", "llama", "--config", "sdpa=true", "--config", "n_layers=2", "--config", "dim=256"]
+    assert main([*args, "--device", "cuda", "--hardware", "H100", "--autocast", "bf16"]) == 0
+    assert "SDPA: cuDNN attention (sm90, bf16, head dim" in capsys.readouterr().out

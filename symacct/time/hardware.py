@@ -13,7 +13,11 @@ Users add their own entries from a JSON (or, on Python >= 3.11, TOML) file
 with :func:`load`; the file holds a list of objects with the fields of
 :class:`Accelerator` (``peak`` in TFLOP/s per dtype, ``memory_gb``,
 ``bandwidth_tbs``, ``interconnect_gbs``, ``source``; for many GPUs ``network_gbs``, ``gpus_per_node``,
-``network_source``; for ``Accounting.reserved`` ``cublas_workspace`` in bytes).
+``network_source``; for ``Accounting.reserved`` ``cublas_workspace`` in bytes; for the CUDA kernels' choices
+``compute_capability`` as ``[major, minor]``).
+
+Compute capabilities are NVIDIA's (CUDA GPUs, developer.nvidia.com/cuda-gpus): A100 8.0, H100 and H200
+9.0, B200 10.0, L40S and GeForce RTX 4090 8.9; MI300X and the TPUs are not CUDA devices.
 
 Interconnect: ``interconnect_gbs`` is the scale-up link inside a node (NVLink, one direction, per GPU);
 ``network_gbs`` the scale-out network between nodes, per GPU and one direction (a DGX's one 400 Gb/s
@@ -52,6 +56,8 @@ class Accelerator:
     network_source: str = ""
     # bytes the cuBLAS workspace takes from the caching allocator at the first matmul (None: no CUDA)
     cublas_workspace: int | None = None
+    # CUDA compute capability (major, minor): PyTorch chooses its SDPA kernel by it (None: not a CUDA device)
+    compute_capability: tuple[int, int] | None = None
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         """Dense peak in FLOP/s for ``dtype`` ('bf16', 'fp16', 'fp8', 'tf32', 'fp32')."""
@@ -102,6 +108,7 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_DGXA100,
             cublas_workspace=_WS_OTHER,
+            compute_capability=(8, 0),
         ),
         Accelerator(
             "A100-40GB",
@@ -117,6 +124,7 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_DGXA100,
             cublas_workspace=_WS_OTHER,
+            compute_capability=(8, 0),
         ),
         Accelerator(
             "H100-SXM",
@@ -131,6 +139,7 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_POD,
             cublas_workspace=_WS_HOPPER,
+            compute_capability=(9, 0),
         ),
         Accelerator(
             "H100-PCIe",
@@ -142,6 +151,7 @@ CATALOG: dict[str, Accelerator] = {
             sparse={"bf16": 1513, "fp16": 1513, "fp8": 3026, "tf32": 756},
             aliases=("H100-PCIE",),
             cublas_workspace=_WS_HOPPER,
+            compute_capability=(9, 0),
         ),
         Accelerator(
             "H200",
@@ -156,6 +166,7 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_POD,
             cublas_workspace=_WS_HOPPER,
+            compute_capability=(9, 0),
         ),
         Accelerator(
             "B200",
@@ -169,6 +180,7 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_POD,
             cublas_workspace=_WS_HOPPER,
+            compute_capability=(10, 0),
         ),
         Accelerator(
             "L40S",
@@ -179,6 +191,7 @@ CATALOG: dict[str, Accelerator] = {
             f"{_NV}: L40S GPU (362.05 dense / 733 sparse BF16 as printed); PCIe Gen4 x16 64 GB/s bidirectional",
             sparse={"bf16": 733, "fp16": 733, "fp8": 1466, "tf32": 366},
             cublas_workspace=_WS_OTHER,
+            compute_capability=(8, 9),
         ),
         Accelerator(
             "RTX-4090",
@@ -191,6 +204,7 @@ CATALOG: dict[str, Accelerator] = {
             aliases=("4090", "RTX4090"),
             notes="bf16/fp16 with FP32 accumulate; FP8 omitted: sources disagree",
             cublas_workspace=_WS_OTHER,
+            compute_capability=(8, 9),
         ),
         Accelerator(
             "MI300X",
@@ -310,6 +324,7 @@ def load(path: str | Path) -> list[Accelerator]:
                 gpus_per_node=int(item.get("gpus_per_node", 1)),
                 network_source=str(item.get("network_source", "")),
                 cublas_workspace=int(item["cublas_workspace"]) if item.get("cublas_workspace") is not None else None,
+                compute_capability=_capability(item.get("compute_capability")),
             )
             validate(a)
             CATALOG[a.name] = a
@@ -320,6 +335,16 @@ def load(path: str | Path) -> list[Accelerator]:
             f"cannot read hardware file {str(path)!r}: {type(e).__name__}: {e}",
             hint="a JSON list of objects with name, peak (TFLOP/s per dtype), memory_gb, bandwidth_tbs, source",
         ) from e
+
+
+def _capability(value: object) -> tuple[int, int] | None:
+    """``[9, 0]`` or ``"9.0"`` as (9, 0); None stays None."""
+    if value is None:
+        return None
+    parts = str(value).split(".") if isinstance(value, str | float) else list(value)  # type: ignore[call-overload]
+    if len(parts) != 2:
+        raise ValueError(f"compute_capability {value!r}: want [major, minor]")
+    return int(parts[0]), int(parts[1])
 
 
 def validate(a: Accelerator) -> None:

@@ -44,6 +44,7 @@ from symacct.errors import SymacctError
 from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
 from symacct.trace.sdpa import choosing
+from symacct.trace.sdpa_choice import Target
 
 aten = torch.ops.aten
 _EXPIRED = torch.UntypedStorage._expired  # type: ignore[attr-defined]  # the C call StorageWeakRef.expired makes
@@ -135,6 +136,8 @@ class StepTrace:
     persistent_buffers: set[int] = field(default_factory=set)  # buffer storages that state_dict() saves
     # storages on the CPU: all of a CPU step's; on CUDA, those eager code keeps there (AdamW's step counters)
     storage_device: dict[int, str] = field(default_factory=dict)
+    # SDPA kernels run on CUDA (how the note describes each -> calls); symacct.trace.sdpa
+    sdpa_kernels: dict[str, int] = field(default_factory=dict)
 
     def note_storage(self, st: int, t: torch.Tensor) -> None:
         """Record the bytes of storage ``st`` and, when ``t`` spans it, the shape they come from."""
@@ -655,6 +658,8 @@ def record_step(
     only_ops: bool = False,
     python_engine: bool | None = None,
     sdpa_backend: str | None = None,
+    sdpa_target: Target | None = None,
+    sdpa_size: Callable[[int], int] = int,
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
@@ -676,7 +681,9 @@ def record_step(
 
     ``python_engine`` runs the backward node by node from Python (``symacct.trace.engine``): by default for
     fake CUDA tensors on a machine without a GPU, where PyTorch's engine cannot start. ``sdpa_backend``: the
-    kernel ``scaled_dot_product_attention`` runs on CUDA (``symacct.trace.sdpa``; required without a GPU).
+    kernel ``scaled_dot_product_attention`` runs on CUDA (``symacct.trace.sdpa``), or with ``sdpa_target`` the
+    one PyTorch chooses on that GPU, reading sizes through ``sdpa_size`` (``symacct.trace.sdpa_choice``); one
+    of them is required without a GPU. The kernels run are in ``trace.sdpa_kernels``.
     """
     check_device(device)
     if python_engine is None:
@@ -762,7 +769,7 @@ def record_step(
             _removing(hooks),
             _quiet("torch._subclasses.fake_tensor"),
             _sharding_prop_unrecorded(),
-            choosing(sdpa_backend, device),
+            choosing(sdpa_backend, device, sdpa_target, sdpa_size) as kernels,
             refusing_hooks() if python_engine else contextlib.nullcontext(),
         ):
             if step == "train":
@@ -839,6 +846,7 @@ def record_step(
                     trace.cache_storages.add(ids.storage(t))
                     trace.held_storages.add(ids.storage(t))
                 recorder.mark("after_forward")
+    trace.sdpa_kernels = kernels
     return trace
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from symacct.errors import SymacctError
+from symacct.trace.sdpa_choice import Target, choose
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")
 _NAMES = {
@@ -51,15 +52,20 @@ def check_backend(backend: str | None) -> None:
 
 
 @contextlib.contextmanager
-def choosing(backend: str | None, device: str) -> Iterator[None]:
-    """The step's SDPA calls run ``backend`` (module docstring); on the CPU nothing changes."""
+def choosing(
+    backend: str | None, device: str, target: Target | None = None, size: Callable[[int], int] = int
+) -> Iterator[dict[str, int]]:
+    """The step's SDPA calls run ``backend``, or with ``target`` (a named GPU) the kernel PyTorch chooses on it
+    (``symacct.trace.sdpa_choice``; ``size`` maps a traced dimension to the user's model's); on the CPU nothing
+    changes. Yields the kernels run, each described once with its count (filled as the calls run)."""
     check_backend(backend)
+    counts: dict[str, int] = {}
     if torch.device(device).type != "cuda":
-        yield
+        yield counts
         return
-    if torch.cuda.is_available():
+    if target is None and torch.cuda.is_available():
         if backend is None:
-            yield
+            yield counts
             return
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -70,42 +76,69 @@ def choosing(backend: str | None, device: str) -> Iterator[None]:
             "math": SDPBackend.MATH,
         }
         with sdpa_kernel([kinds[backend]]):
-            yield
+            yield counts
         return
-    with _Forced(backend):
-        yield
+    with _Forced(backend, target, size, counts):
+        yield counts
 
 
 class _Forced(TorchFunctionMode):
-    def __init__(self, backend: str | None) -> None:
+    """SDPA calls run the named kernel, or the one :func:`~symacct.trace.sdpa_choice.choose` picks for the
+    target; the same path with and without a GPU."""
+
+    def __init__(
+        self, backend: str | None, target: Target | None, size: Callable[[int], int], counts: dict[str, int]
+    ) -> None:
         super().__init__()
-        self.backend = backend
+        self.backend, self.target, self.size, self.counts = backend, target, size, counts
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention and func is not torch._C._nn.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        if self.backend is None:
+        if self.backend is None and self.target is None:
             raise SymacctError(
                 "the model calls scaled_dot_product_attention, whose kernel (and what it saves for backward) "
                 "a GPU chooses; there is none here to ask",
                 op="scaled_dot_product_attention",
                 shapes=[tuple(a.shape) for a in args[:3] if isinstance(a, torch.Tensor)],
-                hint="pass sdpa_backend='flash', 'cudnn', 'efficient' or 'math' (CLI: --sdpa-backend), the kernel "
-                "your GPU runs (symacct verify on it shows which), or derive on a machine with the GPU",
+                hint="name the GPU with hardware= (CLI: --hardware) and symacct chooses as PyTorch does, or name "
+                "the kernel with sdpa_backend='flash', 'cudnn', 'efficient' or 'math' (CLI: --sdpa-backend)",
             )
-        if not torch.is_autocast_enabled("cuda"):
-            return _call(self.backend, *args, **kwargs)
-        # Autocast runs ahead of this mode on a GPU: SDPA is on its lower-precision list, so every floating
-        # CUDA tensor argument but a float64 one (query, key, value, a float mask) is cast to the autocast
-        # dtype, and the kernel runs with autocast off (autocast_mode.cpp, cached_cast and the excluded key)
-        dtype = torch.get_autocast_dtype("cuda")
-        args, kwargs = tuple(_cast(a, dtype) for a in args), {k: _cast(v, dtype) for k, v in kwargs.items()}
-        torch.set_autocast_enabled("cuda", False)
+        autocast = torch.is_autocast_enabled("cuda")
+        if autocast:
+            # Autocast runs ahead of this mode on a GPU: SDPA is on its lower-precision list, so every floating
+            # CUDA tensor argument but a float64 one (query, key, value, a float mask) is cast to the autocast
+            # dtype, and the kernel runs with autocast off (autocast_mode.cpp, cached_cast and the excluded key)
+            dtype = torch.get_autocast_dtype("cuda")
+            args, kwargs = tuple(_cast(a, dtype) for a in args), {k: _cast(v, dtype) for k, v in kwargs.items()}
+            torch.set_autocast_enabled("cuda", False)
         try:
-            return _call(self.backend, *args, **kwargs)
+            backend, why = self._kernel(*args, **kwargs)
+            self.counts[why] = self.counts.get(why, 0) + 1
+            return _call(backend, *args, **kwargs, _why=why)
         finally:
-            torch.set_autocast_enabled("cuda", True)
+            if autocast:
+                torch.set_autocast_enabled("cuda", True)
+
+    def _kernel(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> tuple[str, str]:
+        """The kernel and how the note describes it."""
+        if self.backend is not None:
+            return self.backend, f"{describe(self.backend)} (named by sdpa_backend)"
+        assert self.target is not None
+        c = choose(self.target, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, self.size)
+        passed = "".join(f"; not {describe(b)}: {why}" for b, why in c.passed)
+        return c.backend, f"{describe(c.backend)} ({c.why}{passed}) on {self.target.name}, as PyTorch 2.14 chooses"
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -124,20 +157,23 @@ def _call(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    _why: str = "",
 ) -> torch.Tensor:
     if backend == "math":
         out = torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )
         return out[0]
-    gqa = enable_gqa and query.size(-3) != key.size(-3)  # flash takes fewer key/value heads as they are
-    if attn_mask is not None or (gqa and backend != "flash"):
+    # flash and cuDNN take fewer key/value heads as they are (attention.cpp passes key and value through)
+    gqa = enable_gqa and query.size(-3) != key.size(-3)
+    if attn_mask is not None or (gqa and backend not in ("flash", "cudnn")):
         raise SymacctError(
-            f"SDPA with {'a mask' if attn_mask is not None else 'grouped-query heads'} on {describe(backend)} is "
-            "not modelled without a GPU",
+            f"SDPA with {'a mask' if attn_mask is not None else 'grouped-query heads'} on {_why or describe(backend)}"
+            " is not modelled",
             op="scaled_dot_product_attention",
             shapes=[tuple(query.shape), tuple(key.shape), tuple(value.shape)],
-            hint="use sdpa_backend='math', or derive on a machine with the GPU",
+            hint="name another kernel with sdpa_backend= (the figures are then that kernel's, not the GPU's "
+            "choice), or measure on the GPU (symacct verify)",
         )
     head = query.size(-1)
     scale = 1.0 / math.sqrt(head) if scale is None else scale
@@ -151,6 +187,15 @@ def _call(
         )
         return out[0][..., :head] if pad else out[0]
     if backend == "efficient":
+        if grad:
+            raise SymacctError(
+                f"SDPA on {_why or describe(backend)}: with a gradient this kernel pads its logsumexp to a "
+                "multiple of 32 queries, a size no product of the model's symbols expresses",
+                op="_scaled_dot_product_efficient_attention",
+                shapes=[tuple(query.shape), tuple(key.shape), tuple(value.shape)],
+                hint="train in bf16 or fp16 (autocast=) where flash or cuDNN attention runs, or name another "
+                "kernel with sdpa_backend= (its figures, not the GPU's choice)",
+            )
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, None, grad, dropout_p, is_causal, scale=scale
         )
