@@ -119,7 +119,7 @@ def _check(args: argparse.Namespace) -> int:
     from symacct.report.terminal import print_claims, progress
 
     with progress("deriving the reference models"):
-        claims = [c.as_dict() for c in catalog()]
+        claims = [c.as_dict() for c in catalog(args.device)]
     if args.json:
         print(json.dumps(claims, indent=2, sort_keys=True))
     elif args.format == "md":
@@ -691,6 +691,11 @@ def _main(argv: Sequence[str] | None) -> int:
     ck = sub.add_parser("check", help="verdicts on the seeds' rules of thumb, each derived on the reference models")
     ck.add_argument("--json", action="store_true")
     ck.add_argument("--format", choices=("text", "md"), default="text", help="md: the docs/rules-of-thumb.md page")
+    ck.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda: add the claims derived on CUDA's kernels beside the CPU's (the CUDA build of torch, no GPU)",
+    )
     sub.add_parser("list", help="list the built-in models")
     e = sub.add_parser("estimate", help="training time by the 6ND rule, or from a model's derived FLOPs")
     e.add_argument("model", nargs="?", help="optional: derive the step FLOPs of this model instead of 6ND")

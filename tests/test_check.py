@@ -294,3 +294,12 @@ def test_check_cli_json_and_md(capsys):
     out = capsys.readouterr().out
     for r in rows:
         assert r["verdict"] in out
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="the CPU build's refusal")
+def test_check_on_cuda_needs_the_cuda_build(capsys: pytest.CaptureFixture[str]) -> None:
+    from symacct.cli import main
+
+    assert main(["check", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs the CUDA build of torch" in err and len(err.splitlines()) == 1

@@ -269,3 +269,17 @@ def test_hardware_on_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["derive", "llama", "--config", "sdpa=true", "--config", "n_layers=2", "--config", "dim=256"]
     assert main([*args, "--device", "cuda", "--hardware", "H100", "--autocast", "bf16"]) == 0
     assert "SDPA: cuDNN attention (sm90, bf16, head dim" in capsys.readouterr().out
+
+
+def test_check_gives_cuda_beside_cpu() -> None:
+    """``symacct check --device cuda``'s Korthikanti claim in Megatron's setting (bf16 parameters): the paper's
+    34 and 5 exactly on CUDA's kernels, the remainder LayerNorm's fp32 statistics (16 B S) and the mask slice
+    (S^2), and the CPU's figure beside it differing by the masks and statistics (worked out in
+    test_gpt2_cuda_minus_cpu_is_the_named_terms)."""
+    from symacct.report.check import HOLDS, catalog
+
+    (claim,) = [c for c in catalog("cuda") if c.id == "activations-korthikanti-cuda"]
+    assert claim.verdict == HOLDS and (claim.numbers["bsd"], claim.numbers["bhs2"]) == (34, 5)
+    assert "CUDA minus the paper: `16*B*S + S**2`" in claim.details[0]
+    assert "CUDA minus CPU: `-B*S**2*H - 2*B*S*D + 8*B*S`" in claim.details[1]
+    assert "activations-korthikanti-cuda" not in {c.id for c in catalog()}

@@ -504,6 +504,46 @@ def activations(acct: Any = None, *, B_: int = 4, S_: int = 1024) -> list[Claim]
     return out
 
 
+def korthikanti_cuda(cpu: Any = None, cuda: Any = None, *, B_: int = 4, S_: int = 1024) -> Claim:
+    """Korthikanti's rule in its own setting (bf16 parameters, dropout, eager attention) on CUDA's kernels
+    (``derive(device="cuda")``, the CUDA build of torch) beside the CPU's: the paper's two coefficients are
+    exact there and the remainder is what PyTorch adds, each term named."""
+    from symacct.symbols import B, D, H, S
+
+    cpu = cpu if cpu is not None else _gpt2(config=GPT2_1B3, params_dtype="bf16")
+    cuda = cuda if cuda is not None else _gpt2(config=GPT2_1B3, params_dtype="bf16", device="cuda")
+    per = {k: sympy.expand(a.memory.activations_per_layer["blocks"]) for k, a in (("cpu", cpu), ("cuda", cuda))}
+    paper = 34 * B * S * D + 5 * B * H * S**2
+    poly = sympy.Poly(per["cuda"], B, S, D, H)
+    c_bsd, c_bhs2 = poly.coeff_monomial(B * S * D), poly.coeff_monomial(B * H * S**2)
+    vals = cuda.at(B=B_, S=S_).values
+    hidden, heads = vals["D"], vals["H"]
+    korth = S_ * B_ * hidden * (34 + 5 * heads * S_ / hidden)
+    derived = _val(cuda, per["cuda"], B_, S_)
+    return Claim(
+        "activations-korthikanti-cuda",
+        "activation bytes per layer = s b h (34 + 5 a s / h) (Korthikanti et al. 2022), in Megatron's setting",
+        "REFERENCES.md: bf16 parameters, dropout, 1-byte masks, eager attention",
+        f"gpt2 (D={hidden}, H={heads}) with bf16 parameters, per layer: CUDA kernels {_formula(per['cuda'])}, "
+        f"CPU kernels {_formula(per['cpu'])}; B S D coefficient {c_bsd} (paper 34), B H S^2 coefficient "
+        f"{c_bhs2} (paper 5); at B={B_}, S={S_}: {_gb(derived)} per layer vs {_gb(korth)}",
+        judge(derived, korth),
+        "",
+        [
+            f"CUDA minus the paper: {_formula(sympy.expand(per['cuda'] - paper))} (LayerNorm's fp32 mean and rstd, "
+            "two norms: 16 B S; the bool S x S causal-mask slice masked_fill saves: S^2)",
+            f"CUDA minus CPU: {_formula(sympy.expand(per['cuda'] - per['cpu']))} (dropout masks of 1 byte where the "
+            "CPU saves bf16 noise; LayerNorm's statistics in fp32 on CUDA, bf16 on the CPU)",
+        ],
+        {"bsd": int(c_bsd), "bhs2": int(c_bhs2), "per_layer": derived, "paper": korth},
+    )
+
+
+def cuda_claims() -> list[Claim]:
+    """The claims whose figures differ on CUDA's kernels, derived there (``symacct check --device cuda``)."""
+    return [korthikanti_cuda()]
+
+
 # ---- number formats ----------------------------------------------------------------------------
 
 
@@ -704,10 +744,15 @@ def worked_numbers() -> list[Claim]:
     ]
 
 
-def catalog() -> list[Claim]:
+def catalog(device: str = "cpu") -> list[Claim]:
     """Every claim with its derived verdict (about 20 s: a dozen derivations, made once a process: the claims
-    are about fixed reference models; each call gets its own copies)."""
-    return copy.deepcopy(list(_catalog()))
+    are about fixed reference models; each call gets its own copies). ``device="cuda"`` adds the claims
+    derived on CUDA's kernels beside the CPU's (:func:`cuda_claims`; the CUDA build of torch, no GPU)."""
+    from symacct.trace.record import check_device
+
+    check_device(device)
+    extra = cuda_claims() if device.startswith("cuda") else []
+    return copy.deepcopy([*_catalog(), *extra])
 
 
 @functools.cache
