@@ -22,6 +22,7 @@ A mask is modelled for ``math`` only here, grouped-query heads left to ``enable_
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -121,22 +122,17 @@ class _Forced(TorchFunctionMode):
             if autocast:
                 torch.set_autocast_enabled("cuda", True)
 
-    def _kernel(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> tuple[str, str]:
+    def _kernel(self, *args: Any, **kwargs: Any) -> tuple[str, str]:
         """The kernel and how the note describes it."""
         if self.backend is not None:
             return self.backend, f"{describe(self.backend)} (named by sdpa_backend)"
         assert self.target is not None
-        c = choose(self.target, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, self.size)
+        a = inspect.signature(_call).bind("", *args, **kwargs)  # SDPA's own arguments, by name
+        a.apply_defaults()
+        q, k, v, mask, p, causal, gqa = (
+            a.arguments[n] for n in ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "enable_gqa")
+        )
+        c = choose(self.target, q, k, v, mask, p, causal, gqa, self.size)
         passed = "".join(f"; not {describe(b)}: {why}" for b, why in c.passed)
         return c.backend, f"{describe(c.backend)} ({c.why}{passed}) on {self.target.name}, as PyTorch 2.14 chooses"
 
