@@ -74,6 +74,7 @@ from symacct.options import CACHE_DTYPES, optimizer_factory, torch_dtype
 from symacct.sameness import NOT_THE_SAME, TENSOR_PARALLEL_IGNORED, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import letter_for_field, rational_form, sym
+from symacct.time.hardware import get as get_hardware
 from symacct.trace.constraints import check as check_constraints
 from symacct.trace.constraints import learn as learn_constraints
 from symacct.trace.probe import (
@@ -1034,7 +1035,7 @@ def _request(
                 "CPU's kernels",
                 hint="pass device='cuda' with hardware= (CLI: --device cuda --hardware NAME)",
             )
-        precision["sdpa_target"] = Target.of(hardware)
+        precision["sdpa_target"] = Target.of(get_hardware(hardware))
     if tensor_parallel is not None:
         check_plan(tensor_parallel)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:

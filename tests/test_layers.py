@@ -24,6 +24,7 @@ ORDER = [
     "options",
     "formula",
     "trace.engine",
+    "trace.sdpa_choice",
     "trace.sdpa",
     "trace.record",
     "trace.probe",

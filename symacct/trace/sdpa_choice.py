@@ -47,6 +47,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,11 +74,9 @@ class Target:
         return f"sm{self.major}{self.minor}"
 
     @classmethod
-    def of(cls, hardware: object) -> Target:
-        """The target of a catalog entry (or name); refused for an entry that is not a CUDA device."""
-        from symacct.time.hardware import get
-
-        hw = get(hardware)  # type: ignore[arg-type]
+    def of(cls, hw: Any) -> Target:
+        """The target of a catalog entry (``symacct.time.hardware.Accelerator``); refused for an entry that is
+        not a CUDA device."""
         if hw.compute_capability is None:
             raise SymacctError(
                 f"{hw.name} has no CUDA compute capability in the catalog: PyTorch's CUDA kernel choices do "
