@@ -163,13 +163,13 @@ def _call(
     # flash and cuDNN take fewer key/value heads as they are (attention.cpp passes key and value through)
     gqa = enable_gqa and query.size(-3) != key.size(-3)
     if attn_mask is not None or (gqa and backend not in ("flash", "cudnn")):
-        raise SymacctError(
+        raise _refusal(
             f"SDPA with {'a mask' if attn_mask is not None else 'grouped-query heads'} on {_why or describe(backend)}"
             " is not modelled",
-            op="scaled_dot_product_attention",
-            shapes=[tuple(query.shape), tuple(key.shape), tuple(value.shape)],
-            hint="name another kernel with sdpa_backend= (the figures are then that kernel's, not the GPU's "
-            "choice), or measure on the GPU (symacct verify)",
+            "scaled_dot_product_attention",
+            (query, key, value),
+            "name another kernel with sdpa_backend= (the figures are then that kernel's, not the GPU's choice), "
+            "or measure on the GPU (symacct verify)",
         )
     head = query.size(-1)
     scale = 1.0 / math.sqrt(head) if scale is None else scale
@@ -184,13 +184,13 @@ def _call(
         return out[0][..., :head] if pad else out[0]
     if backend == "efficient":
         if grad:
-            raise SymacctError(
+            raise _refusal(
                 f"SDPA on {_why or describe(backend)}: with a gradient this kernel pads its logsumexp to a "
                 "multiple of 32 queries, a size no product of the model's symbols expresses",
-                op="_scaled_dot_product_efficient_attention",
-                shapes=[tuple(query.shape), tuple(key.shape), tuple(value.shape)],
-                hint="train in bf16 or fp16 (autocast=) where flash or cuDNN attention runs, or name another "
-                "kernel with sdpa_backend= (its figures, not the GPU's choice)",
+                "_scaled_dot_product_efficient_attention",
+                (query, key, value),
+                "train in bf16 or fp16 (autocast=) where flash or cuDNN attention runs, or name another kernel "
+                "with sdpa_backend= (its figures, not the GPU's choice)",
             )
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, None, grad, dropout_p, is_causal, scale=scale
@@ -200,3 +200,8 @@ def _call(
         query, key, value, None, grad, dropout_p, is_causal, False, scale=scale
     )
     return out[0]
+
+
+def _refusal(text: str, op: str, tensors: tuple[torch.Tensor, ...], hint: str) -> SymacctError:
+    """The error for an SDPA call this module does not model, naming the op and the query/key/value shapes."""
+    return SymacctError(text, op=op, shapes=[tuple(t.shape) for t in tensors], hint=hint)
