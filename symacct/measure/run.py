@@ -51,9 +51,9 @@ def _settle_collective(func: Any, out: Any, held: list[tuple[torch.Tensor, int, 
     a real run's live bytes follow program order, as a derivation does. Once the group lets go, a fresh
     output is held by this frame alone, and its storage by that tensor alone (a view the group keeps would
     share it), and each input (``held``: the tensors with their holds before the call, ``_holds``) is back
-    to the holds it had: after an all-reduce on gloo whose output had been let go, a
-    buffer of its input's size was seen still held, about once in 6000 rounds on a loaded machine. In-place collectives and the wait itself are left alone;
-    a group that never lets go is waited for ``timeout_s`` at most."""
+    to the holds it had: after an all-reduce on gloo whose output had been let go, a buffer of its input's
+    size was seen still held, about once in 6000 rounds on a loaded machine. In-place collectives and the
+    wait itself are left alone; a group that never lets go is waited for ``timeout_s`` at most."""
     if func.namespace != "_c10d_functional" or func._schema.is_mutable:
         return
     if func.overloadpacket.__name__ in ("wait_tensor", "_wrap_tensor_autograd"):
