@@ -331,7 +331,8 @@ class Accounting:
         """What PyTorch's CUDA caching allocator reserves for ``steps`` training steps at these sizes:
         ``torch.cuda.max_memory_reserved()``, with ``max_memory_allocated()`` as the allocator counts it
         (blocks rounded to 512 bytes, unsplit remainders), by replaying the step's storage timeline through
-        a model of the allocator (``symacct.memory.reserved``). ``hardware`` adds its cuBLAS workspace;
+        a model of the allocator (``symacct.memory.reserved``). ``hardware`` adds its cuBLAS workspace, and
+        its CUDA context as ``Reserved.context`` (outside the allocator: ``device_peak`` adds it);
         ``warmup`` first runs one forward and backward, as ``symacct verify`` does on a GPU.
 
         The timeline of a model with L blocks is traced once per L (on fake tensors, at the probe's sizes).
@@ -340,7 +341,7 @@ class Accounting:
             raise SymacctError("this accounting keeps no storage timeline", hint="call reserved() on a derive() result")
         if steps < 1:
             raise SymacctError(f"steps={steps}: at least one step", hint="pass steps=1 or more")
-        workspace = 0
+        workspace = context = 0
         if hardware is not None:
             hw = get_hardware(hardware)
             if hw.cublas_workspace is None:
@@ -348,10 +349,11 @@ class Accounting:
                     f"{hw.name} has no cuBLAS workspace figure in the catalog",
                     hint="reserved() models the CUDA caching allocator; give a CUDA GPU, or none",
                 )
-            workspace = hw.cublas_workspace
+            workspace, context = hw.cublas_workspace, hw.cuda_context or 0
         full = self.values_at(**values)
         layers = full["L"] if "L" in self.free_symbols() else None
-        return replay_steps(self.timelines(layers), full, steps=steps, warmup=warmup, workspace=workspace)
+        tl = self.timelines(layers)
+        return replay_steps(tl, full, steps=steps, warmup=warmup, workspace=workspace, context=context)
 
     def time(self, *, hardware: Any, tokens: float, gpus: int = 1, mfu: float = 0.5, **sizes: int) -> Any:
         """Training time for ``tokens`` with this step's derived FLOPs (``symacct.time.model.train_time``)."""

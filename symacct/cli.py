@@ -42,6 +42,7 @@ class _Parser(argparse.ArgumentParser):
 def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
     from symacct.pipeline import derive
     from symacct.report.summary import reserved_summary, summary
+    from symacct.time.hardware import get as get_hardware
 
     model = load_model(args.model, overrides_of(args.config))
     acct = derive(model, causal_discount=args.causal_discount, **_step_options(args))
@@ -50,7 +51,9 @@ def _derive_report(args: argparse.Namespace) -> dict[str, Any]:
     report = summary(acct, B=B, S=S, name=args.model)
     if args.reserved:
         sizes = {"B": B, "S": S} if "S" in acct.free_symbols() else {"B": B}
-        report["reserved"] = reserved_summary(acct.reserved(steps=args.reserved, hardware=args.hardware, **sizes))
+        r = acct.reserved(steps=args.reserved, hardware=args.hardware, **sizes)
+        source = get_hardware(args.hardware).cuda_context_source if args.hardware else ""
+        report["reserved"] = reserved_summary(r, source)
     return report
 
 
@@ -277,7 +280,16 @@ def _verify(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     meta = load_model(args.model, overrides_of(args.config))
-    acct = derive(meta, optimizer=args.optimizer, autocast=_dtype(args.autocast), device=args.device)
+    if args.predict is not None and not args.device.startswith("cuda"):
+        raise UsageError("--predict chooses how a CUDA step is predicted; it needs --device cuda")
+    route: dict[str, Any] = {}
+    if args.device.startswith("cuda") and args.predict in (None, "no-gpu"):
+        from symacct.measure.verify import device_hardware
+        from symacct.time.hardware import get
+
+        # the prediction a machine without a GPU makes for this one (symacct.trace.engine, SDPA by the rules)
+        route = {"hardware": get(args.hardware or device_hardware()).name, "without_gpu": True}
+    acct = derive(meta, optimizer=args.optimizer, autocast=_dtype(args.autocast), device=args.device, **route)
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     torch.manual_seed(0)
     model = type(meta)(meta.config)
@@ -751,6 +763,13 @@ def _main(argv: Sequence[str] | None) -> int:
         "the steady state (optimizer states alive from the start)",
     )
     v.add_argument("--hardware", default=None, help="CUDA: catalog entry for the time rows (default: this GPU)")
+    v.add_argument(
+        "--predict",
+        choices=("no-gpu", "gpu"),
+        default=None,
+        help="CUDA: the predicted side as a machine without a GPU derives it for this GPU (default: the backward "
+        "by symacct's engine, SDPA by symacct's reading of PyTorch's rules), or as this GPU traces the step",
+    )
     v.add_argument("--profile", action="store_true", help="match torch.profiler's per-op memory to graph nodes")
     v.add_argument("--parallel", action="store_true", help="run the layout on real gloo processes and compare")
     _layout_args(v)

@@ -824,6 +824,7 @@ def _derive(
     device: str = "cpu",
     sdpa_backend: str | None = None,
     hardware: Any = None,
+    without_gpu: bool = False,
     routing: Sequence[Any] | None = None,
     cache_dtype: torch.dtype | str | None = None,
     tensor_parallel: Any = None,
@@ -884,6 +885,12 @@ def _derive(
             mask, the cuDNN this torch loads; symacct.trace.sdpa_choice),
             with or without a GPU here, and a note names it; a named
             ``sdpa_backend`` overrides the choice.
+        without_gpu: with ``device="cuda"`` and ``hardware``, derive as on a
+            machine without a GPU even when this one has one: the backward by
+            symacct.trace.engine, SDPA by symacct's reading of PyTorch's
+            rules. On a GPU this is the no-GPU prediction that ``symacct
+            verify`` compares with the device (``--predict no-gpu``); without
+            a GPU it is the only route, and the flag changes nothing.
         routing: a mixture of experts' split of the routed (token, expert)
             pairs over the E experts, as E non-negative shares (normalised),
             for ``acct.experts``; default balanced. Totals do not depend on
@@ -917,6 +924,7 @@ def _derive(
         device=device,
         sdpa_backend=sdpa_backend,
         hardware=hardware,
+        without_gpu=without_gpu,
         routing=routing,
         cache_dtype=cache_dtype,
         tensor_parallel=tensor_parallel,
@@ -1007,6 +1015,7 @@ def _request(
     tp: int = 2,
     sdpa_backend: str | None = None,
     hardware: Any = None,
+    without_gpu: bool = False,
 ) -> Request:
     """Check the options and put them in one record."""
     autocast, params_dtype = torch_dtype("autocast", autocast), torch_dtype("params_dtype", params_dtype)
@@ -1036,6 +1045,16 @@ def _request(
                 hint="pass device='cuda' with hardware= (CLI: --device cuda --hardware NAME)",
             )
         precision["sdpa_target"] = Target.of(get_hardware(hardware))
+    if without_gpu is not False:
+        if without_gpu is not True:
+            raise SymacctError(f"without_gpu={without_gpu!r} is not True or False", hint="pass without_gpu=True")
+        if "sdpa_target" not in precision:
+            raise SymacctError(
+                "without_gpu=True derives for a named GPU as a machine without one would: it needs device='cuda' "
+                "and hardware=",
+                hint="pass device='cuda', hardware='H100-SXM' (CLI: --device cuda --hardware NAME)",
+            )
+        precision["python_engine"] = True
     if tensor_parallel is not None:
         check_plan(tensor_parallel)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
@@ -1060,6 +1079,7 @@ def _request(
             "device": device,
             "sdpa_backend": sdpa_backend,
             "hardware": precision["sdpa_target"].name if "sdpa_target" in precision else None,
+            "without_gpu": bool(precision.get("python_engine")),
             "tensor_parallel": _plan_name(tensor_parallel),
         },
         inputs=inputs,
@@ -1391,7 +1411,9 @@ def account(
     device = req.precision.get("device", "cpu")
     if torch.device(device).type == "cuda":
         how = "on fake CUDA tensors" + (
-            "" if torch.cuda.is_available() else ", no GPU: backward by symacct.trace.engine"
+            ", no GPU: backward by symacct.trace.engine"
+            if req.precision.get("python_engine") or not torch.cuda.is_available()
+            else ""
         )
         kernels = first.trace.sdpa_kernels
         sdpa = "; ".join(f"SDPA: {k}" for k in sorted(kernels))  # each kernel once, however many calls

@@ -303,3 +303,44 @@ def test_fit_by_the_allocator_is_no_larger_than_by_the_live_peak(gpt2_adamw, cap
     assert "caching allocator" in json.loads(capsys.readouterr().out)["formula"]
     assert main(["fit", "--hardware", "H100", "--allocator"]) == 2
     assert "--allocator needs a model" in capsys.readouterr().err
+
+
+def test_the_cuda_context_is_a_row_beside_the_allocator(gpt2_adamw, capsys) -> None:
+    """The CUDA context is device memory outside the allocator: every CUDA entry of the catalog has a figure
+    and its source, ``Reserved.device_peak`` adds it to the reserved peak, the CLI prints it as its own row and
+    an allocator fit counts it. The catalog's figure is PyTorch PR #86509's reading (287,047,680 B in use after
+    one 6.4 MB tensor) less that tensor's segment: a request between 1 MiB and 10 MiB gets a 20 MiB one."""
+    import json
+
+    import symacct
+    from symacct.cli import main
+    from symacct.memory.allocator import CachingAllocator, replay
+    from symacct.time.hardware import CATALOG, Accelerator
+
+    one = replay([("alloc", "t", 6_400_000)], CachingAllocator()).stats
+    assert one.peak_reserved == 20 * MiB
+    cuda = [a for a in CATALOG.values() if a.compute_capability is not None]
+    assert cuda and all(a.cuda_context == 287_047_680 - one.peak_reserved for a in cuda)
+    assert all("#86509" in a.cuda_context_source for a in cuda)
+    assert all(a.cuda_context is None for a in CATALOG.values() if a.compute_capability is None)
+
+    sizes = {"B": 2, "S": 8}
+    with_gpu, bare = gpt2_adamw.reserved(hardware="H100", **sizes), gpt2_adamw.reserved(**sizes)
+    assert (with_gpu.context, bare.context) == (CATALOG["H100-SXM"].cuda_context, 0)
+    assert with_gpu.device_peak == with_gpu.reserved_peak + with_gpu.context and bare.device_peak == bare.reserved_peak
+
+    argv = ["derive", "gpt2", "--config", "n_layer=2", "--config", "n_embd=32", "--config", "n_head=4"]
+    argv += ["--config", "vocab_size=64", "--config", "block_size=32", "--batch", "2", "--seq", "16", "--reserved"]
+    assert main([*argv, "--hardware", "H100", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["reserved"]
+    assert got["device_peak"] == got["reserved_peak"] + got["cuda_context"] and "#86509" in got["cuda_context_source"]
+    assert main(argv) == 0
+    assert "CUDA context" not in capsys.readouterr().out  # no GPU named: no context to add
+
+    ctx = Accelerator(
+        "tiny+ctx", {"fp32": 1.0}, 0.12, 1.0, 1.0, "made up", cublas_workspace=32 * MiB,
+        cuda_context=8 * MiB, cuda_context_source="made up",
+    )  # fmt: skip
+    fit = symacct.fit(gpt2_adamw, "B", hardware=ctx, S=32, reserve=0.0, allocator=True)
+    r = gpt2_adamw.reserved(steps=2, hardware=ctx, B=fit.value, S=32)
+    assert fit.peak_bytes == r.reserved_peak + 8 * MiB <= fit.budget_bytes < fit.next_peak_bytes

@@ -81,6 +81,21 @@ def test_cuda_later_steps_time_and_mfu():
     assert 0 < achieved <= 1
 
 
+@pytest.mark.parametrize("cls,cfg,sizes", CASES, ids=["gpt2", "llama"])
+def test_the_no_gpu_prediction_is_this_gpus_derivation(cls, cfg, sizes):
+    """The route a machine without a GPU takes for this GPU (``without_gpu=True``: symacct's engine, SDPA by
+    symacct's reading of the rules) derives the formulas this GPU's own fake-CUDA step does (PyTorch's engine,
+    PyTorch's SDPA choice): what ``symacct verify --device cuda`` predicts by default is the device's trace."""
+    from symacct.measure.verify import device_hardware
+
+    small = type(cfg)(**{**cfg.__dict__, **_small(cfg)})
+    kw = dict(optimizer="adamw", autocast=torch.bfloat16, device="cuda")
+    here = symacct.derive(cls(small), **kw)
+    without = symacct.derive(cls(small), hardware=device_hardware(), without_gpu=True, **kw)
+    assert without.memory == here.memory and without.flops == here.flops
+    assert without.at(B=8, S=256, **sizes).memory.peak == here.at(B=8, S=256, **sizes).memory.peak
+
+
 def test_sdpa_choice_is_pytorchs_on_this_gpu() -> None:
     """symacct's reading of PyTorch's SDPA kernel choice (``symacct.trace.sdpa_choice``) against PyTorch's own
     (``torch._fused_sdp_choice``) on this GPU, over dtypes, head dims, masks, dropout, causality, decode shapes,

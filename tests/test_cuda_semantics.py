@@ -253,6 +253,17 @@ def test_hardware_runs_the_kernel_pytorch_chooses_there() -> None:
     assert sympy.expand(per_layer["flash"] - per_layer["cudnn"]) == 8
 
 
+def test_without_gpu_is_the_route_taken_here() -> None:
+    """Without a GPU, ``without_gpu=True`` is the route every CUDA derivation takes: the same formulas, the
+    flag on record, the note naming symacct's engine (on a GPU, tests/test_cuda.py compares the two routes)."""
+    kw: dict[str, Any] = {"autocast": torch.bfloat16, "optimizer": "adamw", "device": "cuda", "hardware": "H100"}
+    plain = symacct.derive(_wide_llama(), **kw)
+    routed = symacct.derive(_wide_llama(), without_gpu=True, **kw)
+    assert (plain.options["without_gpu"], routed.options["without_gpu"]) == (False, True)
+    assert routed.memory == plain.memory and routed.flops == plain.flops
+    assert any("no GPU: backward by symacct.trace.engine" in n for n in routed.notes)
+
+
 def test_hardware_names_the_kernel_it_passed_over() -> None:
     """gpt2's attention dropout of 0.1 is no multiple of 1/16: on an H100 cuDNN is passed over for flash, and
     the note says why."""

@@ -167,3 +167,16 @@ def test_hardware_needs_the_cuda_device() -> None:
     model = GPT2(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16))
     with pytest.raises(SymacctError, match="device='cuda'"):
         symacct.derive(model, hardware="H100")
+
+
+def test_without_gpu_needs_a_named_gpu_on_cuda() -> None:
+    """without_gpu=True derives for a named GPU as a machine without one would: without device='cuda' and
+    hardware= there is nothing for it to do, and it is refused rather than ignored."""
+    import symacct
+    from symacct.models import GPT2, GPT2Config
+
+    model = GPT2(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16))
+    with pytest.raises(SymacctError, match="needs device='cuda' and hardware="):
+        symacct.derive(model, without_gpu=True)
+    with pytest.raises(SymacctError, match="is not True or False"):
+        symacct.derive(model, without_gpu="yes")

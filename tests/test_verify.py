@@ -96,6 +96,13 @@ def test_verify_steps_must_be_positive():
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "--steps" in out.stderr
 
 
+def test_verify_predict_is_for_cuda():
+    """--predict chooses the route of a CUDA prediction (no-GPU or this GPU's trace): on the CPU it would do
+    nothing, so it is refused rather than ignored."""
+    out = cli("verify", "cruncher", "--predict", "gpu")
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "--device cuda" in out.stderr
+
+
 def test_gpu_name_maps_to_the_catalog(monkeypatch):
     from symacct.errors import SymacctError
     from symacct.measure.verify import device_hardware

@@ -409,6 +409,9 @@ class CudaSteps:
     reserved: list[int]  # memory_reserved at the end of each step, above the baseline
     seconds: list[float]  # per step, CUDA events around forward + backward + optimizer step + zero_grad
     workspace: int = 0  # kept by the CUDA libraries after a warm-up pass (cuBLAS / cuBLASLt), not in ``memory``
+    # device memory in use (cudaMemGetInfo: total - free) less what the caching allocator reserves, after the
+    # steps: the CUDA context and the modules loaded (and any other process on this GPU)
+    context: int = 0
 
 
 def measure_cuda_steps(
@@ -478,4 +481,6 @@ def measure_cuda_steps(
         result.reserved.append(torch.cuda.memory_reserved() - base_reserved)
         result.seconds.append(begin.elapsed_time(end) / 1000.0)
         del out, value
+    free, total = torch.cuda.mem_get_info()
+    result.context = total - free - torch.cuda.memory_reserved()
     return result

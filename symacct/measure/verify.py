@@ -19,7 +19,8 @@ on the chosen device and run for real. Rows, each with its tolerance:
   ``acct.steady`` (the same step with the optimizer states alive from its
   start); the row shows the step with the largest error;
 - on CUDA: ``max_memory_reserved`` against the caching-allocator model (``Accounting.reserved``,
-  5 %), and step time and MFU
+  5 %); the CUDA context (device memory in use less what the allocator reserves) beside the catalog's
+  figure, shown; step time (25 %) and MFU
   from CUDA events (median of steps 2.., or step 1 when only one runs) next
   to the per-op roofline's prediction on the catalog accelerator.
 
@@ -27,9 +28,9 @@ Tolerances: 0 on CPU (every figure is exact there); 3 % for CUDA memory
 (the caching allocator rounds blocks to 512 bytes; the CUDA libraries'
 workspaces, made in a warm-up pass before the measured steps, are shown as
 their own row and left out of the others).
-Rows with no stated tolerance (time and MFU: a roofline
-ignores launch costs and overlap, so it is a bound, not a measurement's
-twin) are shown, never judged.
+Step time is judged at 25 % (``TIME_TOLERANCE``): a roofline ignores launch
+costs and overlap, so on a small step, where launches dominate, the row fails
+and says how far off the bound is. MFU (the same time) is shown, not judged.
 
 A transformers model runs its default task step (``symacct.models.hf.task``)
 unless ``inputs`` and ``loss`` are given.
@@ -55,6 +56,9 @@ _CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
 # reserved bytes: the allocator model replays the derived timeline exactly, but a real run also takes
 # blocks the timeline cannot see (kernels' scratch memory), and segment sizes magnify a small difference
 RESERVED_TOLERANCE = 0.05
+# step time against the per-op roofline: a bound that ignores kernel launches and overlap, judged at 25 % (the
+# target issue 15 set); a small step, dominated by launches, misses it, and the row says so
+TIME_TOLERANCE = 0.25
 
 
 @dataclass
@@ -215,13 +219,20 @@ def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int
             RESERVED_TOLERANCE,
         ),
         Row("memory: cuBLAS/cuBLASLt workspaces, left out of the rows above", 0, cuda.workspace, float("inf")),
+        # a published figure for one other GPU (Accelerator.cuda_context_source): shown beside this one's
+        Row(
+            "memory: CUDA context, outside the allocator (device used - reserved; catalog figure)",
+            reserved.context,
+            cuda.context,
+            float("inf"),
+        ),
     ]
     hw = get(hardware)  # verify() resolved it before the run
     timed = cuda.seconds[1:] or cuda.seconds
     seconds = statistics.median(timed)
     roof = roofline(acct, hw, **sizes)
     rows.append(
-        Row(f"step time, s (median of {len(timed)}; roofline on {hw.name})", roof.seconds, seconds, float("inf"))
+        Row(f"step time, s (median of {len(timed)}; roofline on {hw.name})", roof.seconds, seconds, TIME_TOLERANCE)
     )
     peak = hw.peak_flops(roof.dtype)  # the peak of the dtype the step's matmuls run in
     rows.append(

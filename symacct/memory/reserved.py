@@ -15,6 +15,10 @@ PyTorch makes them. At given sizes each storage becomes one request (``symacct.m
 - ``workspace``: the cuBLAS workspace, handed out by the same allocator at the first matmul and kept
   (``Accelerator.cublas_workspace``).
 
+Beside the allocator, ``Reserved.context`` is the CUDA context of the named GPU
+(``Accelerator.cuda_context``, a published figure with its source): device memory nvidia-smi counts and
+``max_memory_reserved`` does not; ``Reserved.device_peak`` adds it to the reserved peak.
+
 The caching allocator only ever reserves more, so ``reserved_peak`` is the reserved bytes at the end.
 What the timeline leaves out, the model cannot see: kernels' own scratch memory from the allocator
 (cuDNN, some reductions). A step derived on the CPU stands for the same step on a GPU: every storage is
@@ -92,9 +96,17 @@ class Reserved:
     workspace: int  # the cuBLAS workspace counted in the figures above
     steps: int
     warmup: bool
+    # the CUDA context and its modules, outside the allocator (``Accelerator.cuda_context``; 0: no GPU named)
+    context: int = 0
+
+    @property
+    def device_peak(self) -> int:
+        """The device memory the process holds at its peak, as nvidia-smi shows it: what the allocator reserved
+        plus the CUDA context."""
+        return self.reserved_peak + self.context
 
     @classmethod
-    def of(cls, stats: Stats, workspace: int, steps: int, warmup: bool) -> Reserved:
+    def of(cls, stats: Stats, workspace: int, steps: int, warmup: bool, context: int = 0) -> Reserved:
         return cls(
             stats.peak_allocated,
             stats.peak_reserved,
@@ -103,6 +115,7 @@ class Reserved:
             workspace,
             steps,
             warmup,
+            context,
         )
 
 
@@ -148,10 +161,17 @@ def events(
 
 
 def replay_steps(
-    tl: Timeline, values: Mapping[str, int], *, steps: int = 1, warmup: bool = False, workspace: int = 0
+    tl: Timeline,
+    values: Mapping[str, int],
+    *,
+    steps: int = 1,
+    warmup: bool = False,
+    workspace: int = 0,
+    context: int = 0,
 ) -> Reserved:
-    """The caching allocator after ``steps`` steps of this timeline at ``values``."""
+    """The caching allocator after ``steps`` steps of this timeline at ``values``; ``context`` (the CUDA
+    context's bytes, outside the allocator) is carried along for ``Reserved.device_peak``."""
     if steps < 1:
         raise ValueError("steps must be >= 1")
     alloc = replay(events(tl, values, steps=steps, warmup=warmup, workspace=workspace), CachingAllocator())
-    return Reserved.of(alloc.stats, workspace, steps, warmup)
+    return Reserved.of(alloc.stats, workspace, steps, warmup, context)

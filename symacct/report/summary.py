@@ -78,12 +78,13 @@ def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
     }
 
 
-def reserved_summary(r: Reserved) -> dict[str, Any]:
-    """The caching-allocator replay (``Accounting.reserved``), JSON-ready."""
+def reserved_summary(r: Reserved, context_source: str = "") -> dict[str, Any]:
+    """The caching-allocator replay (``Accounting.reserved``), JSON-ready; with a GPU named, its CUDA context
+    (outside the allocator) and where that figure comes from."""
     sizes: dict[int, int] = {}
     for seg in r.segments:
         sizes[seg] = sizes.get(seg, 0) + 1
-    return {
+    out: dict[str, Any] = {
         "steps": r.steps,
         "reserved_peak": r.reserved_peak,
         "allocated_peak": r.allocated_peak,
@@ -91,6 +92,9 @@ def reserved_summary(r: Reserved) -> dict[str, Any]:
         "workspace": r.workspace,
         "segments": [{"bytes": b, "count": n} for b, n in sorted(sizes.items())],
     }
+    if r.context:
+        out |= {"cuda_context": r.context, "cuda_context_source": context_source, "device_peak": r.device_peak}
+    return out
 
 
 def _mib(b: int) -> str:
@@ -107,6 +111,15 @@ def _reserved_lines(r: dict[str, Any]) -> list[str]:
         f"  allocated peak  {r['allocated_peak']}  ({_mib(r['allocated_peak'])})  max_memory_allocated: whole blocks",
         f"  live peak       {r['requested_peak']}  ({_mib(r['requested_peak'])})  the storages' own bytes",
         f"  segments        {segs}",
+        *(
+            [
+                f"  CUDA context    {r['cuda_context']}  ({_mib(r['cuda_context'])})  outside the allocator: "
+                f"{r['cuda_context_source']}",
+                f"  device peak     {r['device_peak']}  ({_mib(r['device_peak'])})  reserved + context, as nvidia-smi",
+            ]
+            if "cuda_context" in r
+            else []
+        ),
     ]
 
 

@@ -13,8 +13,8 @@ Users add their own entries from a JSON (or, on Python >= 3.11, TOML) file
 with :func:`load`; the file holds a list of objects with the fields of
 :class:`Accelerator` (``peak`` in TFLOP/s per dtype, ``memory_gb``,
 ``bandwidth_tbs``, ``interconnect_gbs``, ``source``; for many GPUs ``network_gbs``, ``gpus_per_node``,
-``network_source``; for ``Accounting.reserved`` ``cublas_workspace`` in bytes; for the CUDA kernels' choices
-``compute_capability`` as ``[major, minor]``).
+``network_source``; for ``Accounting.reserved`` ``cublas_workspace`` and ``cuda_context`` in bytes (with
+``cuda_context_source``); for the CUDA kernels' choices ``compute_capability`` as ``[major, minor]``).
 
 Compute capabilities are NVIDIA's (CUDA GPUs, developer.nvidia.com/cuda-gpus): A100 8.0, H100 and H200
 9.0, B200 10.0, L40S and GeForce RTX 4090 8.9; MI300X and the TPUs are not CUDA devices.
@@ -58,6 +58,10 @@ class Accelerator:
     cublas_workspace: int | None = None
     # CUDA compute capability (major, minor): PyTorch chooses its SDPA kernel by it (None: not a CUDA device)
     compute_capability: tuple[int, int] | None = None
+    # bytes the CUDA context and the modules loaded with it take outside the caching allocator (nvidia-smi
+    # counts them, torch.cuda.max_memory_reserved does not), with where the figure comes from (None: no figure)
+    cuda_context: int | None = None
+    cuda_context_source: str = ""
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         """Dense peak in FLOP/s for ``dtype`` ('bf16', 'fp16', 'fp8', 'tf32', 'fp32')."""
@@ -84,6 +88,16 @@ _NV = "NVIDIA datasheet"
 # CUBLAS_WORKSPACE_CONFIG unset; cuBLASLt shares it by default): 4096 KiB x 8 on compute capability 9.x to 12.x
 # (Hopper, Blackwell), ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB) on the others. None for MI300X: on ROCm
 # hipBLASLt keeps a workspace of its own beside hipBLAS's, which no run here has measured
+# The CUDA context: one published measurement, PyTorch PR #86509 (CUDA 11.7, lazy module loading, the GPU not
+# named): 287,047,680 bytes of device memory used (cudaMemGetInfo) after one 6.4 MB tensor, whose request the
+# caching allocator serves from a 20 MiB segment (a large-pool request under 10 MiB), leaving 266,076,160 for
+# the context and modules. It grows as kernels load (lazily, on first use) and differs by GPU and driver: a
+# planning figure, measured on the device by scripts/gpu_check.sh (the 'CUDA context' row of its verify runs).
+_CONTEXT = 287_047_680 - 20 * 2**20
+_CONTEXT_SOURCE = (
+    "PyTorch PR #86509 (2022): 287,047,680 B in use after one 6.4 MB tensor (CUDA 11.7, lazy loading) less its "
+    "20 MiB segment, on an unnamed GPU; grows as kernels load, differs by GPU and driver"
+)
 _WS_HOPPER = 8 * 4096 * 1024
 _WS_OTHER = 2 * 4096 * 1024 + 8 * 16 * 1024
 _POD = (
@@ -108,6 +122,8 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_DGXA100,
             cublas_workspace=_WS_OTHER,
+            cuda_context=_CONTEXT,
+            cuda_context_source=_CONTEXT_SOURCE,
             compute_capability=(8, 0),
         ),
         Accelerator(
@@ -124,6 +140,8 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_DGXA100,
             cublas_workspace=_WS_OTHER,
+            cuda_context=_CONTEXT,
+            cuda_context_source=_CONTEXT_SOURCE,
             compute_capability=(8, 0),
         ),
         Accelerator(
@@ -139,6 +157,8 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_POD,
             cublas_workspace=_WS_HOPPER,
+            cuda_context=_CONTEXT,
+            cuda_context_source=_CONTEXT_SOURCE,
             compute_capability=(9, 0),
         ),
         Accelerator(
@@ -151,6 +171,8 @@ CATALOG: dict[str, Accelerator] = {
             sparse={"bf16": 1513, "fp16": 1513, "fp8": 3026, "tf32": 756},
             aliases=("H100-PCIE",),
             cublas_workspace=_WS_HOPPER,
+            cuda_context=_CONTEXT,
+            cuda_context_source=_CONTEXT_SOURCE,
             compute_capability=(9, 0),
         ),
         Accelerator(
@@ -166,6 +188,8 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_POD,
             cublas_workspace=_WS_HOPPER,
+            cuda_context=_CONTEXT,
+            cuda_context_source=_CONTEXT_SOURCE,
             compute_capability=(9, 0),
         ),
         Accelerator(
@@ -180,6 +204,8 @@ CATALOG: dict[str, Accelerator] = {
             gpus_per_node=8,
             network_source=_POD,
             cublas_workspace=_WS_HOPPER,
+            cuda_context=_CONTEXT,
+            cuda_context_source=_CONTEXT_SOURCE,
             compute_capability=(10, 0),
         ),
         Accelerator(
@@ -191,6 +217,8 @@ CATALOG: dict[str, Accelerator] = {
             f"{_NV}: L40S GPU (362.05 dense / 733 sparse BF16 as printed); PCIe Gen4 x16 64 GB/s bidirectional",
             sparse={"bf16": 733, "fp16": 733, "fp8": 1466, "tf32": 366},
             cublas_workspace=_WS_OTHER,
+            cuda_context=_CONTEXT,
+            cuda_context_source=_CONTEXT_SOURCE,
             compute_capability=(8, 9),
         ),
         Accelerator(
@@ -204,6 +232,8 @@ CATALOG: dict[str, Accelerator] = {
             aliases=("4090", "RTX4090"),
             notes="bf16/fp16 with FP32 accumulate; FP8 omitted: sources disagree",
             cublas_workspace=_WS_OTHER,
+            cuda_context=_CONTEXT,
+            cuda_context_source=_CONTEXT_SOURCE,
             compute_capability=(8, 9),
         ),
         Accelerator(
@@ -325,6 +355,8 @@ def load(path: str | Path) -> list[Accelerator]:
                 network_source=str(item.get("network_source", "")),
                 cublas_workspace=int(item["cublas_workspace"]) if item.get("cublas_workspace") is not None else None,
                 compute_capability=_capability(item.get("compute_capability")),
+                cuda_context=int(item["cuda_context"]) if item.get("cuda_context") is not None else None,
+                cuda_context_source=str(item.get("cuda_context_source", "")),
             )
             validate(a)
             CATALOG[a.name] = a
@@ -360,3 +392,5 @@ def validate(a: Accelerator) -> None:
     for k, v in a.sparse.items():
         if k in a.peak and a.peak[k] > v:
             raise ValueError(f"{a.name}: dense {k} peak above the sparse one")
+    if a.cuda_context is not None and (a.cuda_context < 0 or not a.cuda_context_source):
+        raise ValueError(f"{a.name}: cuda_context must be a byte count with a cuda_context_source")

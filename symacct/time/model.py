@@ -307,8 +307,8 @@ def fit(
 
     ``allocator=True`` fits what the CUDA caching allocator would reserve instead of the live peak:
     ``acct.reserved`` over two steps (the first, and one with the optimizer states alive) with the
-    device's cuBLAS workspace (``symacct.memory.reserved``); the search assumes it grows with the size,
-    as the live peak does, and the answer is checked on both sides.
+    device's cuBLAS workspace (``symacct.memory.reserved``), plus its CUDA context (``device_peak``); the
+    search assumes it grows with the size, as the live peak does, and the answer is checked on both sides.
     """
     if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
         raise SymacctError(f"reserve must be in [0, 1), got {reserve!r}", hint="e.g. reserve=0.15")
@@ -322,7 +322,7 @@ def fit(
         if raise_smax:
             vals["S_max"] = max(acct.symbols["S_max"], v)
         if allocator:
-            return acct.reserved(steps=2, hardware=hw, **vals).reserved_peak
+            return acct.reserved(steps=2, hardware=hw, **vals).device_peak
         return int(acct.peak(**vals))
 
     lo = acct.minimum.get(symbol, 1)
@@ -358,8 +358,8 @@ def fit(
         budget,
         peak(lo + 1),
         (
-            "largest v with the caching allocator's reserved bytes (2 steps, cuBLAS workspace) <= capacity * "
-            "(1 - reserve)"
+            "largest v with the caching allocator's reserved bytes (2 steps, cuBLAS workspace) + the CUDA context "
+            "<= capacity * (1 - reserve)"
             if allocator
             else "largest v with memory.peak(v) <= capacity * (1 - reserve)"
         ),
