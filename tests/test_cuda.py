@@ -96,6 +96,17 @@ def test_the_no_gpu_prediction_is_this_gpus_derivation(cls, cfg, sizes):
     assert without.at(B=8, S=256, **sizes).memory.peak == here.at(B=8, S=256, **sizes).memory.peak
 
 
+def test_the_optimizer_default_is_pytorchs_on_this_gpu() -> None:
+    """On real CUDA parameters PyTorch's AdamW defaults to foreach; the derived CUDA step runs foreach too."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    real = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    assert _default_to_fused_or_foreach([real], differentiable=False) == (False, True)
+    cls, cfg, _ = CASES[0]
+    acct = symacct.derive(cls(type(cfg)(**{**cfg.__dict__, **_small(cfg)})), optimizer="adamw", device="cuda")
+    assert any(str(r.op).startswith("aten._foreach_") for r in acct.step.ops if r.phase == "optimizer")
+
+
 def test_sdpa_choice_is_pytorchs_on_this_gpu() -> None:
     """symacct's reading of PyTorch's SDPA kernel choice (``symacct.trace.sdpa_choice``) against PyTorch's own
     (``torch._fused_sdp_choice``) on this GPU, over dtypes, head dims, masks, dropout, causality, decode shapes,

@@ -264,6 +264,35 @@ def test_without_gpu_is_the_route_taken_here() -> None:
     assert any("no GPU: backward by symacct.trace.engine" in n for n in routed.notes)
 
 
+def test_optimizers_take_the_implementation_pytorch_defaults_to_on_cuda() -> None:
+    """With neither foreach= nor fused= given, PyTorch's optimizers run foreach on CUDA and the single-tensor
+    loop on the CPU (torch.optim's docs; ``_default_to_fused_or_foreach`` checks the parameters' type and
+    device). A fake tensor is not on its type list, so before the fix a CUDA trace ran the loop: the optimizer
+    phase a real CUDA run does not have. Now the CUDA default is foreach exactly, the CPU default the loop,
+    and foreach AdamW's phase holds five fp32 copies of the parameters at once (each parameter, its gradient,
+    m, v, and the sqrt(v) list ``_multi_tensor_adamw`` makes), where the loop holds one temporary at a time."""
+    from symacct.models import GPT2, GPT2Config
+
+    def derive(device: str, **options: Any) -> Any:
+        model = GPT2(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=32))
+        return symacct.derive(model, optimizer="adamw", device=device, optimizer_options=options)
+
+    cuda, cuda_foreach, cuda_loop = derive("cuda"), derive("cuda", foreach=True), derive("cuda", foreach=False)
+    assert cuda.memory == cuda_foreach.memory and cuda.memory != cuda_loop.memory
+    assert any(str(r.op).startswith("aten._foreach_") for r in cuda.step.ops if r.phase == "optimizer")
+    cpu, cpu_loop = derive("cpu"), derive("cpu", foreach=False)
+    assert cpu.memory == cpu_loop.memory
+    assert not any(str(r.op).startswith("aten._foreach_") for r in cpu.step.ops)
+
+    L, D = sym("L"), sym("D")
+    five = 5 * cuda.memory.params  # fp32 parameters: 4 bytes each, five copies
+    terms = cuda.memory.peak.args if isinstance(cuda.memory.peak, sympy.Max) else (cuda.memory.peak,)
+    held = [t for t in terms if sympy.expand(t - five).coeff(D**2 * L) == 0 and sympy.expand(t).coeff(D**2 * L)]
+    assert held, terms  # the optimizer phase: 20 bytes per parameter of the D**2*L weights
+    loop = cuda_loop.memory.peak.args if isinstance(cuda_loop.memory.peak, sympy.Max) else ()
+    assert all(sympy.expand(t - five).coeff(D**2 * L) < 0 for t in loop)
+
+
 def test_hardware_names_the_kernel_it_passed_over() -> None:
     """gpt2's attention dropout of 0.1 is no multiple of 1/16: on an H100 cuDNN is passed over for flash, and
     the note says why."""

@@ -615,3 +615,19 @@ def test_the_cause_is_kept_whole_on_one_line():
         symacct.derive(LongError(PadConfig()), fixed=["pad_token_id", "ignore_index"])
     msg = str(e.value)
     assert "Supported widths: 8. See the model card." in msg and "\n" not in msg
+
+
+def test_a_trace_leaves_the_optimizers_type_lists_as_they_were():
+    """During a trace a fake tensor counts as a tensor when an optimizer picks foreach or the loop (the device
+    then decides: the CPU's loop here, tests/test_cuda_semantics.py for CUDA's foreach); afterwards PyTorch's
+    lists are as they were, and a real CPU tensor still gets PyTorch's own CPU default."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.optim import optimizer as optim_base
+    from torch.utils import _foreach_utils
+
+    before = (list(optim_base._foreach_supported_types), list(_foreach_utils._foreach_supported_types))
+    acct = symacct.derive(Cruncher(CruncherConfig(dim=8, n_layers=2)), optimizer="adamw")
+    assert (optim_base._foreach_supported_types, _foreach_utils._foreach_supported_types) == before
+    assert FakeTensor not in optim_base._foreach_supported_types
+    assert optim_base._default_to_fused_or_foreach([torch.ones(2)], differentiable=False) == (False, False)
+    assert not any(str(r.op).startswith("aten._foreach_") for r in acct.step.ops)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -704,7 +704,7 @@ def record_step(
         ) from e
     # a train step records autograd whatever the caller's grad mode (derive inside torch.no_grad())
     grad_mode = torch.enable_grad() if step == "train" else contextlib.nullcontext()
-    with fake, torch.device("cpu"), torch.inference_mode(False), grad_mode:
+    with fake, torch.device("cpu"), torch.inference_mode(False), grad_mode, _optimizer_defaults_as_on_real_tensors():
         try:
             if params_dtype is not None:
                 _cast_floats(model, params_dtype)
@@ -965,6 +965,31 @@ def check_device(device: str) -> None:
             hint="install a CUDA build (e.g. pip install torch==2.14.1; no GPU is needed to derive), "
             "or derive with device='cpu'",
         )
+
+
+@contextlib.contextmanager
+def _optimizer_defaults_as_on_real_tensors() -> Iterator[None]:
+    """A fake tensor counts as the tensor it stands for when an optimizer picks its implementation.
+
+    With ``foreach`` and ``fused`` unset, PyTorch's optimizers choose by the parameters' type and device
+    (``torch.optim.optimizer._default_to_fused_or_foreach``): foreach on CUDA, the single-tensor loop on the
+    CPU. A fake tensor's type is not on the list it checks, so on fake CUDA tensors they would run the loop
+    where a real CUDA run runs foreach, whose temporaries are whole lists at once (AdamW's square root of
+    every second moment): a silent wrong optimizer phase. During a trace the device decides, as for real
+    tensors (PyTorch adds DTensor to the same lists for the same reason); an explicit ``foreach=`` or
+    ``fused=`` is the user's and stays theirs. ``clip_grad_norm_``'s list is widened alike."""
+    from torch.optim import optimizer as optim_base
+    from torch.utils import _foreach_utils
+
+    lists = (optim_base._foreach_supported_types, _foreach_utils._foreach_supported_types)
+    added = [types for types in lists if FakeTensor not in types]
+    for types in added:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        for types in added:
+            types.remove(FakeTensor)
 
 
 def _autocast(dtype: torch.dtype | None, device: str) -> Any:
