@@ -180,3 +180,13 @@ def test_without_gpu_needs_a_named_gpu_on_cuda() -> None:
         symacct.derive(model, without_gpu=True)
     with pytest.raises(SymacctError, match="is not True or False"):
         symacct.derive(model, without_gpu="yes")
+
+
+def test_the_note_says_whose_rules_the_choice_followed() -> None:
+    """The choice reads PyTorch 2.14's rules: under 2.14 the note says so; under another release it says too
+    that that release's own choice may differ (a newer one may have moved a kernel up or down)."""
+    from symacct.trace.sdpa_choice import provenance
+
+    assert provenance("2.14.1+cu130") == "as PyTorch 2.14 chooses"
+    assert provenance("2.13.0+cpu") == "as PyTorch 2.14 chooses (this torch is 2.13.0+cpu: its own choice may differ)"
+    assert "2.15.0" in provenance("2.15.0")

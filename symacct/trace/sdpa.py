@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from symacct.errors import SymacctError
-from symacct.trace.sdpa_choice import Target, choose
+from symacct.trace.sdpa_choice import Target, choose, provenance
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")
 _NAMES = {
@@ -134,7 +134,7 @@ class _Forced(TorchFunctionMode):
         )
         c = choose(self.target, q, k, v, mask, p, causal, gqa, self.size)
         passed = "".join(f"; not {describe(b)}: {why}" for b, why in c.passed)
-        return c.backend, f"{describe(c.backend)} ({c.why}{passed}) on {self.target.name}, as PyTorch 2.14 chooses"
+        return c.backend, f"{describe(c.backend)} ({c.why}{passed}) on {self.target.name}, {provenance()}"
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:

@@ -101,6 +101,19 @@ class Choice:
     passed: tuple[tuple[str, str], ...]
 
 
+RULES = "2.14"  # the PyTorch release whose rules ``choose`` reads
+
+
+def provenance(version: str | None = None) -> str:
+    """How a note names the rules a choice followed: PyTorch 2.14's, and, when the torch here is another
+    release (``version``, default this one's), that its own choice may differ."""
+    version = torch.__version__ if version is None else version
+    mine = ".".join(version.split("+")[0].split(".")[:2])
+    if mine == RULES:
+        return f"as PyTorch {RULES} chooses"
+    return f"as PyTorch {RULES} chooses (this torch is {version}: its own choice may differ)"
+
+
 def choose(
     target: Target,
     query: torch.Tensor,
