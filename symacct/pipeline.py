@@ -1410,11 +1410,12 @@ def account(
     acct.notes[:0] = src.notes
     device = req.precision.get("device", "cpu")
     if torch.device(device).type == "cuda":
-        how = "on fake CUDA tensors" + (
-            ", no GPU: backward by symacct.trace.engine"
-            if req.precision.get("python_engine") or not torch.cuda.is_available()
-            else ""
-        )
+        if not torch.cuda.is_available():
+            how = "on fake CUDA tensors, no GPU: backward by symacct.trace.engine"
+        elif req.precision.get("python_engine"):
+            how = "on fake CUDA tensors as without a GPU (without_gpu): backward by symacct.trace.engine"
+        else:
+            how = "on fake CUDA tensors"
         kernels = first.trace.sdpa_kernels
         sdpa = "; ".join(f"SDPA: {k}" for k in sorted(kernels))  # each kernel once, however many calls
         acct.notes.append(f"CUDA kernels traced {how}" + (f"; {sdpa}" if sdpa else ""))

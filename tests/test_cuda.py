@@ -94,6 +94,8 @@ def test_the_no_gpu_prediction_is_this_gpus_derivation(cls, cfg, sizes):
     without = symacct.derive(cls(small), hardware=device_hardware(), without_gpu=True, **kw)
     assert without.memory == here.memory and without.flops == here.flops
     assert without.at(B=8, S=256, **sizes).memory.peak == here.at(B=8, S=256, **sizes).memory.peak
+    assert any("as without a GPU (without_gpu)" in n for n in without.notes)
+    assert not any("symacct.trace.engine" in n for n in here.notes)
 
 
 def test_the_optimizer_default_is_pytorchs_on_this_gpu() -> None:
