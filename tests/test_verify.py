@@ -126,8 +126,8 @@ def test_gpu_name_maps_to_the_catalog(monkeypatch):
 
 def test_cuda_rows_from_given_measurements():
     """The CUDA rows' arithmetic, on made-up measurements (the measuring itself needs a GPU: test_cuda.py):
-    reserved is the largest of the steps, time the median of steps 2.., MFU the model FLOPs over that time
-    at the dense peak of the step's dtype: the H200's 989 TFLOP/s for bf16 autocast, 67 TFLOP/s for fp32
+    reserved is the largest of the steps, time the median of steps 2.. (judged at 25 %), MFU the model FLOPs
+    over that time at the dense peak of the step's dtype: the H200's 989 TFLOP/s for bf16 autocast, 67 TFLOP/s for fp32
     (../shared/REFERENCES.md).
 
     The reserved prediction, worked out by hand: every tensor of this tiny model is under 1 MiB, so all of
@@ -140,17 +140,23 @@ def test_cuda_rows_from_given_measurements():
 
     model = GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16))
     sizes = {"B": 2, "S": 8}
-    run = CudaSteps(memory=[], reserved=[100, 300, 200], seconds=[0.9, 0.2, 0.4], workspace=33554432)
+    run = CudaSteps(
+        memory=[], reserved=[100, 300, 200], seconds=[0.9, 0.2, 0.4], workspace=33554432, context=500_000_000
+    )
     for autocast, peak in (("bf16", 989e12), (None, 67e12)):
         acct = symacct.derive(model, autocast=autocast)
         at = acct.at(**sizes)
         rows = _cuda_rows(acct, at, run, sizes, "H200")
-        reserved, workspace, time, mfu = rows
+        reserved, workspace, context, time, mfu = rows
         assert reserved.measured == 300 and workspace.measured == 32 * 2**20
         assert reserved.predicted == 34 * 2**20 and reserved.tolerance == 0.05 and not reserved.ok
+        # the CUDA context: the catalog's published figure beside the device's, shown
+        assert (context.predicted, context.measured) == (287_047_680 - 20 * 2**20, 500_000_000)
         assert time.measured == pytest.approx(0.3) and "median of 2" in time.name and "H200" in time.name
+        # judged at 25 %: a roofline of this tiny step is microseconds, far from 0.3 s (launches dominate)
+        assert time.tolerance == 0.25 and time.predicted < 0.01 and not time.ok
         assert mfu.measured == pytest.approx(at.flops.total / (0.3 * peak)), autocast
-        assert all(r.ok for r in rows[1:])  # shown, never judged
+        assert all(r.ok for r in (workspace, context, mfu))  # shown, never judged
         assert render(rows).count("shown") == 3
 
 
