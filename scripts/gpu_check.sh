@@ -27,6 +27,12 @@ start=$(date +%s)
   echo
   echo "- date: $(date -u +%F)"
   "$py" -c "import torch, symacct.models; print('- torch', torch.__version__, '| CUDA', torch.version.cuda, '| device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')" 2>&1
+  # the CUDA context of a fresh process (the catalog's cuda_context is a published figure for another GPU):
+  # device memory in use after one small tensor, less what the caching allocator reserved for it
+  "$py" -c "import torch
+if torch.cuda.is_available():
+    x = torch.ones(1, device='cuda'); free, total = torch.cuda.mem_get_info()
+    print('- CUDA context at start:', total - free - torch.cuda.memory_reserved(), 'bytes (in use, less reserved)')" 2>&1
   echo
   echo '## CUDA tests'
   echo '```'
