@@ -323,3 +323,17 @@ def test_check_gives_cuda_beside_cpu() -> None:
     assert "CUDA minus the paper: `16*B*S + S**2`" in claim.details[0]
     assert "CUDA minus CPU: `-B*S**2*H - 2*B*S*D + 8*B*S`" in claim.details[1]
     assert "activations-korthikanti-cuda" not in {c.id for c in catalog()}
+
+
+def test_check_gives_the_optimizer_steps_bytes_per_parameter_on_cuda() -> None:
+    """'16 bytes per parameter' (AdamW, fp32) on CUDA: 4 + 4 + 4 + 4 between steps, as on the CPU; inside the
+    step CUDA's default foreach AdamW holds the sqrt(v) list too (5 x 4 = 20, ``_multi_tensor_adamw``), where
+    the CPU's loop holds one parameter's temporary at a time (16 in the leading terms)."""
+    from symacct.report.check import HOLDS, catalog
+
+    (claim,) = [c for c in catalog("cuda") if c.id == "16-bytes-fp32-cuda"]
+    assert claim.verdict == HOLDS
+    assert (claim.numbers["bytes_per_param"], claim.numbers["bytes_per_param_peak"]) == (16, 20)
+    assert claim.numbers["cpu_bytes_per_param_peak"] == 16
+    assert "optimizer path foreach" in claim.derived and "(the single-tensor loop)" in claim.derived
+    assert "16-bytes-fp32-cuda" not in {c.id for c in catalog()}

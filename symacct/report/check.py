@@ -539,9 +539,43 @@ def korthikanti_cuda(cpu: Any = None, cuda: Any = None, *, B_: int = 4, S_: int 
     )
 
 
+def bytes_per_param_cuda(cpu: Any = None, cuda: Any = None) -> Claim:
+    """'16 bytes per parameter' for AdamW in fp32 with the optimizer path PyTorch defaults to on CUDA (foreach),
+    beside the CPU's (the loop): between steps the claim is judged exactly; the optimizer step's own peak per
+    parameter is shown for both, and the path each ran is read off its trace."""
+    cpu = cpu if cpu is not None else _gpt2(optimizer="adamw")
+    cuda = cuda if cuda is not None else _gpt2(optimizer="adamw", device="cuda")
+
+    def path(acct: Any) -> str:
+        ops = [str(r.op) for r in acct.step.ops if r.phase == "optimizer"]
+        return "foreach" if any(op.startswith("aten._foreach_") for op in ops) else "the single-tensor loop"
+
+    got, peak, cpu_peak = cuda.bytes_per_param(), cuda.bytes_per_param_peak(), cpu.bytes_per_param_peak()
+    return Claim(
+        "16-bytes-fp32-cuda",
+        "AdamW in fp32: 16 bytes per parameter, on CUDA",
+        "000: 4 weights + 4 grads + 4 m + 4 v",
+        f"gpt2, adamw, fp32 on CUDA's kernels, optimizer path {path(cuda)} (PyTorch's default there): {got} "
+        f"between steps, {peak} at the optimizer step's peak; on the CPU ({path(cpu)}): {cpu_peak} at its peak",
+        HOLDS if got == 16 else WRONG,
+        "" if got == 16 else f"{got} bytes per parameter",
+        [
+            f"between steps; inside the optimizer step CUDA ({path(cuda)}) holds {peak} per parameter, the CPU "
+            f"({path(cpu)}) {cpu_peak}"
+            + (" (foreach makes sqrt(v) of every parameter at once)" if peak != cpu_peak else "")
+        ],
+        numbers={
+            "bytes_per_param": float(got) if got is not None else None,
+            "bytes_per_param_peak": float(peak) if peak is not None else None,
+            "cpu_bytes_per_param_peak": float(cpu_peak) if cpu_peak is not None else None,
+            "claimed": 16,
+        },
+    )
+
+
 def cuda_claims() -> list[Claim]:
     """The claims whose figures differ on CUDA's kernels, derived there (``symacct check --device cuda``)."""
-    return [korthikanti_cuda()]
+    return [korthikanti_cuda(), bytes_per_param_cuda()]
 
 
 # ---- number formats ----------------------------------------------------------------------------
