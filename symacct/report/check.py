@@ -551,17 +551,18 @@ def bytes_per_param_cuda(cpu: Any = None, cuda: Any = None) -> Claim:
         return "foreach" if any(op.startswith("aten._foreach_") for op in ops) else "the single-tensor loop"
 
     got, peak, cpu_peak = cuda.bytes_per_param(), cuda.bytes_per_param_peak(), cpu.bytes_per_param_peak()
+    cuda_path, cpu_path = path(cuda), path(cpu)
     return Claim(
         "16-bytes-fp32-cuda",
         "AdamW in fp32: 16 bytes per parameter, on CUDA",
         "000: 4 weights + 4 grads + 4 m + 4 v",
-        f"gpt2, adamw, fp32 on CUDA's kernels, optimizer path {path(cuda)} (PyTorch's default there): {got} "
-        f"between steps, {peak} at the optimizer step's peak; on the CPU ({path(cpu)}): {cpu_peak} at its peak",
+        f"gpt2, adamw, fp32 on CUDA's kernels, optimizer path {cuda_path} (PyTorch's default there): {got} "
+        f"between steps, {peak} at the optimizer step's peak; on the CPU ({cpu_path}): {cpu_peak} at its peak",
         HOLDS if got == 16 else WRONG,
         "" if got == 16 else f"{got} bytes per parameter",
         [
-            f"between steps; inside the optimizer step CUDA ({path(cuda)}) holds {peak} per parameter, the CPU "
-            f"({path(cpu)}) {cpu_peak}"
+            f"between steps; inside the optimizer step CUDA ({cuda_path}) holds {peak} per parameter, the CPU "
+            f"({cpu_path}) {cpu_peak}"
             + (" (foreach makes sqrt(v) of every parameter at once)" if peak != cpu_peak else "")
         ],
         numbers={
