@@ -431,7 +431,7 @@ def _annotate(args: argparse.Namespace) -> int:
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
     """A parallel layout (symacct.parallel.layout): data and pipeline degrees and options."""
-    from symacct.parallel.layout import DP_MODES, SCHEDULES
+    from symacct.parallel.layout import DP_MODES, MIXED_DTYPES, SCHEDULES
 
     g = p.add_argument_group("parallel layout (per-rank figures)")
     g.add_argument("--dp", type=_count, default=None, help="data-parallel degree")
@@ -444,6 +444,18 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-mode", choices=DP_MODES, default="fsdp", help="ddp, zero1, zero2 or fsdp (default)")
     g.add_argument("--hsdp-shard", type=_count, default=None, help="HSDP: the sharding group's size")
     g.add_argument("--no-reshard", action="store_true", help="FSDP2 reshard_after_forward=False")
+    g.add_argument(
+        "--fsdp-param-dtype",
+        choices=MIXED_DTYPES,
+        default=None,
+        help="FSDP2 MixedPrecisionPolicy(param_dtype=...): forward and backward in this dtype, shards in the model's",
+    )
+    g.add_argument(
+        "--fsdp-reduce-dtype",
+        choices=MIXED_DTYPES,
+        default=None,
+        help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the gradients' reduce-scatter (default: param dtype)",
+    )
     g.add_argument("--bucket-view", action="store_true", help="DDP gradient_as_bucket_view=True")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
     g.add_argument("--micro-batches", type=_count, default=1, help="m: micro-batches per step")
@@ -470,7 +482,19 @@ def _layout_of(args: argparse.Namespace) -> Any:
         stages_per_rank=args.stages_per_rank,
         return_outputs=not args.no_return_outputs,
         sequence_parallel=args.sp,
+        param_dtype=args.fsdp_param_dtype,
+        reduce_dtype=args.fsdp_reduce_dtype,
     )
+
+
+def _compute(model: Any, lay: Any, acct: Any, **options: Any) -> Any:
+    """FSDP2's mixed precision: the step traced with the parameters in the layout's param_dtype, with
+    ``acct``'s other options (symacct.parallel.rank.derive_parallel); None without it."""
+    from symacct.pipeline import derive
+
+    if lay.param_dtype is None:
+        return None
+    return derive(model, **{**options, "params_dtype": lay.param_dtype})
 
 
 def _tensor_parallel(lay: Any) -> dict[str, Any]:
@@ -494,8 +518,9 @@ def _parallel(args: argparse.Namespace) -> int:
     if args.step != "train":
         raise UsageError("a parallel layout is a training step: drop --step or the layout flags")
     model = load_model(args.model, overrides_of(args.config))
-    acct = derive(model, causal_discount=args.causal_discount, **_step_options(args), **_tensor_parallel(lay))
-    par = derive_parallel(acct, lay)
+    options = dict(causal_discount=args.causal_discount, **_step_options(args), **_tensor_parallel(lay))
+    acct = derive(model, **options)
+    par = derive_parallel(acct, lay, _compute(model, lay, acct, **options))
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     at = par.at(B=args.batch, S=S)
     t = None
@@ -524,15 +549,16 @@ def _fit_layout(args: argparse.Namespace) -> dict[str, Any]:
     model = load_model(args.model, overrides_of(args.config)) if args.model else None
     if model is None:
         raise UsageError("fit with a layout needs a MODEL")
-    acct = derive(
-        model,
+    options = dict(
         optimizer=args.optimizer,
         autocast=_dtype(args.autocast),
         params_dtype=_dtype(args.params_dtype),
         **_tensor_parallel(lay),
     )
+    acct = derive(model, **options)
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
-    res = fit_layout(acct, lay, hardware=args.hardware, seq=S, reserve=args.reserve)
+    compute = _compute(model, lay, acct, **options)
+    res = fit_layout(acct, lay, hardware=args.hardware, seq=S, reserve=args.reserve, compute=compute)
     return {
         "layout": lay.describe(),
         "solve": "B (per data-parallel rank and micro-batch)",

@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -101,6 +102,78 @@ def test_fsdp_rank_matches_fake_process_group(
         assert Counter(got.collectives) == _predicted(pred)
 
 
+@pytest.fixture(scope="module")
+def gpt2_low() -> dict[str, symacct.Accounting]:
+    """The reference GPT-2 traced with its parameters in each FSDP2 param_dtype (the gathered parameters)."""
+    return {name: symacct.derive(GPT2(GPT2_SMALL), optimizer="adamw", params_dtype=name) for name in ("bf16", "fp16")}
+
+
+@given(
+    dp=st.sampled_from([2, 3, 4]),
+    hsdp=st.booleans(),
+    param=st.sampled_from(["bf16", "fp16"]),
+    reduce=st.sampled_from([None, "fp32", "bf16"]),
+    heads=st.integers(1, 3),
+    width=st.integers(2, 5),
+    vocab=st.integers(5, 41),
+    layers=st.integers(1, 3),
+)
+def test_fsdp_mixed_precision_rank(
+    gpt2_acct: symacct.Accounting,
+    gpt2_low: dict[str, symacct.Accounting],
+    dp: int,
+    hsdp: bool,
+    param: str,
+    reduce: str | None,
+    heads: int,
+    width: int,
+    vocab: int,
+    layers: int,
+) -> None:
+    """FSDP2 with a MixedPrecisionPolicy on the fake process group: the shards, their gradients and the
+    optimizer states in fp32, every all-gather in param_dtype and every reduce-scatter in reduce_dtype (or
+    param_dtype), rank 0 to the byte; against the same layout in full precision, the all-gathers are half."""
+    shard = 2 if hsdp and dp == 4 else None
+    lay = make_layout(dp=dp, dp_mode="fsdp", hsdp_shard=shard, param_dtype=param, reduce_dtype=reduce)
+    sizes = {"B": 2, "S": 3, "D": heads * width, "H": heads, "V": vocab, "L": layers, "S_max": 16}
+    pred = derive_parallel(gpt2_acct, lay, compute=gpt2_low[param]).at(**sizes).ranks[0]
+    cfg = dataclasses.replace(_config(GPT2_SMALL, sizes), n_head=heads)
+    got = fake_rank(Build(cfg), lay, 0, Batch(2, 3, vocab), adamw)
+    assert (got.params, got.grads, got.optimizer) == (pred.params, pred.grads, pred.optimizer)
+    assert Counter(got.collectives) == _predicted(pred)
+    full = derive_parallel(gpt2_acct, dataclasses.replace(lay, param_dtype=None, reduce_dtype=None))
+    plain = full.at(**sizes).ranks[0]
+    assert (plain.params, plain.grads, plain.optimizer) == (pred.params, pred.grads, pred.optimizer)
+
+    def payload(r: symacct.parallel.rank.Rank, op: str) -> int:
+        return sum(c.payload * c.count for c in r.collectives if c.op == op)
+
+    assert 2 * payload(pred, "all_gather") == payload(plain, "all_gather")
+    scale = 1 if reduce == "fp32" else 2
+    assert scale * payload(pred, "reduce_scatter") == payload(plain, "reduce_scatter")
+
+
+def test_fsdp_mixed_precision_refusals(gpt2_acct: symacct.Accounting, gpt2_low: dict[str, symacct.Accounting]) -> None:
+    """param_dtype without the compute trace, with another dtype's, or on the wrong derivation; the policy
+    outside FSDP2."""
+    lay = make_layout(dp=2, dp_mode="fsdp", param_dtype="bf16")
+    with pytest.raises(SymacctError, match="needs the step traced with the parameters in that dtype"):
+        derive_parallel(gpt2_acct, lay)
+    with pytest.raises(SymacctError, match="the layout's param_dtype is torch.bfloat16"):
+        derive_parallel(gpt2_acct, lay, compute=gpt2_low["fp16"])
+    with pytest.raises(SymacctError, match="the model in its own dtype"):
+        derive_parallel(gpt2_low["bf16"], lay, compute=gpt2_low["bf16"])
+    with pytest.raises(SymacctError, match="needs a layout with param_dtype"):
+        derive_parallel(gpt2_acct, make_layout(dp=2, dp_mode="fsdp"), compute=gpt2_low["bf16"])
+    with pytest.raises(SymacctError, match="need dp_mode='fsdp' and dp >= 2"):
+        make_layout(dp=2, dp_mode="ddp", param_dtype="bf16")
+    with pytest.raises(SymacctError, match="is not a dtype name"):
+        make_layout(dp=2, dp_mode="fsdp", param_dtype="int8")
+    other = symacct.derive(GPT2(dataclasses.replace(GPT2_SMALL, n_layer=3)), optimizer="adamw", params_dtype="bf16")
+    with pytest.raises(SymacctError, match="not the same model"):
+        derive_parallel(gpt2_acct, lay, compute=other)
+
+
 def test_llama_fsdp_rank(llama_acct: symacct.Accounting) -> None:
     """The same for the reference Llama (grouped-query attention, SwiGLU), dp=3 (padding on every weight)."""
     lay = make_layout(dp=3, dp_mode="fsdp")
@@ -127,6 +200,39 @@ def test_gloo_data_parallel() -> None:
             assert Counter(got.collectives) == _predicted(pred)
             assert got.loss == pytest.approx(loss, rel=1e-5)
             assert got.rank or got.peak == pred.peak
+
+
+def test_fsdp_mixed_precision_peak_where_activations_are_small(wide_sdpa: dict[str | None, symacct.Accounting]) -> None:
+    """At B = 2, S = 8 the optimizer step's share decides the model's peak (a whole number of bytes, rounded
+    up), and FSDP2's backward buffers it leaves out make it low: 0.85 of the real allocation, as
+    docs/distributed.md measures, never above it."""
+    from symacct.measure.parallel import fake_rank_peak
+
+    cfg = dataclasses.replace(GPT2_WIDE, sdpa=True)
+    lay = make_layout(dp=2, dp_mode="fsdp", param_dtype="bf16", reduce_dtype="fp32")
+    pred = derive_parallel(wide_sdpa[None], lay, wide_sdpa["bf16"]).at(B=2, S=8).ranks[0].peak
+    got = fake_rank_peak(Build(cfg), lay, 0, Batch(2, 8, 512), adamw)
+    assert 0.8 * got <= pred <= got
+
+
+@pytest.mark.slow
+def test_gloo_fsdp_mixed_precision() -> None:
+    """FSDP2 with MixedPrecisionPolicy(bf16, reduce fp32) on two real gloo processes: fp32 shards, gradients
+    and states, bf16 all-gathers, fp32 reduce-scatters, the peak to the byte; the loss equals one process
+    running the model with its parameters in bf16."""
+    acct = symacct.derive(GPT2(GPT2_WIDE), optimizer="adamw")
+    low = symacct.derive(GPT2(GPT2_WIDE), optimizer="adamw", params_dtype="bf16")
+    torch.manual_seed(0)
+    one = GPT2(GPT2_WIDE).to(torch.bfloat16)
+    loss = float(one(*Batch(4, 64, 512)(one)).detach())
+    lay = make_layout(dp=2, dp_mode="fsdp", param_dtype="bf16", reduce_dtype="fp32")
+    pred = derive_parallel(acct, lay, low).at(B=4, S=64).ranks[0]
+    for got in gloo_world(Build(GPT2_WIDE), lay, Batch(4, 64, 512), adamw):
+        assert (got.params, got.grads) == (pred.params, pred.grads)
+        assert got.optimizer <= pred.optimizer and (got.rank or got.optimizer == pred.optimizer)
+        assert Counter(got.collectives) == _predicted(pred)
+        assert got.loss == pytest.approx(loss, rel=1e-5)
+        assert got.rank or got.peak == pred.peak
 
 
 @pytest.mark.slow
@@ -247,6 +353,30 @@ def test_cli_derive_with_a_layout_and_plan(tmp_path: object) -> None:
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
+# GPT2_SMALL on the command line
+_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+_CLI_SMALL = [f"--config={k}={getattr(GPT2_SMALL, k)}" for k in _FIELDS]
+_CLI_SMALL.append("--config=dropout=0.0")
+
+
+def test_cli_fsdp_mixed_precision(gpt2_acct: symacct.Accounting, gpt2_low: dict[str, symacct.Accounting]) -> None:
+    """--fsdp-param-dtype / --fsdp-reduce-dtype: the CLI derives the compute trace itself; its per-rank figures
+    are derive_parallel's; the policy outside FSDP2 exits 2 with one line."""
+    run = [sys.executable, "-m", "symacct.cli", "derive", "gpt2", *_CLI_SMALL, "--dp", "2"]
+    mixed = ["--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32"]
+    got = subprocess.run([*run, *mixed, "--batch", "2", "--seq", "8", "--json"], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    report = json.loads(got.stdout)
+    lay = make_layout(dp=2, dp_mode="fsdp", param_dtype="bf16", reduce_dtype="fp32")
+    want = derive_parallel(gpt2_acct, lay, gpt2_low["bf16"]).at(B=2, S=8).ranks[0]
+    rank = report["ranks"][0]
+    assert (rank["bytes"]["params"], rank["bytes"]["peak"]) == (want.params, want.peak)
+    assert sorted(c["payload_bytes"] for c in rank["collectives"]) == sorted(c.payload for c in want.collectives)
+    assert any("MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" in n for n in report["notes"])
+    bad = subprocess.run([*run, "--dp-mode", "ddp", *mixed], capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "MixedPrecisionPolicy" in bad.stderr
+
+
 def test_docs_formulas_are_derived() -> None:
     """The formulas docs/distributed.md quotes are what derive_parallel gives today (GPT-2 small, AdamW)."""
     import re
@@ -257,7 +387,6 @@ def test_docs_formulas_are_derived() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
     acct = symacct.derive(GPT2(GPT2_SMALL.__class__()), optimizer="adamw")
     quoted = dict(re.findall(r"^(\w+ static|pp \w+ activations) = (.+)$", text, re.M))
-    assert len(quoted) == 6
     derived = {}
     for mode in ("ddp", "zero1", "zero2", "fsdp"):
         r = derive_parallel(acct, make_layout(dp=8, dp_mode=mode)).ranks[0]
@@ -265,6 +394,15 @@ def test_docs_formulas_are_derived() -> None:
     pipe = derive_parallel(acct, make_layout(pp=4, dp=2, dp_mode="zero1", schedule="1f1b", micro_batches=8))
     for r in pipe.ranks:
         derived[f"pp {r.stage} activations"] = r.activations
+    low = symacct.derive(GPT2(GPT2_SMALL.__class__()), optimizer="adamw", params_dtype="bf16")
+    mixed = make_layout(dp=8, dp_mode="fsdp", param_dtype="bf16", reduce_dtype="fp32")
+    r = derive_parallel(acct, mixed, low).ranks[0]
+    derived["mixed static"] = r.params + r.grads + r.optimizer
+    derived["mixed activations"] = r.activations
+    for op in ("all_gather", "reduce_scatter"):
+        derived[f"mixed {op}"] = sum(c.payload * c.count for c in r.collectives if c.op == op)
+    quoted |= dict(re.findall(r"^(mixed \w+) = (.+)$", text, re.M))
+    assert len(quoted) == 10 and set(quoted) <= set(derived)
     for key, formula in quoted.items():
         names = {n: sympy.Symbol(n, integer=True, positive=True) for n in re.findall(r"[A-Za-z_]\w*", formula)}
         names["ceiling"] = sympy.ceiling
@@ -318,17 +456,27 @@ def test_transformers_llama_fsdp_rank() -> None:
     assert Counter(got.collectives) == _predicted(pred)
 
 
+@pytest.fixture(scope="module")
+def wide_sdpa() -> dict[str | None, symacct.Accounting]:
+    """GPT2_WIDE with SDPA, in fp32 (key None) and with bf16 parameters."""
+    cfg = dataclasses.replace(GPT2_WIDE, sdpa=True)
+    return {p: symacct.derive(GPT2(cfg), optimizer="adamw", params_dtype=p) for p in (None, "bf16")}
+
+
+@pytest.mark.parametrize("mixed", [None, ("bf16", None), ("bf16", "fp32")])
 @pytest.mark.parametrize("dp", [2, 4])
-def test_fsdp_peak_to_the_byte(dp: int) -> None:
+def test_fsdp_peak_to_the_byte(wide_sdpa: dict[str | None, symacct.Accounting], dp: int, mixed: Any) -> None:
     """FSDP2's steady-state peak of a GPT-2 whose peak is at the start of backward (D = 64, SDPA): the sharded
     parameters and states, every saved activation, the logits' temporaries, the root and one block gathered,
-    equal to the real allocation (real tensors on the fake process group) to the byte."""
+    equal to the real allocation (real tensors on the fake process group) to the byte; with a
+    MixedPrecisionPolicy too (activations and gathered parameters in bf16, shards and states in fp32)."""
     from symacct.measure.parallel import fake_rank_peak
 
     cfg = dataclasses.replace(GPT2_WIDE, sdpa=True)
-    acct = symacct.derive(GPT2(cfg), optimizer="adamw")
-    lay = make_layout(dp=dp, dp_mode="fsdp")
-    pred = derive_parallel(acct, lay).at(B=4, S=64).ranks[0]
+    param, reduce = mixed or (None, None)
+    lay = make_layout(dp=dp, dp_mode="fsdp", param_dtype=param, reduce_dtype=reduce)
+    compute = wide_sdpa[param] if param else None
+    pred = derive_parallel(wide_sdpa[None], lay, compute).at(B=4, S=64).ranks[0]
     assert fake_rank_peak(Build(cfg), lay, 0, Batch(4, 64, 512), adamw) == pred.peak
 
 

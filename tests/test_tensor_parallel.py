@@ -175,12 +175,15 @@ def test_gloo_collective_buffers_freed_in_program_order(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_gloo_fsdp_by_tensor_parallel_world_four() -> None:
+@pytest.mark.parametrize("param_dtype", [None, "bf16"])
+def test_gloo_fsdp_by_tensor_parallel_world_four(param_dtype: str | None) -> None:
     """FSDP2 over 2 data-parallel ranks of 2 tensor-parallel ranks each (a 2-D mesh, tensor parallelism
     innermost), four real gloo processes: static bytes and every collective of rank 0 (FSDP2's and
     DTensor's) to the byte, the loss of one process; the peak is FSDP2's additive model, shown, not judged
-    (docs/distributed.md)."""
-    rows = verify_parallel(Llama(_llama(4, 2, 8, 32, 64, 2)), make_layout(dp=2, tp=2), B=2, S=8)
+    (docs/distributed.md). With MixedPrecisionPolicy(bf16): fp32 shards, bf16 gathers and DTensor's
+    collectives in bf16, the loss of one process with bf16 parameters."""
+    lay = make_layout(dp=2, tp=2, param_dtype=param_dtype)
+    rows = verify_parallel(Llama(_llama(4, 2, 8, 32, 64, 2)), lay, B=2, S=8)
     judged = [r for r in rows if "peak" not in r.name]
     assert len(judged) == len(rows) - 1 and all(r.ok for r in judged), [r for r in judged if not r.ok]
 

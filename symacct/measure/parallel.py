@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from symacct.errors import SymacctError
 from symacct.measure.run import StorageTracker, _distinct_nbytes, _state_tensors, dtensor_op
+from symacct.options import DTYPES
 from symacct.parallel.layout import Layout
 from symacct.trace.tensor_parallel import apply_plan, fake_group
 
@@ -124,10 +125,21 @@ def shard(model: nn.Module, layout: Layout, stack: str, mesh: Any = None) -> nn.
         mesh = init_device_mesh("cpu", (layout.replicate, layout.hsdp_shard), mesh_dim_names=("replicate", "shard"))
     elif mesh is None:
         mesh = init_device_mesh("cpu", (layout.dp,))
+    policy = mixed_precision(layout)
     for block in stack_of(model, stack):
-        fully_shard(block, mesh=mesh, reshard_after_forward=layout.reshard_after_forward)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def mixed_precision(layout: Layout) -> Any:
+    """The layout's FSDP2 ``MixedPrecisionPolicy`` (the default policy, full precision, without one)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def dtype(name: str | None) -> torch.dtype | None:
+        return DTYPES[name][0] if name else None
+
+    return MixedPrecisionPolicy(param_dtype=dtype(layout.param_dtype), reduce_dtype=dtype(layout.reduce_dtype))
 
 
 @contextlib.contextmanager
@@ -491,7 +503,8 @@ def _stage(model: nn.Module, s: int, pp: int) -> nn.Module:
 def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer: str = "adamw") -> list[Any]:
     """The layout run for real (``gloo_world``) beside its derived figures, as ``symacct.measure.verify`` rows:
     each rank's static bytes and collective payloads exactly (rank 0 of the data-parallel group, the
-    worst; each pipeline stage), the loss against one process (1e-5), the peak exactly for DDP; the additive
+    worst; each pipeline stage), the loss against one process (1e-5; with FSDP2's param_dtype, one process
+    with its parameters in that dtype), the peak exactly for DDP; the additive
     model's peak is shown beside the measured one, not judged (docs/distributed.md gives its measured range)."""
     from symacct.measure.verify import Row
     from symacct.options import OPTIMIZERS
@@ -516,7 +529,9 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
         )
     tensor_parallel = {"tensor_parallel": layout.plan, "tp": layout.tp} if layout.tp > 1 else {}
     acct = derive(model, optimizer=optimizer, **tensor_parallel)
-    par = derive_parallel(acct, layout).at(B=B, S=S)  # B: one micro-batch of one data-parallel rank
+    mixed = {"params_dtype": layout.param_dtype, **tensor_parallel}
+    compute = derive(model, optimizer=optimizer, **mixed) if layout.param_dtype else None
+    par = derive_parallel(acct, layout, compute).at(B=B, S=S)  # B: one micro-batch of one data-parallel rank
     build = Construct(type(model), cfg)
     opt = Optimizer(OPTIMIZERS[optimizer])
     global_batch = B * layout.micro_batches if layout.pp > 1 else B
@@ -524,6 +539,8 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
         build, layout, ExampleBatch(global_batch, S), opt, stack=next(iter(acct.per_layer), ""), split=_stage
     )
     one = build()
+    if layout.param_dtype:  # FSDP2 runs forward on the parameters cast to param_dtype
+        one = one.to(DTYPES[layout.param_dtype][0])
     loss = float(one(*ExampleBatch(global_batch, S)(one)).detach())
     rows = []
     pairs = list(zip(got, par.ranks, strict=True)) if layout.pp > 1 else [(got[0], par.ranks[0])]

@@ -49,6 +49,8 @@ class Layout:
     stages_per_rank: int = 1  # v (interleaved only)
     sequence_parallel: bool = False
     return_outputs: bool = True  # pipeline: schedule.step(return_outputs=...), the last stage keeps m outputs
+    param_dtype: str | None = None  # FSDP2 MixedPrecisionPolicy(param_dtype=...), a short name ('bf16')
+    reduce_dtype: str | None = None  # FSDP2 MixedPrecisionPolicy(reduce_dtype=...); None: param_dtype's
 
     @property
     def world(self) -> int:
@@ -69,7 +71,9 @@ class Layout:
         return "megatron-sp" if self.sequence_parallel else "megatron"
 
     def describe(self) -> str:
-        parts = [f"dp={self.dp} ({self.dp_mode}" + (f", shard {self.hsdp_shard}" if self.hsdp_shard else "") + ")"]
+        mixed = "".join(f", {k} {v}" for k, v in (("params", self.param_dtype), ("reduce", self.reduce_dtype)) if v)
+        shard = f", shard {self.hsdp_shard}" if self.hsdp_shard else ""
+        parts = [f"dp={self.dp} ({self.dp_mode}{shard}{mixed})"]
         if self.tp > 1:
             parts.append(f"tp={self.tp}" + (" (sequence parallel)" if self.sequence_parallel else ""))
         if self.pp > 1:
@@ -125,6 +129,7 @@ def make_layout(
         )
     if lay.sequence_parallel and lay.tp == 1:
         raise SymacctError("sequence parallelism splits the sequence over the tensor-parallel group", hint="tp >= 2")
+    _check_mixed(lay)
     if lay.hsdp_shard is not None:
         _positive("hsdp_shard", lay.hsdp_shard)
         if lay.dp_mode != "fsdp":
@@ -158,6 +163,22 @@ def make_layout(
             hint="raise micro_batches, or use schedule='gpipe'",
         )
     return lay
+
+
+MIXED_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _check_mixed(lay: Layout) -> None:
+    """FSDP2's ``MixedPrecisionPolicy``: short dtype names, on a sharded data-parallel layout."""
+    for name in ("param_dtype", "reduce_dtype"):
+        value = getattr(lay, name)
+        if value is not None and value not in MIXED_DTYPES:
+            raise SymacctError(f"{name}={value!r} is not a dtype name", hint=f"one of {', '.join(MIXED_DTYPES)}")
+    if (lay.param_dtype or lay.reduce_dtype) and (lay.dp_mode != "fsdp" or lay.dp == 1):
+        raise SymacctError(
+            "param_dtype and reduce_dtype are FSDP2's MixedPrecisionPolicy: they need dp_mode='fsdp' and dp >= 2",
+            hint="for one device, derive with params_dtype= or autocast=",
+        )
 
 
 def check_model(lay: Layout, layers: int | None, stacks: list[str]) -> None:

@@ -394,11 +394,13 @@ def fit_layout(
     seq: int,
     reserve: float = 0.15,
     limit: int = 1 << 20,
+    compute: Accounting | None = None,
 ) -> LayoutFit:
     """Largest B (per data-parallel rank and micro-batch) whose worst rank's peak fits the accelerator's memory
-    less ``reserve``; peaks are evaluated exactly (``Parallel.at``) and grow with B."""
+    less ``reserve``; peaks are evaluated exactly (``Parallel.at``) and grow with B. ``compute``: FSDP2's
+    mixed-precision trace (``derive_parallel``)."""
     hw = get(hardware)
-    par = derive_parallel(acct, layout)
+    par = derive_parallel(acct, layout, compute)
     budget = int(hw.memory_bytes * (1 - reserve))
 
     def worst(B: int) -> Rank:

@@ -43,6 +43,7 @@ from symacct.cost.graph import records
 from symacct.cost.layers import op_blocks
 from symacct.errors import SymacctError
 from symacct.memory.static import ParamRow
+from symacct.options import DTYPES
 from symacct.parallel.layout import Layout, check_model
 from symacct.parallel.schedule import actions, in_flight
 from symacct.symbols import evaluate, sym
@@ -124,6 +125,7 @@ class Parallel:
     job_flops: Any = None
     optimizer_bytes: Any = None
     acct_optimizer: Any = None
+    compute: Accounting | None = None  # FSDP2 mixed precision: the trace forward and backward run (derive_parallel)
 
     def degrees(self) -> dict[str, int]:
         lay = self.layout
@@ -158,7 +160,8 @@ class Parallel:
             self,
             ranks=ranks,
             values=base,
-            job_flops=evaluate(self.acct.flops.total, base) * lay.micro_batches * lay.dp * lay.tp,  # a TP rank's: x tp
+            # the job's model FLOPs (a TP rank's: x tp)
+            job_flops=evaluate((self.compute or self.acct).flops.total, base) * lay.micro_batches * lay.dp * lay.tp,
             optimizer_bytes=evaluate(optimizer_bytes(self.acct), base),
             acct_optimizer=evaluate(self.acct.memory.optimizer, base),
         )
@@ -215,16 +218,32 @@ def _rows_bytes(
     return params, grads, states
 
 
-def _gathered(rows: list[tuple[ParamRow, Expr]], n: Expr, grad: bool = False) -> Expr:
-    """Bytes of one all-gather output (or reduce-scatter input) of these parameters: n padded chunks."""
+Sizes = dict[str, tuple[int, int]]  # parameter name -> (gathered itemsize, reduce-scatter itemsize)
+
+
+def _gathered(rows: list[tuple[ParamRow, Expr]], n: Expr, grad: bool = False, sizes: Sizes | None = None) -> Expr:
+    """Bytes of one all-gather output (or reduce-scatter input) of these parameters: n padded chunks, each
+    element of the dtype ``sizes`` names (FSDP2's mixed precision), else of the parameter's own."""
     total = ZERO
     for row, _copies in rows:
         if grad and not row.grad:
             continue
         rest = sympy.Mul(*row.shape[1:]) if len(row.shape) > 1 else sympy.Integer(1)
         d0 = row.shape[0] if row.shape else sympy.Integer(1)
-        total += n * _chunk(d0, n) * rest * (row.grad_itemsize if grad else row.itemsize)
+        own = (row.itemsize, row.grad_itemsize)
+        itemsize = (sizes or {}).get(row.name, own)[1 if grad else 0]
+        total += n * _chunk(d0, n) * rest * itemsize
     return total
+
+
+def _gathered_sizes(layout: Layout, run: Accounting) -> Sizes | None:
+    """FSDP2's mixed precision: each parameter gathered in the dtype the compute trace holds it in, its
+    gradient reduce-scattered in ``reduce_dtype`` (default: the gradient's dtype in that trace); None
+    without a policy."""
+    if not (layout.param_dtype or layout.reduce_dtype):
+        return None
+    reduce = DTYPES[layout.reduce_dtype][0].itemsize if layout.reduce_dtype else None
+    return {r.name: (r.itemsize, reduce or r.grad_itemsize) for r in run.memory.tensors}
 
 
 def _sides(acct: Accounting) -> tuple[list[Any], Callable[[int, str], str]]:
@@ -258,12 +277,18 @@ def _outside_flops(acct: Accounting) -> dict[str, dict[str, Expr]]:
     return {w: {p: sympy.expand(e) for p, e in d.items()} for w, d in out.items()}
 
 
-def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
+def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None = None) -> Parallel:
     """Per-rank figures of ``layout`` for the model ``acct`` was derived from (see the module docstring).
 
     The formulas depend on the layout's kind only (data-parallel mode, whether there is a pipeline and a
     middle stage, v): they are derived once per kind and kept on ``acct``; the degrees and the schedule's
-    held micro-batches (``k``, ``k_first``, ``k_last``) are symbols set by ``at()``."""
+    held micro-batches (``k``, ``k_first``, ``k_last``) are symbols set by ``at()``.
+
+    FSDP2's mixed precision (``layout.param_dtype``) needs ``compute``: the same model derived with
+    ``params_dtype=`` that dtype (and otherwise the same options), whose trace is what forward and backward
+    run on the gathered parameters: its saved activations, temporaries, FLOPs and the gathered parameters'
+    and gradients' dtypes; ``acct`` (the model in its own dtype) gives the shards, their gradients, the
+    optimizer and its temporaries."""
     if acct.values is not None:
         raise SymacctError("derive_parallel needs the formulas: pass the result of derive, not of at()")
     if not acct.memory.tensors:
@@ -271,6 +296,7 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
     stacks = list(acct.per_layer)
     check_model(layout, acct.symbols.get("L") if stacks else None, stacks)
     _check_tensor_parallel(acct, layout)
+    _check_compute(acct, layout, compute)
     mode = layout.dp_mode if layout.dp > 1 else "ddp"
     kinds = ("only",) if layout.pp == 1 else (("first", "middle", "last") if layout.pp > 2 else ("first", "last"))
     key = (
@@ -283,11 +309,14 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
         bool(layout.hsdp_shard),
         layout.dp > 1,
         layout.tp > 1,
+        layout.param_dtype,
+        layout.reduce_dtype,
+        id(compute),
     )
     cache = acct.__dict__.setdefault("_parallel_formulas", {})
     if key not in cache:
-        cache[key] = _formulas(acct, layout, mode, kinds)
-    ranks = cache[key]
+        cache[key] = (_formulas(acct, layout, mode, kinds, compute), compute)  # compute kept: its id stays valid
+    ranks = cache[key][0]
     held: dict[str, dict[str, int]] = {"only": {"g_held": int(layout.micro_batches > 1)}}
     flight = [1]
     if layout.pp == 1 and mode == "ddp":
@@ -304,6 +333,13 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
                 "where they are small next to a block's parameters (gathered blocks in flight, unsharded "
                 "gradients and reduce-scatter buffers: docs/distributed.md)"
             )
+    if layout.param_dtype or layout.reduce_dtype:
+        own = "the model's"
+        notes.append(
+            f"FSDP2 MixedPrecisionPolicy(param_dtype={layout.param_dtype or own}, "
+            f"reduce_dtype={layout.reduce_dtype or layout.param_dtype or own}): forward and backward as traced with "
+            "parameters in param_dtype; shards, their gradients and the optimizer in the model's dtype"
+        )
     if layout.pp > 1:
         acts = actions(layout.schedule, layout.pp, layout.micro_batches, layout.stages_per_rank)
         flight = in_flight(acts)
@@ -320,7 +356,48 @@ def derive_parallel(acct: Accounting, layout: Layout) -> Parallel:
             f"{layout.schedule} with pp={layout.pp}, m={layout.micro_batches}, v={layout.stages_per_rank}: "
             f"(stage chunk, micro-batch) activations held at most per rank {flight} (PyTorch's action lists)"
         )
-    return Parallel(layout, acct, list(ranks), flight, notes, held=held)
+    return Parallel(layout, acct, list(ranks), flight, notes, held=held, compute=compute)
+
+
+def _check_compute(acct: Accounting, layout: Layout, compute: Accounting | None) -> None:
+    """``compute`` is ``acct``'s model traced with its parameters in ``layout.param_dtype``, nothing else
+    changed (see ``derive_parallel``)."""
+    if layout.param_dtype is None:
+        if compute is not None:
+            raise SymacctError("compute= is the mixed-precision trace: it needs a layout with param_dtype")
+        return
+    want = str(DTYPES[layout.param_dtype][0])
+    if compute is None:
+        raise SymacctError(
+            f"FSDP2 with param_dtype={layout.param_dtype} needs the step traced with the parameters in that dtype",
+            hint=f"derive_parallel(acct, layout, compute=derive(model, params_dtype={layout.param_dtype!r}, ...)) "
+            "(the CLI does it for --param-dtype)",
+        )
+    if compute.values is not None:
+        raise SymacctError("compute= needs the formulas: pass the result of derive, not of at()")
+    if acct.options.get("params_dtype") or acct.options.get("autocast"):
+        raise SymacctError(
+            "with FSDP2's param_dtype the first derivation is the model in its own dtype (the shards')",
+            hint="derive it without params_dtype= and autocast=",
+        )
+    if compute.options.get("params_dtype") != want:
+        raise SymacctError(
+            f"compute= was derived with params_dtype={compute.options.get('params_dtype')}, the layout's "
+            f"param_dtype is {want}",
+            hint=f"derive(model, params_dtype={layout.param_dtype!r}, ...)",
+        )
+    same = ("step", "causal_discount", "embedding_flops", "device", "tensor_parallel", "autocast")
+    differ = [k for k in same if acct.options.get(k) != compute.options.get(k)]
+    if differ or _param_shapes(acct) != _param_shapes(compute) or acct.symbols != compute.symbols:
+        raise SymacctError(
+            "compute= is not the same model and step as the derivation it goes with"
+            + (f" (options differ: {', '.join(differ)})" if differ else " (parameters or sizes differ)"),
+            hint="derive both from the same model with the same options, the second with params_dtype=",
+        )
+
+
+def _param_shapes(acct: Accounting) -> list[tuple[str, tuple[Any, ...], Any]]:
+    return [(r.name, tuple(r.shape), r.count) for r in acct.memory.tensors]
 
 
 def _check_tensor_parallel(acct: Accounting, layout: Layout) -> None:
@@ -402,25 +479,37 @@ def _tp_collectives(acct: Accounting, holds: dict[str, bool], piped: bool) -> li
     ]
 
 
-def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...]) -> list[Rank]:
+def _parts(acct: Accounting) -> dict[str, Any]:
+    """What the per-rank formulas read off one derivation, worked out once per derivation."""
+    per_acct = acct.__dict__.setdefault("_parallel_parts", {})
+    if not per_acct:
+        per_acct.update(steady=_steady(acct), head=_head_output(acct), outside=_outside_flops(acct))
+    return per_acct
+
+
+def _formulas(
+    acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...], compute: Accounting | None = None
+) -> list[Rank]:
+    """Each kind of rank's formulas; ``compute`` (FSDP2's mixed precision): the trace forward and backward
+    run, for the activations, temporaries, FLOPs and the gathered dtypes (``derive_parallel``)."""
     mem = acct.memory
+    run = compute or acct  # forward and backward as the ranks run them
     L = sym("L")
     dp, pp, m = sym("dp"), sym("pp"), sym("m")
     n = sym("dp_shard") if layout.hsdp_shard else dp
     piped = layout.pp > 1
     v = layout.stages_per_rank
-    act_total = mem.activations
-    before_act = mem.activations_outside.get("before", ZERO)
-    after_act = mem.activations_outside.get("after", ZERO)
+    act_total = run.memory.activations
+    before_act = run.memory.activations_outside.get("before", ZERO)
+    after_act = run.memory.activations_outside.get("after", ZERO)
     stack_act = sympy.expand(act_total - before_act - after_act)
-    per_acct = acct.__dict__.setdefault("_parallel_parts", {})  # what depends on the derivation only
-    if not per_acct:
-        per_acct.update(steady=_steady(acct), head=_head_output(acct), outside=_outside_flops(acct))
-    steady_peak, transient, excess_opt = per_acct["steady"]
-    head_out = per_acct["head"]
-    outside = per_acct["outside"]
-    fwd_stack = sympy.expand(acct.flops.forward - outside["before"]["forward"] - outside["after"]["forward"])
-    bwd_stack = sympy.expand(acct.flops.backward - outside["before"]["backward"] - outside["after"]["backward"])
+    steady_peak, _, excess_opt = _parts(acct)["steady"]  # the optimizer runs on the shards: acct's
+    _, transient, _ = _parts(run)["steady"]
+    head_out = _parts(run)["head"]
+    outside = _parts(run)["outside"]
+    fwd_stack = sympy.expand(run.flops.forward - outside["before"]["forward"] - outside["after"]["forward"])
+    bwd_stack = sympy.expand(run.flops.backward - outside["before"]["backward"] - outside["after"]["backward"])
+    gathered = _gathered_sizes(layout, run)
     ranks = []
     for stage in kinds:
         holds = {"before": stage in ("only", "first"), "after": stage in ("only", "last")}
@@ -450,18 +539,20 @@ def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...
                 if layout.return_outputs:  # schedule.step(return_outputs=True), PyTorch's default: m outputs kept
                     activations += m * head_out
             else:  # a stage keeps each held micro-batch's output (fwd_cache) until its backward
-                activations += sym("k") * mem.boundary
+                activations += sym("k") * run.memory.boundary
         else:
             activations = act_total
         stack_rows = [(rw, c) for rw, c in rows if _in_stack(rw)]
-        colls = _collectives(layout, mode, rows, stack_rows=stack_rows, n=n, stage=stage, mem=mem, dp=dp, m=m)
+        colls = _collectives(
+            layout, mode, rows, stack_rows=stack_rows, n=n, stage=stage, mem=mem, dp=dp, m=m, sizes=gathered
+        )
         if layout.tp > 1:
-            colls += _tp_collectives(acct, holds, piped)
+            colls += _tp_collectives(run, holds, piped)
         working = ZERO
         if mode == "fsdp" and layout.dp > 1:
             root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
             block = [(rw, sympy.Integer(1)) for rw, _c in stack_rows]
-            working = _gathered(root, n) + _gathered(block, n)
+            working = _gathered(root, n, sizes=gathered) + _gathered(block, n, sizes=gathered)
         elif mode == "ddp" and layout.dp > 1 and not layout.bucket_view:
             working = grads
         # model FLOPs of one step on this rank, and of one micro-batch through one stage chunk
@@ -479,8 +570,11 @@ def _formulas(acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...
             share = states / mem.optimizer if mem.optimizer != 0 else ZERO
             # gradients are alive at the activations' peak when a backward ran before it: g_held (0 or 1)
             held_grads = sym("g_held") * grads
+            # (a model: rounded up to whole bytes, as the share is a fraction of the single device's)
             during = sympy.Max(
-                activations + working + transient + held_grads, grads + excess_opt * share, evaluate=False
+                activations + working + transient + held_grads,
+                grads + sympy.ceiling(excess_opt * share),
+                evaluate=False,
             )
             peak = params + states + during
         ranks.append(
@@ -576,6 +670,7 @@ def _collectives(
     mem: Any,
     dp: Expr,
     m: Expr,
+    sizes: Sizes | None = None,
 ) -> list[Collective]:
     out: list[Collective] = []
     if layout.dp > 1:
@@ -619,8 +714,8 @@ def _collectives(
             for what, part, count in (("root", root, sympy.Integer(1)), ("block", block, n_blocks)):
                 if not part or count == 0:
                     continue
-                ag = sympy.expand(_gathered(part, n))
-                rs = sympy.expand(_gathered(part, n, grad=True))
+                ag = sympy.expand(_gathered(part, n, sizes=sizes))
+                rs = sympy.expand(_gathered(part, n, grad=True, sizes=sizes))
                 out.append(Collective("all_gather", group, n, ag, m * count, "forward", f"{what} parameters"))
                 if what == "block" and layout.reshard_after_forward:
                     out.append(Collective("all_gather", group, n, ag, m * count, "backward", f"{what} parameters"))
@@ -670,9 +765,9 @@ def _collectives(
     return out
 
 
-def parallel(acct: Accounting, layout: Layout | Mapping[str, Any]) -> Parallel:
+def parallel(acct: Accounting, layout: Layout | Mapping[str, Any], compute: Accounting | None = None) -> Parallel:
     """``derive_parallel`` with the layout given as a ``Layout`` or its fields."""
     from symacct.parallel.layout import make_layout
 
     lay = layout if isinstance(layout, Layout) else make_layout(**dict(layout))
-    return derive_parallel(acct, lay)
+    return derive_parallel(acct, lay, compute)
