@@ -87,7 +87,7 @@ from symacct.trace.probe import (
     Probe,
     make_probe,
 )
-from symacct.trace.record import StepTrace, call_inputs, check_device, record_step
+from symacct.trace.record import StepTrace, call_inputs, check_device, padded_sizes, record_step
 from symacct.trace.sdpa import check_backend
 from symacct.trace.sdpa_choice import Target
 from symacct.trace.tensor_parallel import apply_plan, check_plan, fake_group
@@ -605,7 +605,7 @@ def _trace(
     ``tensor_parallel``) the model is sharded on a fake process group of ``tp_world`` ranks (default: the
     probe's tp) and the step is rank 0's (``symacct.trace.tensor_parallel``)."""
     precision = dict(precision)
-    if "sdpa_target" in precision:
+    if "sdpa_target" in precision or torch.device(precision.get("device", "cpu")).type == "cuda":
         precision["sdpa_size"] = _own_size(src, probe)
     plan, degree = precision.pop("tensor_parallel", None), precision.pop(TP, None)
     if plan is None:
@@ -1267,6 +1267,7 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
     (``symacct.cost.layers.factor``)."""
     probe = probes.first
     trace = _record(src, probe, req.step, src.loss, req.make_opt, req.precision)
+    probe.pad(padded_sizes(trace))  # a kernel's rounded-up sizes, read as such
     stacks = find_stacks(trace, LAYERS[0]) if probe.layers is not None else []
     costed = cost_ops(trace, probe.to_expr, strict=req.strict, options=req.rule_options)
     if not stacks:

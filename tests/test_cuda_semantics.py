@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import symacct
+from symacct.errors import SymacctError
 from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
 from symacct.symbols import sym
 
@@ -77,6 +78,9 @@ CASES = {
     "gpt2 sdpa math": (_gpt2, {"sdpa": True}, {"autocast": torch.bfloat16, "sdpa_backend": "math"}),
     "llama bf16 autocast": (_llama, {}, {"autocast": torch.bfloat16}),
     "llama sdpa flash": (_llama, {"sdpa": True}, {"autocast": torch.bfloat16, "sdpa_backend": "flash"}),
+    # memory-efficient attention: its logsumexp padded to 32*ceiling(S/32) rows (S = 40: 64)
+    "gpt2 sdpa efficient fp32": (_gpt2, {"sdpa": True}, {"sdpa_backend": "efficient"}),
+    "llama sdpa efficient bf16": (_llama, {"sdpa": True}, {"autocast": torch.bfloat16, "sdpa_backend": "efficient"}),
 }
 
 
@@ -251,6 +255,31 @@ def test_hardware_runs_the_kernel_pytorch_chooses_there() -> None:
         assert chosen.at(B=2, S=32).memory.activations == named.at(B=2, S=32).memory.activations
         per_layer[backend] = _per_layer(chosen)
     assert sympy.expand(per_layer["flash"] - per_layer["cudnn"]) == 8
+
+
+def test_fp32_attention_trains_on_memory_efficient_attention() -> None:
+    """fp32 attention on an H100 runs the memory-efficient kernel (flash and cuDNN take half types only), whose
+    logsumexp holds 32*ceiling(S/32) rows per head, fp32: the derived per-layer activations carry exactly that
+    term, and at S = 40 (64 rows) and S = 64 (64 rows) the saved bytes equal PyTorch's own forward's."""
+    acct = symacct.derive(_gpt2(sdpa=True), optimizer="adamw", device="cuda", hardware="H100")
+    assert any("memory-efficient attention (sm90, fp32" in n for n in acct.notes), acct.notes
+    assert sympy.expand(_per_layer(acct)).coeff(sympy.ceiling(S_ / 32)) == 128 * B_ * H_
+    for S in (40, 64):
+        counted = _saved_on_fake_cuda(_gpt2(sdpa=True), 3, S, None, "efficient")
+        assert acct.at(B=3, S=S).memory.activations == counted
+
+
+def test_a_head_dim_flash_pads_is_refused() -> None:
+    """Flash attention pads a head dim that is no multiple of 8 (copies of query, key and value); a probe's head
+    is always a multiple of 8, so a model whose own head is not would lose those copies: refused, naming the
+    kernel, and derived once another kernel is named."""
+    model = GPT2(GPT2Config(n_layer=2, n_embd=60, n_head=6, vocab_size=128, block_size=64, sdpa=True))
+    kw: dict[str, Any] = {"autocast": torch.bfloat16, "optimizer": "adamw", "device": "cuda"}
+    with pytest.raises(SymacctError, match="head dim 10 is padded to a multiple of 8"):
+        symacct.derive(model, hardware="A100", **kw)
+    with pytest.raises(SymacctError, match="head dim 10 is padded to a multiple of 8"):
+        symacct.derive(model, sdpa_backend="flash", **kw)
+    assert symacct.derive(model, sdpa_backend="math", **kw).memory.activations != 0
 
 
 def test_without_gpu_is_the_route_taken_here() -> None:

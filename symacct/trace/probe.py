@@ -87,6 +87,21 @@ class Probe:
     _cache: dict[int, sympy.Expr | None] = field(default_factory=dict)
 
     offsets: bool = False  # read m * (X + c) too (the first probe's primes are chosen for it)
+    # sizes a kernel rounds up: value -> (multiple, the size it rounds), read as multiple*ceiling(X/multiple)
+    padded: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def pad(self, sizes: dict[int, tuple[int, int]]) -> None:
+        """Read each of ``sizes`` (a traced value -> (multiple, the traced size it rounds up)) as that size
+        rounded up: the trace says which op made it (``symacct.trace.record.padded_sizes``), so a value no
+        product of symbols gives (the memory-efficient kernel's logsumexp rows, 32*ceiling(S/32)) is read
+        only where such a kernel ran; a genuine constant of the same value is then misread, and the second
+        trace refuses it."""
+        for v, how in sizes.items():
+            if self.padded.get(v, how) != how:
+                self._cache[v] = None  # two roundings to one value: no reading
+                continue
+            self.padded[v] = how
+            self._cache.pop(v, None)
 
     def to_expr(self, v: int) -> sympy.Expr | None:
         """The monomial (rational constant times symbol powers) equal to ``v``, else ``m * (X + c)``, else None.
@@ -100,6 +115,11 @@ class Probe:
         reading either way.
         """
         if v in self._cache:
+            return self._cache[v]
+        if v in self.padded:  # a kernel's rounded-up size (see ``pad``)
+            multiple, of = self.padded[v]
+            x = self.to_expr(of)
+            self._cache[v] = None if x is None else multiple * sympy.ceiling(x / multiple)
             return self._cache[v]
         expr = self._monomial(v)
         if expr is None and self.offsets:

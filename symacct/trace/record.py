@@ -397,6 +397,30 @@ def _metas(x: Any, meta: Callable[[Any], Any], found: list[Any], tensors: list[t
     return tree_unflatten([_metas(v, meta, found, tensors) for v in leaves], spec)
 
 
+# kernels whose outputs hold a size rounded up: op -> (output index, dim, multiple, input index, its dim)
+_PADDED = {
+    # the memory-efficient attention kernel's logsumexp: (B, H, 32*ceiling(M/32)) for M queries
+    "aten._scaled_dot_product_efficient_attention.default": (1, 2, 32, 0, 2),
+}
+
+
+def padded_sizes(trace: StepTrace) -> dict[int, tuple[int, int]]:
+    """The rounded-up sizes the step's kernels made (``_PADDED``): value -> (multiple, the size it rounds), for
+    ``Probe.pad``; a size that needed no rounding is left out."""
+    out: dict[int, tuple[int, int]] = {}
+    for rec in trace.ops:
+        how = _PADDED.get(str(rec.op))
+        if how is None:
+            continue
+        o, d, multiple, i, j = how
+        if len(rec.outputs) <= o or len(rec.inputs) <= i:
+            continue
+        got, of = rec.outputs[o].shape[d], rec.inputs[i].shape[j]
+        if got and got != of and got == multiple * -(-of // multiple):
+            out[got] = (multiple, of)
+    return out
+
+
 def op_record(
     index: int,
     func: Any,

@@ -15,8 +15,11 @@ falls back to the math kernel, which a GPU would rarely run: a silent wrong numb
   ahead of PyTorch's own choice (math then upcasts half inputs to fp32 and keeps them there).
 
 With a GPU present, ``backend`` restricts PyTorch's own choice (``torch.nn.attention.sdpa_kernel``).
-A mask is modelled for ``math`` only here, grouped-query heads left to ``enable_gqa`` for ``math`` and
-``flash`` (whose kernel takes fewer key/value heads as they are); the other cases are refused without a GPU.
+A mask is modelled for ``math`` only here, grouped-query heads left to ``enable_gqa`` for ``math``,
+``flash`` and ``cudnn`` (whose kernels take fewer key/value heads as they are); the other cases are refused
+without a GPU. The memory-efficient kernel's logsumexp holds ``32*ceiling(S/32)`` rows, read so
+(``symacct.trace.record.padded_sizes``); flash's head-dim padding is refused where the model's own head dim
+needs it and the probe's does not.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ class _Forced(TorchFunctionMode):
         try:
             backend, why = self._kernel(*args, **kwargs)
             self.counts[why] = self.counts.get(why, 0) + 1
-            return _call(backend, *args, **kwargs, _why=why)
+            return _call(backend, *args, **kwargs, _why=why, _size=self.size)
         finally:
             if autocast:
                 torch.set_autocast_enabled("cuda", True)
@@ -154,6 +157,7 @@ def _call(
     scale: float | None = None,
     enable_gqa: bool = False,
     _why: str = "",
+    _size: Callable[[int], int] = int,
 ) -> torch.Tensor:
     if backend == "math":
         out = torch.ops.aten._scaled_dot_product_attention_math(
@@ -175,6 +179,16 @@ def _call(
     scale = 1.0 / math.sqrt(head) if scale is None else scale
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if backend == "flash":
+        own = _size(head)  # the user's model's head dim (a probe head is 8*29 wide: never padded)
+        if own % 8 and not head % 8:
+            raise _refusal(
+                f"SDPA on {_why or describe(backend)}: the model's head dim {own} is padded to a multiple of 8 "
+                "(copies of query, key and value), which the probe's head, a multiple of 8, does not show",
+                "_scaled_dot_product_flash_attention",
+                (query, key, value),
+                "name another kernel with sdpa_backend= (its figures, not the GPU's choice), or measure on the GPU "
+                "(symacct verify)",
+            )
         pad = -head % 8
         if pad:
             query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
@@ -182,16 +196,7 @@ def _call(
             query, key, value, dropout_p, is_causal, False, scale=scale
         )
         return out[0][..., :head] if pad else out[0]
-    if backend == "efficient":
-        if grad:
-            raise _refusal(
-                f"SDPA on {_why or describe(backend)}: with a gradient this kernel pads its logsumexp to a "
-                "multiple of 32 queries, a size no product of the model's symbols expresses",
-                "_scaled_dot_product_efficient_attention",
-                (query, key, value),
-                "train in bf16 or fp16 (autocast=) where flash or cuDNN attention runs, or name another kernel "
-                "with sdpa_backend= (its figures, not the GPU's choice)",
-            )
+    if backend == "efficient":  # with a gradient its logsumexp holds 32*ceiling(S/32) rows (Probe.pad)
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, None, grad, dropout_p, is_causal, scale=scale
         )
