@@ -236,22 +236,28 @@ def test_gloo_fsdp_mixed_precision() -> None:
 
 
 @pytest.mark.slow
-def test_gloo_pipeline() -> None:
-    """GPipe and 1F1B on two real gloo processes, 3 micro-batches of 2: each stage's bytes and sends."""
-    acct = symacct.derive(GPT2(GPT2_PIPE), optimizer="adamw")
+@pytest.mark.parametrize("wide", [False, True])
+def test_gloo_pipeline(wide: bool) -> None:
+    """GPipe and 1F1B on two real gloo processes, 3 micro-batches: each stage's bytes and sends exactly, the
+    loss, and the peak of each stage: within 1% for a GPT-2 with D = 64 (B = 4, S = 64), within 1.5% for the
+    tiny one (D = 10, B = 2, S = 7), whose stages hold a few hundred bytes of the pipeline runtime's own
+    buffers that are not modelled (docs/distributed.md)."""
+    cfg = dataclasses.replace(GPT2_WIDE, tie_weights=False) if wide else GPT2_PIPE
+    B, S, V = (4, 64, 512) if wide else (2, 7, 37)
+    acct = symacct.derive(GPT2(cfg), optimizer="adamw")
     torch.manual_seed(0)
-    one = GPT2(GPT2_PIPE)
-    loss = float(one(*Batch(6, 7, 37)(one)))
+    one = GPT2(cfg)
+    loss = float(one(*Batch(3 * B, S, V)(one)).detach())
     for schedule in ("gpipe", "1f1b"):
         lay = make_layout(pp=2, schedule=schedule, micro_batches=3)
-        pred = derive_parallel(acct, lay).at(B=2, S=7)
-        got = gloo_world(Build(GPT2_PIPE), lay, Batch(6, 7, 37), adamw, split=stage)
+        pred = derive_parallel(acct, lay).at(B=B, S=S)
+        got = gloo_world(Build(cfg), lay, Batch(3 * B, S, V), adamw, split=stage)
         for g, p in zip(got, pred.ranks, strict=True):
             assert (g.params, g.grads, g.optimizer) == (p.params, p.grads, p.optimizer)
             sends = Counter((op, payload) for op, _phase, payload in g.collectives)
             assert sends == Counter((c.op, c.payload) for c in p.collectives for _ in range(c.count))
-            # the model: within 2% either way on these tiny stages (docs/distributed.md)
-            assert abs(p.peak - g.peak) <= 0.02 * g.peak, (schedule, p.stage, p.peak, g.peak)
+            bound = 0.01 if wide else 0.015
+            assert abs(p.peak - g.peak) <= bound * g.peak, (schedule, p.stage, p.peak, g.peak)
         assert got[-1].loss == pytest.approx(loss, rel=1e-5)
 
 

@@ -34,7 +34,7 @@ import itertools
 import math
 import random
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -233,6 +233,32 @@ class Liveness:
     # gradient storages of ``base`` and ``other``: the live bytes of gradients at a point
     grads: frozenset[int] = frozenset()
     other_grads: frozenset[int] = frozenset()
+    # parameters, their gradients and states (``StepTrace.owner``), and the activations saved for backward
+    # (inputs and buffers left out), of ``base`` and ``other`` (``without``)
+    owned: frozenset[int] = frozenset()
+    other_owned: frozenset[int] = frozenset()
+    saved: frozenset[int] = frozenset()
+    other_saved: frozenset[int] = frozenset()
+
+    def without(self, drop: Callable[[int, int, bool], bool], brief: frozenset[int] = frozenset()) -> Liveness:
+        """The same step without the storages ``drop(storage, op that made it in base, other)`` names (for a
+        storage of ``other``, the op of ``base`` aligned with the one that made it; -1: none, or before the
+        step); the gradients among them, when ``brief`` is ``grads``, kept alive for the op that makes them
+        and the next only (a gradient added into one that exists: the new one is freed by the ``add_``)."""
+        back = {o: b for b, o in enumerate(self.align)}
+
+        def only(iv: Intervals, other: bool) -> Intervals:
+            def made(st: int) -> int:
+                t = int(iv.start[st])
+                return back.get(t, -1) if other else t
+
+            short = (self.other_grads if other else self.grads) if brief else frozenset()
+            start = {st: s for st, s in iv.start.items() if st in short or not drop(st, made(st), other)}
+            end = {st: (min(e, start[st] + 1) if st in short and st in start else e) for st, e in iv.end.items()}
+            return Intervals(iv.n, start, end, iv.nbytes)
+
+        other = only(self.other, True) if self.other is not None else None
+        return dataclasses.replace(self, base=only(self.base, False), other=other)
 
     def steady(self) -> Liveness:
         """The same step once the optimizer's states exist: every step after the first.
@@ -264,20 +290,22 @@ class Liveness:
 
     def evaluate(self, values: Mapping[str, int], phases: tuple[str, ...] | None = None) -> tuple[int, int]:
         """(peak bytes, op index) at the given sizes, exactly; over the ops of ``phases`` only, if given."""
-        live = self.base.live(values)
         chosen = [t for t in range(self.base.n) if phases is None or self.labels[t][3] in phases]
         if not chosen:
             raise ValueError(f"no op in phases {phases}")
+        vals = self.during(values, chosen)
+        best = max(vals, key=lambda t: vals[t])
+        return vals[best], best
+
+    def during(self, values: Mapping[str, int], ops: list[int]) -> dict[int, int]:
+        """Live bytes during each of ``ops`` at the given sizes, exactly (the ops a model with L blocks has)."""
+        live = self.base.live(values)
         if self.other is None:
-            best = max(chosen, key=lambda t: live[t + 1])
-            return live[best + 1], best
+            return {t: live[t + 1] for t in ops}
         live2 = self.other.live(values)
         L = values.get("L", self.layers)
         k = L - self.layers
-        points = [t for t in chosen if self._valid(t, L)]
-        vals = {t: live[t + 1] + k * (live2[self.align[t] + 1] - live[t + 1]) for t in points}
-        best = max(points, key=lambda t: vals[t])
-        return vals[best], best
+        return {t: live[t + 1] + k * (live2[self.align[t] + 1] - live[t + 1]) for t in ops if self._valid(t, L)}
 
     def at_point(self, t: int) -> sympy.Expr:
         e = self.base.symbolic(self.base.alive_at(t))
@@ -303,9 +331,13 @@ class Liveness:
         e2 = self.other.symbolic([s for s in self.other.start if self.other.start[s] < pos2 < self.other.end[s]])
         return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
 
-    def symbolic_peak(self, names: list[str], samples: int = 48, seed: int = 0) -> tuple[Expr, list[int]]:
-        """Max over the points largest somewhere in a log-uniform sample of the sizes; dominated ones pruned."""
+    def symbolic_peak(
+        self, names: list[str], samples: int = 48, seed: int = 0, ops: list[int] | None = None
+    ) -> tuple[Expr, list[int]]:
+        """Max over the points largest somewhere in a log-uniform sample of the sizes; dominated ones pruned.
+        ``ops``: over these ops only (default all)."""
         rng = random.Random(seed)
+        chosen = list(range(self.base.n)) if ops is None else ops
         candidates: set[int] = set()
         for _ in range(samples):
             values = {n: int(2 ** rng.uniform(0, 14)) + 1 for n in names}
@@ -313,7 +345,11 @@ class Liveness:
                 values["L"] = self.layers + int(2 ** rng.uniform(0, 8))
             if "S_max" in values and "S" in values:
                 values["S_max"] = max(values["S_max"], values["S"])
-            candidates.add(self.evaluate(values)[1])
+            vals = self.during(values, chosen)
+            if vals:
+                candidates.add(max(vals, key=lambda t: vals[t]))
+        if not candidates:
+            return sympy.Integer(0), []
         exprs = {t: self.at_point(t) for t in sorted(candidates)}
         keep = []
         for t, e in exprs.items():
@@ -354,8 +390,9 @@ def liveness(
     marks = _mark_positions(base)
     states = frozenset(base.state_storages)
     grads = frozenset(base.grad_storages)
+    owned, saved = frozenset(base.owner), _saved(base)
     if other is None:
-        return Liveness(iv, None, [], layers, labels, marks, {}, states=states, grads=grads)
+        return Liveness(iv, None, [], layers, labels, marks, {}, states=states, grads=grads, owned=owned, saved=saved)
     align = align_layers(base, other, stacks, layers)
     if align is None:
         return None
@@ -379,7 +416,16 @@ def liveness(
         frozenset(other.state_storages),
         grads,
         frozenset(other.grad_storages),
+        owned,
+        frozenset(other.owner),
+        saved,
+        _saved(other),
     )
+
+
+def _saved(trace: StepTrace) -> frozenset[int]:
+    """The storages saved for backward, the inputs and buffers among them left out."""
+    return frozenset(st for st in trace.saved_storages if st not in trace.external_storages)
 
 
 def _mark_positions(trace: StepTrace) -> dict[str, float]:

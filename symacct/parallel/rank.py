@@ -27,7 +27,9 @@ optimizer states of the rank plus the larger of (held activations + ``working`` 
 kept through backward, and one gathered block — + ``transient``, the single-device peak's bytes beyond its
 parameters, states and saved bytes at its forward and backward points, + the rank's gradients when a
 backward ran before: 1F1B, gradient accumulation) and (the rank's gradients + the optimizer step's
-temporaries scaled by the rank's share of the states). docs/distributed.md gives how far it was measured off.
+temporaries scaled by the rank's share of the states, rounded up). On a pipeline stage the temporaries are
+the stage's own micro-batch in flight (``_stage_in_flight``): the head's are the last stage's only.
+docs/distributed.md gives how far it was measured off.
 """
 
 from __future__ import annotations
@@ -487,6 +489,51 @@ def _parts(acct: Accounting) -> dict[str, Any]:
     return per_acct
 
 
+# the parts of the step a pipeline stage runs: the stack, and what runs before it (first) or after it (last)
+STAGE_SIDES = {"first": ("before", "stack"), "middle": ("stack",), "last": ("stack", "after")}
+
+
+def _stage_in_flight(acct: Accounting, stage: str, accumulating: bool = False) -> Expr:
+    """The most a pipeline stage holds for the micro-batch in flight beside its parameters, gradients and
+    states: the single-device step's live bytes at the forward and backward ops of the stage's parts (the
+    first stage runs no head: the logits' gradient is the last stage's), less the parameters, gradients and
+    states and less what the other parts save, with the stage's L/pp blocks; a ``Max`` over the ops largest
+    somewhere in a sample of the sizes (``Liveness.symbolic_peak``). The stage's other held micro-batches
+    add their saved activations (``_formulas``). ``accumulating``: the stage's gradients exist from an
+    earlier micro-batch (1F1B, gradient accumulation), so each new gradient is a temporary until it is
+    added in."""
+    cache = acct.__dict__.setdefault("_stage_in_flight", {})
+    key = (stage, accumulating)
+    if key not in cache:
+        live = acct.liveness
+        assert live is not None and acct.step is not None
+        blocks, side = _sides(acct)
+        labels = live.labels
+        wanted = STAGE_SIDES[stage]
+
+        def part(t: int) -> str:
+            if blocks[t] is not None:
+                return "stack"
+            phase = labels[t][3]
+            return side(t, phase if phase in ("forward", "backward") else "forward")
+
+        def drop(st: int, made: int, other: bool) -> bool:
+            if st in (live.other_owned if other else live.owned):
+                return True
+            saved = live.other_saved if other else live.saved
+            return st in saved and made >= 0 and part(made) not in wanted
+
+        stage_live = live.steady().without(drop, brief=live.grads if accumulating else frozenset())
+        ops = [t for t, lab in enumerate(labels) if lab[3] in ("forward", "backward") and part(t) in wanted]
+        names = sorted({str(x) for x in sympy.sympify(acct.memory.peak).free_symbols} | {"L"})
+        peak, _ = stage_live.symbolic_peak(names, ops=ops)
+        share = {sym("L"): sym("L") / sym("pp")}  # each point on its own: a Max is not evaluated again
+        points = peak.args if isinstance(peak, sympy.Max) else (peak,)
+        parts = [sympy.sympify(e).xreplace(share) for e in points]
+        cache[key] = parts[0] if len(parts) == 1 else sympy.Max(*parts, evaluate=False)
+    return cache[key]
+
+
 def _formulas(
     acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...], compute: Accounting | None = None
 ) -> list[Rank]:
@@ -548,6 +595,14 @@ def _formulas(
         )
         if layout.tp > 1:
             colls += _tp_collectives(run, holds, piped)
+        stage_transient = transient
+        if piped:  # one micro-batch in flight through the stage's ops, the others held (see _stage_in_flight)
+            one = stack_act.subs(L, L / (pp * v))
+            one += before_act if holds["before"] else ZERO
+            one += after_act if holds["after"] else ZERO
+            g = sym("g_held")
+            flight = (1 - g) * _stage_in_flight(run, stage) + g * _stage_in_flight(run, stage, accumulating=True)
+            stage_transient = flight - one
         working = ZERO
         if mode == "fsdp" and layout.dp > 1:
             root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
@@ -572,7 +627,7 @@ def _formulas(
             held_grads = sym("g_held") * grads
             # (a model: rounded up to whole bytes, as the share is a fraction of the single device's)
             during = sympy.Max(
-                activations + working + transient + held_grads,
+                activations + working + stage_transient + held_grads,
                 grads + sympy.ceiling(excess_opt * share),
                 evaluate=False,
             )
@@ -586,7 +641,7 @@ def _formulas(
                 optimizer=sympy.expand(states),
                 activations=sympy.expand(activations),
                 working=sympy.expand(working),
-                transient=transient,
+                transient=stage_transient,
                 flops=sympy.expand(m * f + acct.flops.optimizer),
                 collectives=colls,
                 chunk={
