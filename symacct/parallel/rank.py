@@ -493,17 +493,18 @@ def _parts(acct: Accounting) -> dict[str, Any]:
 STAGE_SIDES = {"first": ("before", "stack"), "middle": ("stack",), "last": ("stack", "after")}
 
 
-def _stage_in_flight(acct: Accounting, stage: str, accumulating: bool = False) -> Expr:
+def _stage_in_flight(acct: Accounting, stage: str, accumulating: bool = False, chunks: int = 1) -> Expr:
     """The most a pipeline stage holds for the micro-batch in flight beside its parameters, gradients and
     states: the single-device step's live bytes at the forward and backward ops of the stage's parts (the
     first stage runs no head: the logits' gradient is the last stage's), less the parameters, gradients and
-    states and less what the other parts save, with the stage's L/pp blocks; a ``Max`` over the ops largest
+    states and less what the other parts save, with one stage chunk's L/(pp*chunks) blocks (``chunks``: v,
+    the interleaved schedule's chunks per rank); a ``Max`` over the ops largest
     somewhere in a sample of the sizes (``Liveness.symbolic_peak``). The stage's other held micro-batches
     add their saved activations (``_formulas``). ``accumulating``: the stage's gradients exist from an
     earlier micro-batch (1F1B, gradient accumulation), so each new gradient is a temporary until it is
     added in."""
     cache = acct.__dict__.setdefault("_stage_in_flight", {})
-    key = (stage, accumulating)
+    key = (stage, accumulating, chunks)
     if key not in cache:
         live = acct.liveness
         assert live is not None and acct.step is not None
@@ -527,7 +528,7 @@ def _stage_in_flight(acct: Accounting, stage: str, accumulating: bool = False) -
         ops = [t for t, lab in enumerate(labels) if lab[3] in ("forward", "backward") and part(t) in wanted]
         names = sorted({str(x) for x in sympy.sympify(acct.memory.peak).free_symbols} | {"L"})
         peak, _ = stage_live.symbolic_peak(names, ops=ops)
-        share = {sym("L"): sym("L") / sym("pp")}  # each point on its own: a Max is not evaluated again
+        share = {sym("L"): sym("L") / (sym("pp") * chunks)}  # each point on its own: no Max evaluated again
         points = peak.args if isinstance(peak, sympy.Max) else (peak,)
         parts = [sympy.sympify(e).xreplace(share) for e in points]
         cache[key] = parts[0] if len(parts) == 1 else sympy.Max(*parts, evaluate=False)
@@ -601,7 +602,9 @@ def _formulas(
             one += before_act if holds["before"] else ZERO
             one += after_act if holds["after"] else ZERO
             g = sym("g_held")
-            flight = (1 - g) * _stage_in_flight(run, stage) + g * _stage_in_flight(run, stage, accumulating=True)
+            flight = (1 - g) * _stage_in_flight(run, stage, chunks=v) + g * _stage_in_flight(
+                run, stage, accumulating=True, chunks=v
+            )
             stage_transient = flight - one
         working = ZERO
         if mode == "fsdp" and layout.dp > 1:
