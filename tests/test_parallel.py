@@ -109,13 +109,13 @@ def gpt2_low() -> dict[str, symacct.Accounting]:
     return {name: symacct.derive(GPT2(GPT2_SMALL), optimizer="adamw", params_dtype=name) for name in ("bf16", "fp16")}
 
 
-@given(**_DRAWN, param=st.sampled_from(["bf16", "fp16"]), reduce=st.sampled_from([None, "fp32", "bf16"]))
+@given(**_DRAWN, param=st.sampled_from([None, "bf16", "fp16"]), reduce=st.sampled_from([None, "fp32", "bf16"]))
 def test_fsdp_mixed_precision_rank(
     gpt2_acct: symacct.Accounting,
     gpt2_low: dict[str, symacct.Accounting],
     dp: int,
     hsdp: bool,
-    param: str,
+    param: str | None,
     reduce: str | None,
     heads: int,
     width: int,
@@ -123,12 +123,13 @@ def test_fsdp_mixed_precision_rank(
     layers: int,
 ) -> None:
     """FSDP2 with a MixedPrecisionPolicy on the fake process group: the shards, their gradients and the
-    optimizer states in fp32, every all-gather in param_dtype and every reduce-scatter in reduce_dtype (or
-    param_dtype), rank 0 to the byte; against the same layout in full precision, the all-gathers are half."""
+    optimizer states in fp32, every all-gather in param_dtype (or fp32) and every reduce-scatter in
+    reduce_dtype (or param_dtype, or fp32), rank 0 to the byte; against the same layout in full precision,
+    a 16-bit gather or reduction is half."""
     shard = 2 if hsdp and dp == 4 else None
     lay = make_layout(dp=dp, dp_mode="fsdp", hsdp_shard=shard, param_dtype=param, reduce_dtype=reduce)
     sizes = {"B": 2, "S": 3, "D": heads * width, "H": heads, "V": vocab, "L": layers, "S_max": 16}
-    pred = derive_parallel(gpt2_acct, lay, compute=gpt2_low[param]).at(**sizes).ranks[0]
+    pred = derive_parallel(gpt2_acct, lay, compute=gpt2_low[param] if param else None).at(**sizes).ranks[0]
     cfg = dataclasses.replace(_config(GPT2_SMALL, sizes), n_head=heads)
     got = fake_rank(Build(cfg), lay, 0, Batch(2, 3, vocab), adamw)
     assert (got.params, got.grads, got.optimizer) == (pred.params, pred.grads, pred.optimizer)
@@ -140,8 +141,8 @@ def test_fsdp_mixed_precision_rank(
     def payload(r: symacct.parallel.rank.Rank, op: str) -> int:
         return sum(c.payload * c.count for c in r.collectives if c.op == op)
 
-    assert 2 * payload(pred, "all_gather") == payload(plain, "all_gather")
-    scale = 1 if reduce == "fp32" else 2
+    assert (2 if param else 1) * payload(pred, "all_gather") == payload(plain, "all_gather")
+    scale = 2 if reduce == "bf16" or (reduce is None and param) else 1
     assert scale * payload(pred, "reduce_scatter") == payload(plain, "reduce_scatter")
 
 
