@@ -331,7 +331,7 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
         ]
         if mode == "fsdp" and layout.dp > 1:
             notes.append(
-                "FSDP2's peak: to the byte where activations dominate the start of backward, up to a quarter low "
+                "FSDP2's peak: to the byte where activations dominate the start of backward, up to about 30% low "
                 "where they are small next to a block's parameters (gathered blocks in flight, unsharded "
                 "gradients and reduce-scatter buffers: docs/distributed.md)"
             )
