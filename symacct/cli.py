@@ -487,16 +487,6 @@ def _layout_of(args: argparse.Namespace) -> Any:
     )
 
 
-def _compute(model: Any, lay: Any, acct: Any, **options: Any) -> Any:
-    """FSDP2's mixed precision: the step traced with the parameters in the layout's param_dtype, with
-    ``acct``'s other options (symacct.parallel.rank.derive_parallel); None without it."""
-    from symacct.pipeline import derive
-
-    if lay.param_dtype is None:
-        return None
-    return derive(model, **{**options, "params_dtype": lay.param_dtype})
-
-
 def _tensor_parallel(lay: Any) -> dict[str, Any]:
     """derive's options for one tensor-parallel rank of ``lay`` (none without tensor parallelism)."""
     return {"tensor_parallel": lay.plan, "tp": lay.tp} if lay.tp > 1 else {}
@@ -510,7 +500,7 @@ def _wants_layout(args: argparse.Namespace) -> bool:
 def _parallel(args: argparse.Namespace) -> int:
     """derive with a layout: per-rank formulas and values, the collectives, the step time with --hardware."""
     from symacct.parallel.plan import step_time
-    from symacct.parallel.rank import derive_parallel
+    from symacct.parallel.rank import derive_compute, derive_parallel
     from symacct.pipeline import derive
     from symacct.report.parallel import print_ranks, rank_report
 
@@ -520,7 +510,7 @@ def _parallel(args: argparse.Namespace) -> int:
     model = load_model(args.model, overrides_of(args.config))
     options = dict(causal_discount=args.causal_discount, **_step_options(args), **_tensor_parallel(lay))
     acct = derive(model, **options)
-    par = derive_parallel(acct, lay, _compute(model, lay, acct, **options))
+    par = derive_parallel(acct, lay, derive_compute(model, lay, **options))
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
     at = par.at(B=args.batch, S=S)
     t = None
@@ -537,6 +527,7 @@ def _parallel(args: argparse.Namespace) -> int:
 def _fit_layout(args: argparse.Namespace) -> dict[str, Any]:
     """fit with a layout: the largest micro-batch B per data-parallel rank whose worst rank fits."""
     from symacct.parallel.plan import fit_layout
+    from symacct.parallel.rank import derive_compute
     from symacct.pipeline import derive
 
     lay = _layout_of(args)
@@ -557,7 +548,7 @@ def _fit_layout(args: argparse.Namespace) -> dict[str, Any]:
     )
     acct = derive(model, **options)
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
-    compute = _compute(model, lay, acct, **options)
+    compute = derive_compute(model, lay, **options)
     res = fit_layout(acct, lay, hardware=args.hardware, seq=S, reserve=args.reserve, compute=compute)
     return {
         "layout": lay.describe(),

@@ -508,7 +508,7 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     model's peak is shown beside the measured one, not judged (docs/distributed.md gives its measured range)."""
     from symacct.measure.verify import Row
     from symacct.options import OPTIMIZERS
-    from symacct.parallel.rank import derive_parallel
+    from symacct.parallel.rank import derive_compute, derive_parallel
     from symacct.pipeline import derive
 
     cfg = getattr(model, "config", None)
@@ -529,8 +529,7 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
         )
     tensor_parallel = {"tensor_parallel": layout.plan, "tp": layout.tp} if layout.tp > 1 else {}
     acct = derive(model, optimizer=optimizer, **tensor_parallel)
-    mixed = {"params_dtype": layout.param_dtype, **tensor_parallel}
-    compute = derive(model, optimizer=optimizer, **mixed) if layout.param_dtype else None
+    compute = derive_compute(model, layout, optimizer=optimizer, **tensor_parallel)
     par = derive_parallel(acct, layout, compute).at(B=B, S=S)  # B: one micro-batch of one data-parallel rank
     build = Construct(type(model), cfg)
     opt = Optimizer(OPTIMIZERS[optimizer])

@@ -240,11 +240,11 @@ class Liveness:
     saved: frozenset[int] = frozenset()
     other_saved: frozenset[int] = frozenset()
 
-    def without(self, drop: Callable[[int, int, bool], bool], brief: frozenset[int] = frozenset()) -> Liveness:
+    def without(self, drop: Callable[[int, int, bool], bool], brief: bool = False) -> Liveness:
         """The same step without the storages ``drop(storage, op that made it in base, other)`` names (for a
         storage of ``other``, the op of ``base`` aligned with the one that made it; -1: none, or before the
-        step); the gradients among them, when ``brief`` is ``grads``, kept alive for the op that makes them
-        and the next only (a gradient added into one that exists: the new one is freed by the ``add_``)."""
+        step); with ``brief``, the gradients kept, each alive for the op that makes it and the next only (a
+        gradient added into one that exists: the new one is freed by the ``add_``)."""
         back = {o: b for b, o in enumerate(self.align)}
 
         def only(iv: Intervals, other: bool) -> Intervals:

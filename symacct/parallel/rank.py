@@ -361,6 +361,16 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
     return Parallel(layout, acct, list(ranks), flight, notes, held=held, compute=compute)
 
 
+def derive_compute(model: Any, layout: Layout, **options: Any) -> Accounting | None:
+    """``derive_parallel``'s ``compute`` for ``layout``: ``model`` derived with ``options`` (those of the
+    derivation it goes with) and its parameters in the layout's ``param_dtype``; None without one."""
+    from symacct.pipeline import derive
+
+    if layout.param_dtype is None:
+        return None
+    return derive(model, **{**options, "params_dtype": layout.param_dtype})
+
+
 def _check_compute(acct: Accounting, layout: Layout, compute: Accounting | None) -> None:
     """``compute`` is ``acct``'s model traced with its parameters in ``layout.param_dtype``, nothing else
     changed (see ``derive_parallel``)."""
@@ -524,7 +534,7 @@ def _stage_in_flight(acct: Accounting, stage: str, accumulating: bool = False, c
             saved = live.other_saved if other else live.saved
             return st in saved and made >= 0 and part(made) not in wanted
 
-        stage_live = live.steady().without(drop, brief=live.grads if accumulating else frozenset())
+        stage_live = live.steady().without(drop, brief=accumulating)
         ops = [t for t, lab in enumerate(labels) if lab[3] in ("forward", "backward") and part(t) in wanted]
         names = sorted({str(x) for x in sympy.sympify(acct.memory.peak).free_symbols} | {"L"})
         peak, _ = stage_live.symbolic_peak(names, ops=ops)
