@@ -1,9 +1,10 @@
 """Parallel layouts, side by side with the alternative (docs/benchmark-parallel.txt).
 
 1. Llama-3-70B (bf16, AdamW, SDPA, activation checkpointing, on meta): derive alone, and derive followed
-   by the per-rank figures of a layout (FSDP2 over 64 GPUs; then 8 x 8 ZeRO-1 x 1F1B; and a tensor- and
-   sequence-parallel rank, tp = 8, traced on the fake process group, in ZeRO-1 dp = 4 x 1F1B pp = 2): issue
-   14's target is at most 3x the single-device derive.
+   by the per-rank figures of a layout (FSDP2 over 64 GPUs; then 8 x 8 ZeRO-1 x 1F1B; a tensor- and
+   sequence-parallel rank, tp = 8, traced on the fake process group, in ZeRO-1 dp = 4 x 1F1B pp = 2; a
+   context-parallel rank, PyTorch's ring over cp = 2 and 8, in FSDP2 over dp x cp = 64): issue 14's target
+   is at most 3x the single-device derive.
 2. The planner: every layout of that model on 64 H100s (S = 8192, global batch 1024), ranked, tp = 1 and
    tp = 2, 4, 8 with sequence parallelism (their derivations made before the clock starts): the target is
    at least 100 layouts in at most 10 s.
@@ -37,8 +38,8 @@ def llama70b() -> torch.nn.Module:
         return cls(dataclasses.replace(make(), sdpa=True, checkpoint=True))
 
 
-def derive70b(**tensor_parallel: object) -> symacct.Accounting:
-    return symacct.derive(llama70b(), optimizer="adamw", params_dtype="bf16", **tensor_parallel)
+def derive70b(**rank: object) -> symacct.Accounting:
+    return symacct.derive(llama70b(), optimizer="adamw", params_dtype="bf16", **rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +74,20 @@ def main() -> None:
     lay = make_layout(dp=4, tp=8, pp=2, dp_mode="zero1", micro_batches=8, sequence_parallel=True)
     derive_parallel(tp_acct, lay).at(B=1, S=8192)
     with_tp = time.perf_counter() - t
+    with_cp = {}
+    for cp in (2, 8):
+        t = time.perf_counter()
+        cp_acct = derive70b(context_parallel=cp)
+        derive_parallel(cp_acct, make_layout(dp=64 // cp, cp=cp, dp_mode="fsdp")).at(B=1, S=8192)
+        with_cp[cp] = time.perf_counter() - t
     print("1. Llama-3-70B (bf16, AdamW, SDPA, checkpointing, meta)")
     print(f"   derive alone:                           {single:.2f} s")
     print(f"   derive + FSDP2 dp=64 per-rank figures:  {with_layout:.2f} s  ({with_layout / single:.2f}x; target 3x)")
     print(f"   then dp=8 x pp=8 ZeRO-1 1F1B (m=128):   {second:.2f} s")
     print(f"   derive a tp=8 sp rank + dp=4 x pp=2:    {with_tp:.2f} s  ({with_tp / single:.2f}x; target 3x)")
+    for cp, sec in with_cp.items():
+        what = f"derive a cp={cp} rank + FSDP2 dp={64 // cp}:"
+        print(f"   {what:<40}{sec:.2f} s  ({sec / single:.2f}x; target 3x; the ring unrolled {cp} steps)")
 
     accts = {tp: derive70b(tensor_parallel="megatron-sp", tp=tp) for tp in (2, 4)} | {8: tp_acct}
     t = time.perf_counter()

@@ -440,7 +440,7 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (the megatron-sp plan)")
     g.add_argument("--pp", type=_count, default=1, help="pipeline stages")
-    g.add_argument("--cp", type=_count, default=1, help="context-parallel degree (not derived yet: refused above 1)")
+    g.add_argument("--cp", type=_count, default=1, help="context-parallel degree (ring attention; the model's SDPA)")
     g.add_argument("--dp-mode", choices=DP_MODES, default="fsdp", help="ddp, zero1, zero2 or fsdp (default)")
     g.add_argument("--hsdp-shard", type=_count, default=None, help="HSDP: the sharding group's size")
     g.add_argument("--no-reshard", action="store_true", help="FSDP2 reshard_after_forward=False")
@@ -487,9 +487,10 @@ def _layout_of(args: argparse.Namespace) -> Any:
     )
 
 
-def _tensor_parallel(lay: Any) -> dict[str, Any]:
-    """derive's options for one tensor-parallel rank of ``lay`` (none without tensor parallelism)."""
-    return {"tensor_parallel": lay.plan, "tp": lay.tp} if lay.tp > 1 else {}
+def _own_seq(acct: Any) -> int:
+    """The S a layout is evaluated at without --seq: the model's table rows (S_max; with context parallelism S,
+    which the tables are)."""
+    return int(acct.symbols.get("S_max", acct.symbols.get("S", 1)))
 
 
 def _wants_layout(args: argparse.Namespace) -> bool:
@@ -508,10 +509,10 @@ def _parallel(args: argparse.Namespace) -> int:
     if args.step != "train":
         raise UsageError("a parallel layout is a training step: drop --step or the layout flags")
     model = load_model(args.model, overrides_of(args.config))
-    options = dict(causal_discount=args.causal_discount, **_step_options(args), **_tensor_parallel(lay))
+    options = dict(causal_discount=args.causal_discount, **_step_options(args), **lay.rank_options)
     acct = derive(model, **options)
     par = derive_parallel(acct, lay, derive_compute(model, lay, **options))
-    S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
+    S = args.seq if args.seq is not None else _own_seq(acct)
     at = par.at(B=args.batch, S=S)
     t = None
     if args.hardware is not None:
@@ -544,10 +545,10 @@ def _fit_layout(args: argparse.Namespace) -> dict[str, Any]:
         optimizer=args.optimizer,
         autocast=_dtype(args.autocast),
         params_dtype=_dtype(args.params_dtype),
-        **_tensor_parallel(lay),
+        **lay.rank_options,
     )
     acct = derive(model, **options)
-    S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
+    S = args.seq if args.seq is not None else _own_seq(acct)
     compute = derive_compute(model, lay, **options)
     res = fit_layout(acct, lay, hardware=args.hardware, seq=S, reserve=args.reserve, compute=compute)
     return {

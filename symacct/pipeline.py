@@ -77,6 +77,7 @@ from symacct.symbols import letter_for_field, rational_form, sym
 from symacct.time.hardware import get as get_hardware
 from symacct.trace.constraints import check as check_constraints
 from symacct.trace.constraints import learn as learn_constraints
+from symacct.trace.context_parallel import sharded as sequence_sharded
 from symacct.trace.probe import (
     FIRST_PRIMES,
     HEAD_PRIMES,
@@ -526,6 +527,7 @@ def _probe_for(
     offsets: bool = False,
     tp_prime: int | None = None,
     tp_sequence: bool = True,
+    cp: int | None = None,
 ) -> Probe:
     seq = {"S"} if src.seq is None else set()  # a decode step's one new token is no symbol
     degree = {TP} if tp_prime is not None else set()
@@ -535,6 +537,8 @@ def _probe_for(
     layers_or_none = layers if "L" in src.fields.values() else None
     kept = [v for f, v in src.values.items() if letter_for_field(f) == "H" and f not in src.fields]
     scale = {"S": IMAGE_SCALE} if src.strided else {}
+    if cp:  # the sequence in 2 * cp chunks (head-tail load balancing), each whole
+        scale["S"] = scale.get("S", 1) * 2 * cp
     if "C" in letters and "S_max" in letters:  # C + S positions must fit the table: S_max a multiple of 4
         scale["S_max"] = 4
     if "E" in letters:  # grouped matmuls want 16-byte strides: widths are probed as multiples of 16
@@ -608,8 +612,12 @@ def _trace(
     if "sdpa_target" in precision or torch.device(precision.get("device", "cpu")).type == "cuda":
         precision["sdpa_size"] = _own_size(src, probe)
     plan, degree = precision.pop("tensor_parallel", None), precision.pop(TP, None)
-    if plan is None:
-        group: Any = contextlib.nullcontext()
+    cp = precision.pop(CP, None)
+    if cp is not None:
+        group: Any = fake_group(cp)
+        precision["step_context"] = lambda model, args: sequence_sharded(model, args, mesh)
+    elif plan is None:
+        group = contextlib.nullcontext()
     else:
         group = fake_group(tp_world or probe.values.get(TP) or degree)
         unsharded = build
@@ -676,6 +684,9 @@ def _same_model(
     device = precision.get("device", "cpu")
     if TP in precision and _splits_sequence(precision):  # sequence parallelism: whole shards of S at the degree
         S = max(precision[TP], S - S % precision[TP])
+    if CP in precision:  # the user's tables' rows (S_max is S), else whole chunks of S: 2 * cp of them
+        tied = [src.values[f] for f, letter in src.fields.items() if letter == "S" and f in src.values]
+        S = tied[0] if tied else max(2 * precision[CP], S - S % (2 * precision[CP]))
 
     def user_trace(short: bool) -> StepTrace:
         def build(fake: FakeTensorMode) -> nn.Module:
@@ -829,6 +840,7 @@ def _derive(
     cache_dtype: torch.dtype | str | None = None,
     tensor_parallel: Any = None,
     tp: int = 2,
+    context_parallel: int | None = None,
     _degenerate: bool = False,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
@@ -901,6 +913,11 @@ def _derive(
             ``tp_plan``; a plan dict; or ``plan(model, mesh)``); every figure is
             rank 0's, in the symbol ``tp`` (symacct.trace.tensor_parallel).
         tp: the degree ``at()`` takes for ``tp`` unless told (default 2).
+        context_parallel: derive one context-parallel rank of this many: the
+            inputs and the model's sequence tables sharded and SDPA run as a
+            ring by PyTorch's ``context_parallel`` on its fake process group;
+            every figure is rank 0's, the degree a number in them, S a
+            multiple of 2 * cp (symacct.trace.context_parallel).
 
     Thread safety: one derivation runs at a time (a process-wide lock):
     PyTorch's module tracking and fake-tensor state are global, so two traces
@@ -929,6 +946,7 @@ def _derive(
         cache_dtype=cache_dtype,
         tensor_parallel=tensor_parallel,
         tp=tp,
+        context_parallel=context_parallel,
         _degenerate=_degenerate,
     )
     req = _request(**kwargs)
@@ -1016,6 +1034,7 @@ def _request(
     sdpa_backend: str | None = None,
     hardware: Any = None,
     without_gpu: bool = False,
+    context_parallel: int | None = None,
 ) -> Request:
     """Check the options and put them in one record."""
     autocast, params_dtype = torch_dtype("autocast", autocast), torch_dtype("params_dtype", params_dtype)
@@ -1062,6 +1081,8 @@ def _request(
         if step != "train":
             raise SymacctError("tensor_parallel= is derived for step='train'", hint="drop tensor_parallel=")
         precision |= {"tensor_parallel": tensor_parallel, TP: tp}
+    if context_parallel is not None:
+        precision[CP] = _check_cp(context_parallel, step, tensor_parallel, device)
     return Request(
         step=step,
         make_opt=make_opt,
@@ -1081,6 +1102,7 @@ def _request(
             "hardware": precision["sdpa_target"].name if "sdpa_target" in precision else None,
             "without_gpu": bool(precision.get("python_engine")),
             "tensor_parallel": _plan_name(tensor_parallel),
+            "context_parallel": context_parallel,
         },
         inputs=inputs,
         loss=loss,
@@ -1094,6 +1116,33 @@ def _request(
     )
 
 
+def _check_cp(cp: Any, step: str, tensor_parallel: Any, device: str) -> int:
+    """A context-parallel degree symacct derives: a whole number >= 2 made of the primes 2, 3, 5, 7 (S is
+    probed as 2 * cp times a prime of its own), a training step on the CPU's kernels, no tensor parallelism."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 2:
+        raise SymacctError(
+            f"context_parallel={cp!r} is not a degree", hint="pass context_parallel= a whole number >= 2"
+        )
+    if set(sympy.factorint(cp)) - {2, 3, 5, 7}:
+        raise SymacctError(
+            f"context_parallel={cp}: a degree with a prime factor above 7 is not derived",
+            hint="cp = 2, 4, 8, 16, ... (products of 2, 3, 5, 7)",
+        )
+    if step != "train":
+        raise SymacctError("context_parallel= is derived for step='train'", hint="drop context_parallel=")
+    if tensor_parallel is not None:
+        raise SymacctError(
+            "context parallelism with tensor parallelism is not derived yet",
+            hint="derive one of tensor_parallel= and context_parallel=",
+        )
+    if device != "cpu":
+        raise SymacctError(
+            "context parallelism is derived on the CPU's kernels (the ring runs flash attention's CPU kernel)",
+            hint="drop device= for context_parallel=",
+        )
+    return cp
+
+
 def _plan_name(plan: Any) -> str | None:
     if plan is None or isinstance(plan, str):
         return plan
@@ -1101,6 +1150,7 @@ def _plan_name(plan: Any) -> str | None:
 
 
 TP = "tp"  # the tensor-parallel degree's symbol (and its key among a build's values)
+CP = "context_parallel"  # the context-parallel degree's key among the precision options (a number, no symbol)
 STEPS = ("train", "forward", "prefill", "decode")
 SERVING = ("prefill", "decode")
 _SERVING_NOTE = {
@@ -1197,6 +1247,8 @@ def read_source(model: Any, req: Request) -> _Source:
             if len(seq) == src.values[lfield] and not _uniform(seq):
                 raise _FixLayers(src, f"the per-layer list {name} differs between layers (it has one entry a layer)")
     src.notes += _follow_heads(src, req.degenerate, req.precision.get(TP))
+    if CP in req.precision:
+        _tie_tables(src)
     src.constants = _not_sizes(src)
     for f in src.constants:
         del src.fields[f]
@@ -1206,6 +1258,18 @@ def read_source(model: Any, req: Request) -> _Source:
             "built: kept at their values"
         )
     return src
+
+
+def _tie_tables(src: _Source) -> None:
+    """Context parallelism shards the model's sequence tables whole (``context_parallel_buffers``): a table
+    of S_max rows has S rows, S_max is S (torchtitan's convention)."""
+    tied = [f for f, letter in src.fields.items() if letter == "S_max"]
+    for f in tied:
+        src.fields[f] = "S"
+    if tied:
+        src.notes.append(
+            f"context parallelism shards the sequence tables with the inputs: {', '.join(tied)} = S (S_max is S)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1236,10 +1300,12 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
                 hint="keep fewer fields fixed (fixed=...)",
             )
         tp = [free[0], free[1]]
-    seq = _splits_sequence(req.precision)
+    seq, cp = _splits_sequence(req.precision), req.precision.get(CP)
     return Probes(
-        _probe_for(src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True, tp_prime=tp[0], tp_sequence=seq),
-        _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1], tp_sequence=seq),
+        _probe_for(
+            src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True, tp_prime=tp[0], tp_sequence=seq, cp=cp
+        ),
+        _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1], tp_sequence=seq, cp=cp),
     )
 
 

@@ -30,6 +30,7 @@ ORDER = [
     "trace.probe",
     "trace.constraints",
     "trace.tensor_parallel",
+    "trace.context_parallel",
     "cost.rules",
     "cost.layers",
     "cost.graph",

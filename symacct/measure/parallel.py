@@ -11,7 +11,8 @@ Two ways, both running the real sharding code on a small model:
   (the optimizer states alive from its start; DDP's buckets rebuilt).
 
 Collectives are counted by a dispatch mode over the ``c10d`` and ``_c10d_functional`` ops, with the payload
-``torch.distributed._tools.fake_collectives`` reads (an all-gather's output, a reduce-scatter's input);
+``torch.distributed._tools.fake_collectives`` reads (an all-gather's output, a reduce-scatter's input; an
+all-to-all's input, where it counts input and output);
 DDP's bucket all-reduces run in C++ and are read from a communication hook (each bucket's buffer); a
 pipeline's sends from ``c10d.send``.
 """
@@ -64,6 +65,7 @@ _NAMES = {
     "send": "send",
     "recv_": "recv",
     "broadcast_": "broadcast",
+    "all_to_all_single": "all_to_all",
 }
 
 
@@ -84,7 +86,11 @@ class CollectiveCounter(TorchDispatchMode):
         res = func(*args, **kwargs)
         if func in collective_ops and func not in sync_ops:
             name = _NAMES.get(func._opname, func._opname)
-            self.log.append((name, self.phase, CollectiveOp.get_comm_tensor_size(func, res, args, kwargs)))
+            if name == "all_to_all":  # what it sends (fake_collectives counts its input and output)
+                size = args[0].numel() * args[0].element_size()
+            else:
+                size = CollectiveOp.get_comm_tensor_size(func, res, args, kwargs)
+            self.log.append((name, self.phase, size))
         return res
 
 
@@ -124,7 +130,7 @@ def shard(model: nn.Module, layout: Layout, stack: str, mesh: Any = None) -> nn.
     if mesh is None and layout.hsdp_shard:
         mesh = init_device_mesh("cpu", (layout.replicate, layout.hsdp_shard), mesh_dim_names=("replicate", "shard"))
     elif mesh is None:
-        mesh = init_device_mesh("cpu", (layout.dp,))
+        mesh = init_device_mesh("cpu", (layout.replicas,))
     policy = mixed_precision(layout)
     for block in stack_of(model, stack):
         fully_shard(block, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=policy)
@@ -157,11 +163,13 @@ def _fake_group(layout: Layout, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _tracker(model: nn.Module, args: tuple[Any, ...], opt: torch.optim.Optimizer, extra: int = 0) -> StorageTracker:
+def _tracker(
+    model: nn.Module, args: tuple[Any, ...], opt: torch.optim.Optimizer, more: tuple[torch.Tensor, ...] = ()
+) -> StorageTracker:
     """A storage tracker holding what lives before a step: the rank's local parameters, its buffers, the
-    inputs and the optimizer states."""
+    inputs, the optimizer states, and ``more`` (DDP's gradient buckets)."""
     held = [*map(_local, model.parameters()), *model.buffers(), *[a for a in args if isinstance(a, torch.Tensor)]]
-    return StorageTracker(held + [_local(s) for s in _state_tensors(opt)], extra=extra)
+    return StorageTracker(held + [_local(s) for s in _state_tensors(opt)] + list(more))
 
 
 def fake_rank(
@@ -278,6 +286,79 @@ def tp_rank(
         return TensorParallelMeasure(measured, sum(saved.values()), first.peak)
 
 
+@dataclasses.dataclass
+class ContextParallelMeasure:
+    """One context-parallel rank's first step (static bytes, saved bytes, FLOPs, collectives, peak) and the
+    peak of a later one (the optimizer states alive from its start)."""
+
+    rank: RankMeasure
+    saved: int  # distinct storages autograd saved in forward: parameters, buffers and inputs excluded
+    flops: int  # FlopCounterMode's, plus the CPU flash kernel's calls in the ring (flop_counter's formulas)
+    first_peak: int
+
+
+def cp_rank(
+    build: Callable[[], nn.Module],
+    cp: int,
+    inputs: Callable[[nn.Module], tuple[Any, ...]],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    rank: int = 0,
+    autocast: torch.dtype | None = None,
+) -> ContextParallelMeasure:
+    """Rank ``rank`` of a context-parallel step, with real CPU tensors, on PyTorch's fake process group of
+    ``cp`` ranks: the inputs and the model's sequence tables sharded and SDPA run as PyTorch's ring
+    (``symacct.trace.context_parallel.sharded``); every buffer the ring allocates is real, the collectives
+    move nothing (the values are not the model's, which memory does not depend on). ``autocast``: the
+    forward (and loss) under CPU autocast to that dtype, as derive's ``autocast=``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from symacct.measure.run import CpuFlashCounter
+    from symacct.trace.context_parallel import sharded
+
+    with fake_group(cp, rank) as mesh:
+        model = build()
+        opt = optimizer(model.parameters())
+        args = inputs(model)
+        with sharded(model, args, mesh):
+            external = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *args]}
+            saved: dict[int, int] = {}
+            keep: list[torch.Tensor] = []  # alive until backward: storage handles stay unique
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                st = _local(t).untyped_storage()
+                if st._cdata not in external:
+                    saved[st._cdata] = st.nbytes()
+                keep.append(t)
+                return t
+
+            counter, flops, flash = CollectiveCounter(), FlopCounterMode(display=False), CpuFlashCounter()
+            first = _tracker(model, args, opt)
+            with first, counter:
+                with flops, flash:
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast):
+                        loss = model(*args)
+                    counter.phase = "backward"
+                    keep.clear()
+                    loss.backward()
+                counter.phase = "optimizer"
+                opt.step()
+            params, grads, states = static_bytes(model, opt)
+            opt.zero_grad(set_to_none=True)
+            del loss
+            later = _tracker(model, args, opt)
+            with later:
+                with _autocast(autocast):
+                    loss = model(*args)  # held through the step, as derive has the caller hold it
+                loss.backward()
+                opt.step()
+        measured = RankMeasure(rank, params, grads, states, counter.log, None, later.peak)
+        return ContextParallelMeasure(measured, sum(saved.values()), flops.get_total_flops() + flash.total, first.peak)
+
+
+def _autocast(dtype: torch.dtype | None) -> Any:
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def gloo_world(
     build: Callable[[], nn.Module],
     layout: Layout,
@@ -348,7 +429,19 @@ def _dp_step(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     hooked: list[tuple[str, str, int]] = []
+    buckets: dict[int, torch.Tensor] = {}  # DDP's gradient buckets, by index
     dp_mesh = None
+    ring = contextlib.nullcontext  # context parallelism: each step inside PyTorch's context_parallel
+    if layout.cp > 1:  # ranks (dp_rank, cp_rank); the gradients reduced over all of them
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from symacct.trace.context_parallel import sharded
+
+        cp_mesh = init_device_mesh("cpu", (layout.dp, layout.cp), mesh_dim_names=("dp", "cp"))["cp"]
+
+        def ring() -> Any:  # type: ignore[misc]
+            return sharded(model, args, cp_mesh)
+
     if layout.tp > 1:  # tensor parallelism innermost: ranks (dp_rank, tp_rank)
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -362,11 +455,13 @@ def _dp_step(
     if layout.tp > 1 and layout.dp == 1:
         net: nn.Module = model
     elif layout.dp_mode == "ddp":
-        net = DDP(model, gradient_as_bucket_view=layout.bucket_view)
+        # with cp, each rank's sequence tables are its own shard: rank 0's must not be broadcast over them
+        net = DDP(model, gradient_as_bucket_view=layout.bucket_view, broadcast_buffers=layout.cp == 1)
 
         def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             buf = bucket.buffer()
             hooked.append(("all_reduce", "backward", buf.numel() * buf.element_size()))
+            buckets[bucket.index()] = buf  # the reducer's flat bucket (the last warm-up step's: rebuilt)
             fut = dist.all_reduce(buf, async_op=True).get_future()
             return fut.then(lambda f: f.value()[0].div_(layout.dp))
 
@@ -382,26 +477,27 @@ def _dp_step(
     # order); the third, measured, is every later one
     first_loss = None
     for _ in range(2):
-        warm = net(*args)
-        first_loss = first_loss if first_loss is not None else float(_local(warm.detach()))
-        warm.backward()
+        with ring():
+            warm = net(*args)
+            first_loss = first_loss if first_loss is not None else float(_local(warm.detach()))
+            warm.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         del warm
     hooked.clear()
-    buckets = 0  # DDP's gradient buckets live in its C++ reducer: their sizes from its logging data
-    if isinstance(net, DDP) and not layout.bucket_view:
-        data = net._get_ddp_logging_data()
-        sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", ""))
-        buckets = sum(int(x) for x in sizes.replace(",", " ").split())
-    tracker = _tracker(net, args, opt, extra=buckets)
-    with tracker:
-        with counter:
-            loss = net(*args)
-            counter.phase = "backward"
-            loss.backward()
-            counter.phase = "optimizer"
-            opt.step()
+    # DDP's gradient buckets, which its C++ reducer holds from step to step, as the hook saw them: held all
+    # along (a gradient's copy into its bucket shows the bucket's storage, not new bytes); with
+    # gradient_as_bucket_view they are the gradients' own storage, which the step allocates
+    held = tuple(buckets.values()) if isinstance(net, DDP) and not layout.bucket_view else ()
+    with ring():  # entered first: its copies of the inputs and tables to restore are not the step's
+        tracker = _tracker(net, args, opt, more=held)
+        with tracker:
+            with counter:
+                loss = net(*args)
+                counter.phase = tracker.phase = "backward"
+                loss.backward()
+                counter.phase = tracker.phase = "optimizer"
+                opt.step()
     # DDP: the buckets as the hook saw them, not the hook's own all-reduce call again
     log = [c for c in counter.log if not (isinstance(net, DDP) and c[0] == "all_reduce" and c[1] == "backward")]
     log += hooked
@@ -505,7 +601,9 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     each rank's static bytes and collective payloads exactly (rank 0 of the data-parallel group, the
     worst; each pipeline stage), the loss against one process (1e-5; with FSDP2's param_dtype, one process
     with its parameters in that dtype), the peak exactly for DDP; the additive
-    model's peak is shown beside the measured one, not judged (docs/distributed.md gives its measured range)."""
+    model's peak is shown beside the measured one, not judged (docs/distributed.md gives its measured range).
+    With context parallelism the rank derived is the ring's rank 0, the other ranks' peaks at most its own
+    (measured); the loss is the ranks' mean."""
     from symacct.measure.verify import Row
     from symacct.options import OPTIMIZERS
     from symacct.parallel.rank import derive_compute, derive_parallel
@@ -527,9 +625,14 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
         raise SymacctError(
             "a pipeline of a tied head does not sum the copies' gradients", hint="--config tie_weights=false"
         )
-    tensor_parallel = {"tensor_parallel": layout.plan, "tp": layout.tp} if layout.tp > 1 else {}
-    acct = derive(model, optimizer=optimizer, **tensor_parallel)
-    compute = derive_compute(model, layout, optimizer=optimizer, **tensor_parallel)
+    acct = derive(model, optimizer=optimizer, **layout.rank_options)
+    compute = derive_compute(model, layout, optimizer=optimizer, **layout.rank_options)
+    if layout.cp > 1 and acct.symbols.get("S") != S:  # the tables are sharded whole: S_max is S
+        raise SymacctError(
+            f"context parallelism shards the model's sequence tables whole: S = {S} is not their "
+            f"{acct.symbols.get('S')} rows",
+            hint=f"run at S = {acct.symbols.get('S')} (--seq), or build the model with its tables of S rows",
+        )
     par = derive_parallel(acct, layout, compute).at(B=B, S=S)  # B: one micro-batch of one data-parallel rank
     build = Construct(type(model), cfg)
     opt = Optimizer(OPTIMIZERS[optimizer])
@@ -561,9 +664,10 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
             w, s = want.get(op, [0, 0]), seen.get(op, [0, 0])
             rows.append(Row(f"{who} {op} bytes", w[0], s[0], 0.0))
             rows.append(Row(f"{who} {op} calls", w[1], s[1], 0.0))
-        exact = layout.pp == 1 and (layout.dp == 1 or layout.dp_mode == "ddp")
+        exact = layout.pp == 1 and (layout.replicas == 1 or layout.dp_mode == "ddp")
         rows.append(Row(f"{who} peak bytes", p.peak, g.peak or 0, 0.0 if exact else float("inf")))
-    last = got[-1]
-    if last.loss is not None:
-        rows.append(Row("loss (against one process)", last.loss, loss, 1e-5))
+    if layout.cp > 1:  # each rank's loss is its shard's mean: equal shards, so their mean is the batch's
+        rows.append(Row("loss (ranks' mean, against one process)", sum(g.loss for g in got) / len(got), loss, 1e-5))
+    elif got[-1].loss is not None:
+        rows.append(Row("loss (against one process)", got[-1].loss, loss, 1e-5))
     return rows

@@ -119,6 +119,8 @@ class CpuFlashCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         aten = torch.ops.aten
+        if dtensor_op(types):
+            return NotImplemented  # a sharded call (context parallelism's ring): its local kernels come back here
         if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
             q, k, v = args[:3]
             self.total += sdpa_flop_count(q.shape, k.shape, v.shape)
@@ -254,18 +256,19 @@ class StorageTracker(TorchDispatchMode):
     outputs both alive).
     """
 
-    def __init__(self, initial: list[torch.Tensor], extra: int = 0) -> None:
-        """``initial``: what is alive before; ``extra``: bytes held all along that no tensor shows (a C++
-        owner's buffers, such as DDP's gradient buckets)."""
+    def __init__(self, initial: list[torch.Tensor]) -> None:
+        """``initial``: what is alive before (with what a C++ owner holds, such as DDP's gradient buckets: a
+        copy into one shows its storage, which must then not count as new)."""
         super().__init__()
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self._ref = StorageWeakRef
-        self.extra = extra
         self.live: dict[int, tuple[Any, int]] = {}
         for t in initial:
             self._add(t)
         self.peak = self.current()
+        self.peak_op: tuple[str, str] | None = None  # the op right after which the peak was seen, and the phase
+        self.phase = ""  # set by the caller between phases, for peak_op
 
     def _add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -280,7 +283,7 @@ class StorageTracker(TorchDispatchMode):
         for k in dead:
             del self.live[k]
         live = sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() for ref, _ in self.live.values())
-        return live + self.extra
+        return live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if dtensor_op(types):
@@ -291,7 +294,9 @@ class StorageTracker(TorchDispatchMode):
         for t in torch.utils._pytree.tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not _no_storage(t):
                 self._add(t)
-        self.peak = max(self.peak, self.current())
+        now = self.current()
+        if now > self.peak:
+            self.peak, self.peak_op = now, (str(func), self.phase)
         return out
 
 

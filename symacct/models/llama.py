@@ -231,6 +231,11 @@ class Llama(nn.Module):
         V = self.config.vocab_size
         return torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
 
+    def context_parallel_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """What context parallelism shards along the sequence besides the inputs: the rotary tables, by rows
+        (so built with ``max_seq_len`` equal to the step's S, as torchtitan builds them)."""
+        return [(self.cos, 0), (self.sin, 0)]
+
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, Any]:
         """The standard tensor-parallel plan (Megatron's, as torchtitan writes it for
         ``parallelize_module``): the token embedding split by vocabulary rows, each block's q/k/v and

@@ -4,9 +4,13 @@ Conventions (docs/distributed.md):
 
 - ``B`` in every formula is the **micro-batch of one data-parallel rank**; a step runs ``m`` micro-batches
   on each of the ``dp`` replicas, so the global batch is ``B * m * dp`` sequences.
-- Ranks are numbered with tensor parallelism innermost, then data parallelism, then the pipeline
-  (``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, torchtitan's and Megatron's order), so a group
-  lies inside one node when its size times its stride is at most the node's GPUs.
+- Ranks are numbered with tensor parallelism innermost, then context parallelism, then data parallelism,
+  then the pipeline (``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``, torchtitan's
+  and Megatron's order), so a group lies inside one node when its size times its stride is at most the
+  node's GPUs.
+- Context parallelism (``cp > 1``): the sequence split over ``cp`` ranks, attention run as PyTorch's ring
+  (``symacct.trace.context_parallel``); the ranks hold the same parameters, so the gradients are reduced
+  (and FSDP2 or ZeRO shard) over ``dp * cp`` ranks (``Layout.replicas``, torchtitan's ``dp_shard_cp``).
 - Data-parallel sharding (``dp_mode``): ``ddp`` (replicas, one all-reduce of the gradients), ``zero1``
   (optimizer states sharded), ``zero2`` (states and gradients sharded), ``fsdp`` (FSDP2 ``fully_shard`` of
   each block and then the root: parameters, gradients and states sharded; ``hsdp_shard`` set: HSDP,
@@ -57,6 +61,12 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def replicas(self) -> int:
+        """The ranks a gradient is reduced over (and FSDP2 or ZeRO shards over): ``dp``, times ``cp`` (the
+        context-parallel ranks hold the same parameters, as torchtitan's ``dp_shard_cp`` mesh)."""
+        return self.dp * self.cp
+
+    @property
     def shard(self) -> int:
         """The group a sharded tensor is split over: dp, or HSDP's shard group."""
         return self.hsdp_shard or self.dp
@@ -64,6 +74,13 @@ class Layout:
     @property
     def replicate(self) -> int:
         return self.dp // self.shard
+
+    @property
+    def rank_options(self) -> dict[str, Any]:
+        """``derive``'s options for one rank of this layout: its tensor-parallel plan and degree, its
+        context-parallel degree (none for a layout of whole replicas)."""
+        out: dict[str, Any] = {"tensor_parallel": self.plan, "tp": self.tp} if self.tp > 1 else {}
+        return out | ({"context_parallel": self.cp} if self.cp > 1 else {})
 
     @property
     def plan(self) -> str:
@@ -76,6 +93,8 @@ class Layout:
         parts = [f"dp={self.dp} ({self.dp_mode}{shard}{mixed})"]
         if self.tp > 1:
             parts.append(f"tp={self.tp}" + (" (sequence parallel)" if self.sequence_parallel else ""))
+        if self.cp > 1:
+            parts.append(f"cp={self.cp} (ring attention)")
         if self.pp > 1:
             parts.append(f"pp={self.pp} ({self.schedule}, m={self.micro_batches}, v={self.stages_per_rank})")
         elif self.micro_batches > 1:
@@ -100,9 +119,10 @@ def make_layout(
 ) -> Layout:
     """A checked ``Layout``: degrees positive, modes known, ``world = dp * tp * pp * cp`` when given.
 
-    Context parallelism is not derived yet: ``cp > 1`` is refused rather than answered without it. Whether
-    ``tp`` divides the model's sizes is the derivation's to check (``Accounting.at`` refuses a size its
-    constraints rule out: heads, F, V, S for sequence parallelism)."""
+    Context parallelism (``cp > 1``) is derived alone or with data parallelism (not with tensor parallelism,
+    a pipeline or HSDP yet: refused). Whether ``tp`` divides the model's sizes is the derivation's to check
+    (``Accounting.at`` refuses a size its constraints rule out: heads, F, V, S for sequence parallelism; S a
+    multiple of ``2 * cp``)."""
     unknown = set(options) - {f.name for f in dataclasses.fields(Layout)}
     if unknown:
         raise SymacctError(f"unknown layout option(s): {', '.join(sorted(unknown))}")
@@ -121,11 +141,10 @@ def make_layout(
             f"not the world size {world}",
             hint="choose degrees whose product is the number of GPUs",
         )
-    if lay.cp > 1:
+    if lay.cp > 1 and (lay.tp > 1 or lay.pp > 1 or lay.hsdp_shard):
         raise SymacctError(
-            "context parallelism is not derived yet: symacct answers for data, tensor (and sequence) and pipeline "
-            "parallelism",
-            hint="use cp=1",
+            "context parallelism with tensor parallelism, a pipeline or HSDP is not derived yet",
+            hint="cp with data parallelism (ddp, zero1, zero2, fsdp) only, or cp=1",
         )
     if lay.sequence_parallel and lay.tp == 1:
         raise SymacctError("sequence parallelism splits the sequence over the tensor-parallel group", hint="tp >= 2")
@@ -174,7 +193,7 @@ def _check_mixed(lay: Layout) -> None:
         value = getattr(lay, name)
         if value is not None and value not in MIXED_DTYPES:
             raise SymacctError(f"{name}={value!r} is not a dtype name", hint=f"one of {', '.join(MIXED_DTYPES)}")
-    if (lay.param_dtype or lay.reduce_dtype) and (lay.dp_mode != "fsdp" or lay.dp == 1):
+    if (lay.param_dtype or lay.reduce_dtype) and (lay.dp_mode != "fsdp" or lay.replicas == 1):
         raise SymacctError(
             "param_dtype and reduce_dtype are FSDP2's MixedPrecisionPolicy: they need dp_mode='fsdp' and dp >= 2",
             hint="for one device, derive with params_dtype= or autocast=",

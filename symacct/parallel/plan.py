@@ -60,12 +60,14 @@ class StepTime:
 
 def _link(hw: Accelerator, group: str, lay: Layout) -> float:
     """Bytes/s of one GPU's link for a group: NVLink inside a node, the network across nodes. Ranks are
-    numbered tensor-parallel innermost, then data-parallel, then the pipeline (``Layout``): a group spans its
-    size times its stride."""
-    tp = lay.tp
+    numbered tensor-parallel innermost, then context-parallel, then data-parallel, then the pipeline
+    (``Layout``): a group spans its size times its stride."""
+    tp = lay.tp * lay.cp  # the stride of the data-parallel ranks
     span = {
-        "tp": tp,
+        "tp": lay.tp,
+        "cp": tp,
         "dp": lay.dp * tp,
+        "dp_cp": lay.dp * tp,
         "dp_shard": lay.shard * tp,
         "dp_replicate": lay.dp * tp,
         "pp": lay.dp * tp * lay.pp,
@@ -110,7 +112,7 @@ def step_time(
                 transfer = float(c.payload) / bw
                 continue
             comm[c.group] = comm.get(c.group, 0.0) + t
-            if c.group == "tp":
+            if c.group in ("tp", "cp"):  # between a layer's kernels (the ring waits for its keys and values)
                 in_line += t
                 continue
             by_phase["optimizer" if c.group == "tied" else c.phase] += t

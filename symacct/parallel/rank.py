@@ -63,11 +63,12 @@ class Collective:
 
     Payload is the whole tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's
     tensor, a send's or receive's tensor); ``wire`` the bytes each rank sends per call on a ring: ``(n-1)/n``
-    of the payload for all-gather and reduce-scatter, ``2(n-1)/n`` for all-reduce, the payload for a send
-    or broadcast, none for a receive (its sender counts it)."""
+    of the payload for all-gather and reduce-scatter, ``2(n-1)/n`` for all-reduce, the payload for a send,
+    a broadcast or an all-to-all (context parallelism's ring permutes: all of it to the next rank), none for
+    a receive (its sender counts it)."""
 
-    op: str  # all_gather | reduce_scatter | all_reduce | broadcast | send | recv
-    group: str  # dp | dp_shard | dp_replicate | pp | tied | tp
+    op: str  # all_gather | reduce_scatter | all_reduce | all_to_all | broadcast | send | recv
+    group: str  # dp | dp_shard | dp_replicate | pp | tied | tp | cp
     size: Expr
     payload: Expr
     count: Expr
@@ -134,6 +135,8 @@ class Parallel:
         out = {"dp": lay.dp, "pp": lay.pp, "m": lay.micro_batches, "v": lay.stages_per_rank}
         if lay.tp > 1:
             out["tp"] = lay.tp
+        if lay.cp > 1:
+            out["cp"] = lay.cp
         if lay.hsdp_shard:
             out["dp_shard"] = lay.hsdp_shard
         return out
@@ -153,7 +156,7 @@ class Parallel:
         ranks = self.evaluated_ranks(base, ev)
         lay = self.layout
         live = self.acct.liveness
-        if lay.pp == 1 and (lay.dp == 1 or lay.dp_mode == "ddp") and live is not None:
+        if lay.pp == 1 and (lay.replicas == 1 or lay.dp_mode == "ddp") and live is not None:
             # replicas run the single-device (or tensor-parallel rank's) step: its later-step peak exactly, at
             # every op, not the envelope of the points sampled for the formula
             steady = live.steady().evaluate(values)[0]
@@ -162,8 +165,12 @@ class Parallel:
             self,
             ranks=ranks,
             values=base,
-            # the job's model FLOPs (a TP rank's: x tp)
-            job_flops=evaluate((self.compute or self.acct).flops.total, base) * lay.micro_batches * lay.dp * lay.tp,
+            # the job's model FLOPs (a TP rank's: x tp; a CP rank's, its ring's share: x cp)
+            job_flops=evaluate((self.compute or self.acct).flops.total, base)
+            * lay.micro_batches
+            * lay.dp
+            * lay.tp
+            * lay.cp,
             optimizer_bytes=evaluate(optimizer_bytes(self.acct), base),
             acct_optimizer=evaluate(self.acct.memory.optimizer, base),
         )
@@ -299,7 +306,8 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
     check_model(layout, acct.symbols.get("L") if stacks else None, stacks)
     _check_tensor_parallel(acct, layout)
     _check_compute(acct, layout, compute)
-    mode = layout.dp_mode if layout.dp > 1 else "ddp"
+    _check_context_parallel(acct, layout)
+    mode = layout.dp_mode if layout.replicas > 1 else "ddp"
     kinds = ("only",) if layout.pp == 1 else (("first", "middle", "last") if layout.pp > 2 else ("first", "last"))
     key = (
         layout.return_outputs,
@@ -311,6 +319,7 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
         bool(layout.hsdp_shard),
         layout.dp > 1,
         layout.tp > 1,
+        layout.cp > 1,
         layout.param_dtype,
         layout.reduce_dtype,
         id(compute),
@@ -329,12 +338,17 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
             "+ the single-device peak's temporaries (+ gradients once a backward ran) and gradients + the "
             "optimizer's temporaries: a model, measured in docs/distributed.md"
         ]
-        if mode == "fsdp" and layout.dp > 1:
+        if mode == "fsdp" and layout.replicas > 1:
             notes.append(
                 "FSDP2's peak: to the byte where activations dominate the start of backward, up to about 30% low "
                 "where they are small next to a block's parameters (gathered blocks in flight, unsharded "
                 "gradients and reduce-scatter buffers: docs/distributed.md)"
             )
+    if layout.cp > 1:
+        notes.append(
+            f"context parallelism over {layout.cp} ranks: the ring's rank 0 traced (the others hold at most its "
+            f"peak, measured); gradients reduced over dp x cp = {layout.replicas} ranks"
+        )
     if layout.param_dtype or layout.reduce_dtype:
         own = "the model's"
         notes.append(
@@ -412,6 +426,20 @@ def _param_shapes(acct: Accounting) -> list[tuple[str, tuple[Any, ...], Any]]:
     return [(r.name, tuple(r.shape), r.count) for r in acct.memory.tensors]
 
 
+def _check_context_parallel(acct: Accounting, layout: Layout) -> None:
+    """A layout with cp > 1 needs one context-parallel rank's derivation at that degree (the ring unrolls
+    cp steps: the degree is a number in it, not a symbol)."""
+    traced = acct.options.get("context_parallel")
+    if layout.cp != (traced or 1):
+        have = f"one context-parallel rank's of cp={traced}" if traced else "of the whole model"
+        raise SymacctError(
+            f"the layout has cp={layout.cp}; this derivation is {have}",
+            hint=f"derive(model, context_parallel={layout.cp}, ...) (the CLI does it for --cp)"
+            if layout.cp > 1
+            else "derive without context_parallel= for cp=1",
+        )
+
+
 def _check_tensor_parallel(acct: Accounting, layout: Layout) -> None:
     """A layout with tp > 1 needs one tensor-parallel rank's derivation, by the plan the layout names."""
     plan = acct.options.get("tensor_parallel")
@@ -437,14 +465,17 @@ _TP_OPS = {
     "all_reduce_": "all_reduce",  # in place: a whole parameter's gradient summed over the group
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",  # context parallelism's ring: the key/value gradients to the next rank
 }
+_TRACED_GROUP = {"tp": "tensor parallel", "cp": "context parallel, ring attention"}
 
 
-def _tp_collectives(acct: Accounting, holds: dict[str, bool], piped: bool) -> list[Collective]:
-    """The collectives of the tensor-parallel rank's traced step (DTensor's, over the tp group): each kind
-    (op, phase, payload, module) once with its count per step; on a pipeline rank, its share of the stack
-    and the parts before and after it that its stage holds. Payload: an all-reduce's tensor, an all-gather's
-    output, a reduce-scatter's input (the rank's traced shapes)."""
+def _tp_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, group: str = "tp") -> list[Collective]:
+    """The collectives of the tensor- or context-parallel rank's traced step (DTensor's or the ring's, over
+    the ``group``): each kind (op, phase, payload, module) once with its count per step; on a pipeline rank,
+    its share of the stack and the parts before and after it that its stage holds. Payload: an all-reduce's
+    tensor, an all-gather's output, a reduce-scatter's input, an all-to-all's input (the rank's traced
+    shapes)."""
     if acct.step is None:
         return []
     L, pp, m = sym("L"), sym("pp"), sym("m")
@@ -485,8 +516,11 @@ def _tp_collectives(acct: Accounting, holds: dict[str, bool], piped: bool) -> li
             count = m * count  # each micro-batch; the optimizer reads a gradient once a step
         tag = (op, node.phase, payload, node.generic)
         found[tag] = found.get(tag, ZERO) + count
+    size = sym(group) if group == "tp" else sympy.Integer(acct.options["context_parallel"])
     return [
-        Collective(op, "tp", sym("tp"), payload, sympy.expand(count), phase, f"{module or '<root>'} (tensor parallel)")
+        Collective(
+            op, group, size, payload, sympy.expand(count), phase, f"{module or '<root>'} ({_TRACED_GROUP[group]})"
+        )
         for (op, phase, payload, module), count in found.items()
     ]
 
@@ -553,7 +587,8 @@ def _formulas(
     mem = acct.memory
     run = compute or acct  # forward and backward as the ranks run them
     L = sym("L")
-    dp, pp, m = sym("dp"), sym("pp"), sym("m")
+    pp, m = sym("pp"), sym("m")
+    dp = sym("dp") * (sym("cp") if layout.cp > 1 else 1)  # the gradients' group: dp x cp (Layout.replicas)
     n = sym("dp_shard") if layout.hsdp_shard else dp
     piped = layout.pp > 1
     v = layout.stages_per_rank
@@ -606,6 +641,9 @@ def _formulas(
         )
         if layout.tp > 1:
             colls += _tp_collectives(run, holds, piped)
+        if layout.cp > 1:  # the gradients' group spans the context-parallel ranks too
+            colls = [dataclasses.replace(c, group="dp_cp") if c.group == "dp" else c for c in colls]
+            colls += _tp_collectives(run, holds, piped, group="cp")
         stage_transient = transient
         if piped:  # one micro-batch in flight through the stage's ops, the others held (see _stage_in_flight)
             one = stack_act.subs(L, L / (pp * v))
@@ -617,11 +655,11 @@ def _formulas(
             )
             stage_transient = flight - one
         working = ZERO
-        if mode == "fsdp" and layout.dp > 1:
+        if mode == "fsdp" and layout.replicas > 1:
             root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
             block = [(rw, sympy.Integer(1)) for rw, _c in stack_rows]
             working = _gathered(root, n, sizes=gathered) + _gathered(block, n, sizes=gathered)
-        elif mode == "ddp" and layout.dp > 1 and not layout.bucket_view:
+        elif mode == "ddp" and layout.replicas > 1 and not layout.bucket_view:
             working = grads
         # model FLOPs of one step on this rank, and of one micro-batch through one stage chunk
         share = L / (pp * v) if piped else L
@@ -741,7 +779,7 @@ def _collectives(
     sizes: Sizes | None = None,
 ) -> list[Collective]:
     out: list[Collective] = []
-    if layout.dp > 1:
+    if layout.replicas > 1:
         if mode == "ddp":
             g = sum((c * rw.grad_itemsize * rw.numel for rw, c in rows if rw.grad), ZERO)
             out.append(
@@ -749,7 +787,7 @@ def _collectives(
                     "all_reduce", "dp", dp, sympy.expand(g), sympy.Integer(1), "backward", "gradients (DDP buckets)"
                 )
             )
-            if mem.buffers != 0:  # broadcast_buffers=True: rank 0's buffers, coalesced, at every forward
+            if mem.buffers != 0 and layout.cp == 1:  # broadcast_buffers=True: rank 0's buffers at every forward
                 out.append(Collective("broadcast", "dp", dp, mem.buffers, m, "forward", "module buffers (DDP)"))
         elif mode in ("zero1", "zero2"):
             out.append(

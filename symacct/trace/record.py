@@ -684,6 +684,7 @@ def record_step(
     sdpa_backend: str | None = None,
     sdpa_target: Target | None = None,
     sdpa_size: Callable[[int], int] = int,
+    step_context: Callable[[nn.Module, Any], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
@@ -707,7 +708,8 @@ def record_step(
     fake CUDA tensors on a machine without a GPU, where PyTorch's engine cannot start. ``sdpa_backend``: the
     kernel ``scaled_dot_product_attention`` runs on CUDA (``symacct.trace.sdpa``), or with ``sdpa_target`` the
     one PyTorch chooses on that GPU, reading sizes through ``sdpa_size`` (``symacct.trace.sdpa_choice``); one
-    of them is required without a GPU. The kernels run are in ``trace.sdpa_kernels``.
+    of them is required without a GPU. The kernels run are in ``trace.sdpa_kernels``. ``step_context(model,
+    args)``: a context the step runs in, entered once the inputs are made (context parallelism shards them).
     """
     check_device(device)
     if python_engine is None:
@@ -728,7 +730,14 @@ def record_step(
         ) from e
     # a train step records autograd whatever the caller's grad mode (derive inside torch.no_grad())
     grad_mode = torch.enable_grad() if step == "train" else contextlib.nullcontext()
-    with fake, torch.device("cpu"), torch.inference_mode(False), grad_mode, _optimizer_defaults_as_on_real_tensors():
+    with (
+        fake,
+        torch.device("cpu"),
+        torch.inference_mode(False),
+        grad_mode,
+        _optimizer_defaults_as_on_real_tensors(),
+        contextlib.ExitStack() as around,
+    ):
         try:
             if params_dtype is not None:
                 _cast_floats(model, params_dtype)
@@ -746,6 +755,8 @@ def record_step(
                 f"could not build the inputs: {type(e).__name__}: {e}",
                 hint="pass inputs=lambda B, S: (...) returning the positional inputs of one step",
             ) from e
+        if step_context is not None:
+            around.enter_context(step_context(model, args))
         if step == "train":
             model.train()
         else:

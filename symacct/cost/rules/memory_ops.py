@@ -158,6 +158,16 @@ def copy(call: Call) -> Cost:
     return Cost()
 
 
+@rule(aten.to)
+def to(call: Call) -> Cost:
+    """``Tensor.to`` reaching the trace whole (ops called inside a ``__torch_dispatch__`` handler, such as
+    context parallelism's ring, are not decomposed): the tensor itself when nothing changes (its output is
+    its input's storage: nothing moves), else a copy as ``_to_copy``."""
+    if call.inputs and call.outputs and call.outputs[0].storage == call.inputs[0].storage:
+        return Cost(bytes_read=0, bytes_written=0)
+    return Cost()
+
+
 @rule(aten._foreach_zero_)
 def foreach_zero(call: Call) -> Cost:
     return Cost(bytes_read=0)

@@ -65,6 +65,7 @@ FUSED: dict[str, int] = {
     "native_dropout": 3,  # mask draw, mul mask, mul scale
     "log_sigmoid_forward": 5,  # min(x, 0) - log1p(exp(-|x|)): abs, exp, log1p, min, sub (the CPU keeps exp in a buffer)
     "log_sigmoid_backward": 4,  # grad * sigmoid(-x): exp, add, div, mul
+    "log_sigmoid": 5,  # as log_sigmoid_forward: the whole op, as the ring attention's merge calls it in dispatch
 }
 
 

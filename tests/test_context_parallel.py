@@ -1,0 +1,203 @@
+"""Context parallelism: one rank of PyTorch's ring attention traced on its fake process group, checked against
+PyTorch's own ``context_parallel`` run for real.
+
+- In one process, on the fake process group with real CPU tensors (``cp_rank``): the rank's parameter,
+  gradient and optimizer bytes, the bytes autograd saves, its FLOPs (FlopCounterMode, with the CPU flash
+  kernel's calls in the ring by flop_counter's own SDPA formulas), the first step's peak and a later
+  step's, and every collective the ring issues (op, phase, payload), all to the byte, at sizes hypothesis
+  draws, cp = 2 and 4, in fp32 and under bf16 autocast.
+- On real gloo processes: the ranks' mean loss against one process (1e-5 relative), static bytes and
+  collectives exactly, with DDP (the peak of the ring's rank 0 to the byte, every other rank's at most
+  it) and FSDP2 (the additive model's peak, within the bound docs/distributed.md gives).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import sympy
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from parallel_cases import Batch, Build, adamw
+
+import symacct
+from symacct.errors import SymacctError
+from symacct.measure.parallel import cp_rank, gloo_world, verify_parallel
+from symacct.models.gpt2 import GPT2, GPT2Config
+from symacct.models.llama import Llama, LlamaConfig
+from symacct.parallel.layout import make_layout
+from symacct.parallel.rank import derive_parallel
+from symacct.symbols import sym
+
+
+def _llama(H: int, H_kv: int, hd: int, F: int, V: int, L: int, S: int, sdpa: bool = True) -> LlamaConfig:
+    """A Llama whose rotary tables have S rows: context parallelism shards them whole (S_max = S)."""
+    return LlamaConfig(
+        dim=H * hd, n_layers=L, n_heads=H, n_kv_heads=H_kv, vocab_size=V, hidden_dim=F, max_seq_len=S, sdpa=sdpa
+    )
+
+
+@functools.cache
+def _derived(cp: int, autocast: str | None = None) -> symacct.Accounting:
+    return symacct.derive(
+        Llama(_llama(4, 2, 8, 32, 64, 2, 8 * cp)), optimizer="adamw", context_parallel=cp, autocast=autocast
+    )
+
+
+def _ring(rank: symacct.parallel.rank.Rank) -> Counter:
+    return Counter((c.op, c.phase, c.payload) for c in rank.collectives if c.group == "cp" for _ in range(c.count))
+
+
+@given(
+    cp=st.sampled_from([2, 4]),
+    autocast=st.sampled_from([None, "bf16"]),
+    kv=st.integers(2, 3),
+    rep=st.integers(2, 3),
+    hd=st.sampled_from([4, 8]),
+    F=st.integers(8, 24),
+    V=st.integers(20, 70),
+    layers=st.integers(1, 3),
+    B=st.integers(2, 3),
+    k=st.integers(2, 4),
+)
+def test_rank_on_the_fake_group(
+    cp: int, autocast: str | None, kv: int, rep: int, hd: int, F: int, V: int, layers: int, B: int, k: int
+) -> None:
+    """Every figure of a context-parallel rank against the rank run for real (fake group, real tensors).
+
+    S = 2 * cp * k, k >= 2: each of the 2 cp chunks of the head-tail split at least 2 rows; B, H_kv and
+    H / H_kv at least 2 (at 1 PyTorch may take a view for a copy, which ``at()`` says in a note)."""
+    S, H = 2 * cp * k, kv * rep
+    cfg = _llama(H, kv, hd, F, V, layers, S)
+    acct = _derived(cp, autocast)
+    sizes = {"H": H, "H_kv": kv, "D": H * hd, "F": F, "V": V, "L": layers}
+    one = acct.at(B=B, S=S, **sizes)
+    got = cp_rank(Build(cfg), cp, Batch(B, S, V), adamw, autocast=torch.bfloat16 if autocast else None)
+    mem = one.memory
+    assert (got.rank.params, got.rank.grads, got.rank.optimizer) == (mem.params, mem.grads, mem.optimizer)
+    assert got.saved == mem.activations
+    assert got.flops == one.flops.hardware  # flop_counter's CPU flash backward recomputes the scores
+    assert got.first_peak == mem.peak
+    assert got.rank.peak == acct.liveness.steady().evaluate(acct.values_at(B=B, S=S, **sizes))[0]
+    rank = derive_parallel(acct, make_layout(cp=cp, dp_mode="ddp")).at(B=B, S=S, **sizes).ranks[0]
+    assert Counter(got.rank.collectives) == _ring(rank)
+
+
+def test_ring_formulas() -> None:
+    """The rank's FLOPs and ring traffic read as PyTorch's ring runs them (fp32, cp = 2 and 4):
+
+    - every op outside attention on S/cp rows: 1/cp of the single device's;
+    - attention: the rank's queries against its own keys (S/cp squared, causal, which flop_counter counts
+      whole) and cp - 1 blocks of S/cp by S/(2 cp) (half of the queries, or half of the keys, with the
+      head-tail split), at flop_counter's 4 B S_q S_kv D forward and 8 backward (10 with the recomputed
+      scores, which the hardware figure counts): (cp + 1) / (2 cp^2) of the single device's 12 B S^2 D;
+    - a layer's keys and values (the model repeats its H_kv heads to H before SDPA) all-gathered once
+      forward and once backward: cp x 2 x B x S/cp x D fp32; their gradients sent round the ring in fp32,
+      cp all-to-alls of 2 x B x S/cp x D."""
+    B, S, D, L, m = (sym(n) for n in ("B", "S", "D", "L", "m"))  # m: micro-batches a step
+    whole = symacct.derive(Llama(_llama(4, 2, 8, 32, 64, 2, 16)), optimizer="adamw")
+    outside = sympy.expand(whole.flops.total - 12 * B * D * L * S**2)  # the single device less its SDPA
+    assert sympy.expand(whole.flops.hardware - whole.flops.total - 2 * B * D * L * S**2) == 0
+    for cp in (2, 4):
+        acct = _derived(cp)
+        blocks = (S / cp) ** 2 * (1 + sympy.Rational(cp - 1, 2))  # S_q x S_kv summed over the ring's steps
+        assert sympy.expand(acct.flops.total - outside / cp - 12 * B * D * L * blocks) == 0
+        assert sympy.expand(acct.flops.hardware - outside / cp - 14 * B * D * L * blocks) == 0
+        rank = derive_parallel(acct, make_layout(cp=cp, dp_mode="ddp")).ranks[0]
+        got = {(c.op, c.phase): (sympy.expand(c.payload), c.count) for c in rank.collectives if c.group == "cp"}
+        assert got == {
+            ("all_gather", "forward"): (sympy.expand(cp * 2 * B * (S / cp) * D * 4), L * m),
+            ("all_gather", "backward"): (sympy.expand(cp * 2 * B * (S / cp) * D * 4), L * m),
+            ("all_to_all", "backward"): (sympy.expand(2 * B * (S / cp) * D * 4), cp * L * m),
+        }
+
+
+def test_refusals() -> None:
+    model = Llama(_llama(4, 2, 8, 32, 64, 2, 16))
+    with pytest.raises(SymacctError, match="not a degree"):
+        symacct.derive(model, context_parallel=1)
+    with pytest.raises(SymacctError, match="prime factor above 7"):
+        symacct.derive(model, context_parallel=11)
+    with pytest.raises(SymacctError, match="with tensor parallelism is not derived"):
+        symacct.derive(model, context_parallel=2, tensor_parallel="megatron")
+    with pytest.raises(SymacctError, match="step='train'"):
+        symacct.derive(model, context_parallel=2, step="forward")
+    with pytest.raises(SymacctError, match="ran no attention as a ring"):  # eager attention: shard-local only
+        symacct.derive(Llama(_llama(4, 2, 8, 32, 64, 2, 16, sdpa=False)), context_parallel=2)
+    gpt2 = GPT2(GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=16, dropout=0.0, sdpa=True))
+    with pytest.raises(SymacctError, match="context_parallel_buffers"):  # positions from arange(local S)
+        symacct.derive(gpt2, context_parallel=2)
+    acct = _derived(2)
+    with pytest.raises(SymacctError, match="4 divides S"):
+        acct.at(B=1, S=18)
+    with pytest.raises(SymacctError, match="this derivation is one context-parallel rank's of cp=2"):
+        derive_parallel(acct, make_layout(dp=2))
+    with pytest.raises(SymacctError, match="layout has cp=4"):
+        derive_parallel(acct, make_layout(cp=4))
+    with pytest.raises(SymacctError, match="not derived yet"):
+        make_layout(cp=2, tp=2)
+    with pytest.raises(SymacctError, match="not derived yet"):
+        make_layout(cp=2, pp=2)
+
+
+def test_gloo_context_parallel() -> None:
+    """Two real gloo processes running PyTorch's context_parallel (cp = 2) under DDP and under FSDP2: the
+    ranks' mean loss is one process's; static bytes and every collective exactly; DDP's peak: rank 0's to
+    the byte (the ring's rank 0 is the one traced; rank 1 takes the other branches of the head-tail split
+    and holds less); FSDP2's: the additive model, low by at most a fifth here (docs/distributed.md)."""
+    B, S = 2, 32
+    cfg = _llama(4, 2, 8, 32, 64, 2, S)
+    acct = _derived(2)
+    torch.manual_seed(0)
+    one = Llama(cfg)
+    loss = float(one(*Batch(B, S, 64)(one)).detach())
+    for mode in ("ddp", "fsdp"):
+        lay = make_layout(cp=2, dp_mode=mode)
+        pred = derive_parallel(acct, lay).at(B=B, S=S).ranks[0]
+        got = gloo_world(Build(cfg), lay, Batch(B, S, 64), adamw, stack="layers")
+        assert sum(g.loss for g in got) / 2 == pytest.approx(loss, rel=1e-5)
+        want = Counter((c.op, c.phase, c.payload) for c in pred.collectives for _ in range(c.count))
+        for g in got:
+            assert (g.params, g.grads, g.optimizer) == (pred.params, pred.grads, pred.optimizer)
+            assert Counter(g.collectives) == want
+        if mode == "ddp":
+            assert got[0].peak == pred.peak and got[1].peak <= got[0].peak
+        else:
+            assert 0.8 * got[0].peak <= pred.peak <= got[0].peak, (pred.peak, got[0].peak)
+
+
+@pytest.mark.slow
+def test_verify_context_parallel_with_data_parallel_world_four() -> None:
+    """FSDP2 over dp = 2 x cp = 2 on four gloo processes, as ``symacct verify --parallel --dp 2 --cp 2``
+    runs it: every judged row holds (static bytes, collectives, the ranks' mean loss)."""
+    model = Llama(_llama(4, 2, 8, 32, 64, 2, 16))
+    rows = verify_parallel(model, make_layout(dp=2, cp=2), B=2, S=16)
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+    assert any(r.name.startswith("loss (ranks' mean") for r in rows)
+
+
+def test_cli() -> None:
+    """``symacct derive llama --cp 2`` prints the rank the API derives (its bytes and the ring's collectives);
+    a layout it cannot derive is one line and exit 2."""
+    cfg = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64, "hidden_dim": 32}
+    flags = [a for k, v in {**cfg, "max_seq_len": 16, "sdpa": "true"}.items() for a in ("--config", f"{k}={v}")]
+    run = [sys.executable, "-m", "symacct.cli", "derive", "llama", *flags, "--batch", "2"]
+    out = subprocess.run([*run, "--cp", "2", "--dp-mode", "ddp", "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    pred = derive_parallel(_derived(2), make_layout(cp=2, dp_mode="ddp")).at(B=2, S=16).ranks[0]
+    assert got["degrees"]["cp"] == 2 and "cp=2 (ring attention)" in got["layout"]
+    assert got["ranks"][0]["bytes"]["peak"] == pred.peak
+    ring = sorted((c["op"], c["phase"], c["payload_bytes"], c["count"]) for c in got["ranks"][0]["collectives"])
+    assert [r for r in ring if r[0] != "all_reduce"] == sorted(
+        (c.op, c.phase, c.payload, c.count) for c in pred.collectives if c.group == "cp"
+    )
+    bad = subprocess.run([*run, "--cp", "2", "--tp", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "context parallelism with tensor parallelism" in bad.stderr
