@@ -253,37 +253,9 @@ def tp_rank(
         model = apply_plan(build(), plan, mesh)
         opt = optimizer(model.parameters())
         args = inputs(model)
-        external = {_local(t).untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *args]}
-        saved: dict[int, int] = {}
-        keep: list[torch.Tensor] = []  # alive until backward: storage handles stay unique
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = _local(t).untyped_storage()
-            if st._cdata not in external:
-                saved[st._cdata] = st.nbytes()
-            keep.append(t)
-            return t
-
-        counter = CollectiveCounter()
-        first = _tracker(model, args, opt)
-        with first, counter:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = model(*args)
-            counter.phase = "backward"
-            keep.clear()
-            loss.backward()
-            counter.phase = "optimizer"
-            opt.step()
-        params, grads, states = static_bytes(model, opt)
-        opt.zero_grad(set_to_none=True)
-        del loss
-        later = _tracker(model, args, opt)
-        with later:
-            loss = model(*args)  # held through the step, as derive has the caller hold it
-            loss.backward()
-            opt.step()
-        measured = RankMeasure(rank, params, grads, states, counter.log, None, later.peak)
-        return TensorParallelMeasure(measured, sum(saved.values()), first.peak)
+        got = _two_steps(model, args, opt)
+        measured = RankMeasure(rank, *got.static, got.log, None, got.later_peak)
+        return TensorParallelMeasure(measured, got.saved, got.first_peak)
 
 
 @dataclasses.dataclass
@@ -319,40 +291,65 @@ def cp_rank(
         model = build()
         opt = optimizer(model.parameters())
         args = inputs(model)
+        flops, flash = FlopCounterMode(display=False), CpuFlashCounter()
         with sharded(model, args, mesh):
-            external = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *args]}
-            saved: dict[int, int] = {}
-            keep: list[torch.Tensor] = []  # alive until backward: storage handles stay unique
+            got = _two_steps(model, args, opt, autocast, counting=(flops, flash))
+        measured = RankMeasure(rank, *got.static, got.log, None, got.later_peak)
+        return ContextParallelMeasure(measured, got.saved, flops.get_total_flops() + flash.total, got.first_peak)
 
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                st = _local(t).untyped_storage()
-                if st._cdata not in external:
-                    saved[st._cdata] = st.nbytes()
-                keep.append(t)
-                return t
 
-            counter, flops, flash = CollectiveCounter(), FlopCounterMode(display=False), CpuFlashCounter()
-            first = _tracker(model, args, opt)
-            with first, counter:
-                with flops, flash:
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast):
-                        loss = model(*args)
-                    counter.phase = "backward"
-                    keep.clear()
-                    loss.backward()
-                counter.phase = "optimizer"
-                opt.step()
-            params, grads, states = static_bytes(model, opt)
-            opt.zero_grad(set_to_none=True)
-            del loss
-            later = _tracker(model, args, opt)
-            with later:
-                with _autocast(autocast):
-                    loss = model(*args)  # held through the step, as derive has the caller hold it
-                loss.backward()
-                opt.step()
-        measured = RankMeasure(rank, params, grads, states, counter.log, None, later.peak)
-        return ContextParallelMeasure(measured, sum(saved.values()), flops.get_total_flops() + flash.total, first.peak)
+@dataclasses.dataclass
+class _Steps:
+    saved: int  # distinct local storages autograd saved in the first forward: parameters, buffers, inputs excluded
+    log: list[tuple[str, str, int]]  # the first step's collectives
+    static: tuple[int, int, int]  # parameters, gradients, optimizer states
+    first_peak: int
+    later_peak: int  # a later step's (the optimizer states alive from its start; the loss held through it)
+
+
+def _two_steps(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    opt: torch.optim.Optimizer,
+    autocast: torch.dtype | None = None,
+    counting: tuple[Any, ...] = (),
+) -> _Steps:
+    """One rank's first step (saved bytes, collectives, static bytes and peak; the ``counting`` modes active
+    through forward and backward) and the peak of a later one."""
+    external = {_local(t).untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *args]}
+    saved: dict[int, int] = {}
+    keep: list[torch.Tensor] = []  # alive until backward: storage handles stay unique
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = _local(t).untyped_storage()
+        if st._cdata not in external:
+            saved[st._cdata] = st.nbytes()
+        keep.append(t)
+        return t
+
+    counter = CollectiveCounter()
+    first = _tracker(model, args, opt)
+    with first, counter:
+        with contextlib.ExitStack() as modes:
+            for mode in counting:
+                modes.enter_context(mode)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast):
+                loss = model(*args)
+            counter.phase = "backward"
+            keep.clear()
+            loss.backward()
+        counter.phase = "optimizer"
+        opt.step()
+    static = static_bytes(model, opt)
+    opt.zero_grad(set_to_none=True)
+    del loss
+    later = _tracker(model, args, opt)
+    with later:
+        with _autocast(autocast):
+            loss = model(*args)  # held through the step, as derive has the caller hold it
+        loss.backward()
+        opt.step()
+    return _Steps(sum(saved.values()), counter.log, static, first.peak, later.peak)
 
 
 def _autocast(dtype: torch.dtype | None) -> Any:
