@@ -1,6 +1,8 @@
 """Per-rank memory and communication of a parallel layout, as formulas in the model's sizes and the degrees.
 
-Everything is read off the single-device derivation (``symacct.derive``): its parameter table
+Everything is read off the single-device derivation (``symacct.derive``; for tensor or context parallelism,
+one traced rank's: ``tensor_parallel=``, ``context_parallel=``, whose ring collectives join the rank's): its
+parameter table
 (``Memory.tensors``: every parameter's shape dimension by dimension, its count, gradient and optimizer
 states), its saved activations split into the layer stack and what runs before and after it, the bytes one
 block hands the next, and its single-device peak. The sharding rules below are PyTorch's, each checked
