@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -428,16 +429,14 @@ def _dp_step(
     hooked: list[tuple[str, str, int]] = []
     buckets: dict[int, torch.Tensor] = {}  # DDP's gradient buckets, by index
     dp_mesh = None
-    ring = contextlib.nullcontext  # context parallelism: each step inside PyTorch's context_parallel
+    ring: Callable[[], Any] = contextlib.nullcontext  # context parallelism: each step in PyTorch's context_parallel
     if layout.cp > 1:  # ranks (dp_rank, cp_rank); the gradients reduced over all of them
         from torch.distributed.device_mesh import init_device_mesh
 
         from symacct.trace.context_parallel import sharded
 
         cp_mesh = init_device_mesh("cpu", (layout.dp, layout.cp), mesh_dim_names=("dp", "cp"))["cp"]
-
-        def ring() -> Any:  # type: ignore[misc]
-            return sharded(model, args, cp_mesh)
+        ring = functools.partial(sharded, model, args, cp_mesh)
 
     if layout.tp > 1:  # tensor parallelism innermost: ranks (dp_rank, tp_rank)
         from torch.distributed.device_mesh import init_device_mesh
@@ -491,9 +490,9 @@ def _dp_step(
         with tracker:
             with counter:
                 loss = net(*args)
-                counter.phase = tracker.phase = "backward"
+                counter.phase = "backward"
                 loss.backward()
-                counter.phase = tracker.phase = "optimizer"
+                counter.phase = "optimizer"
                 opt.step()
     # DDP: the buckets as the hook saw them, not the hook's own all-reduce call again
     log = [c for c in counter.log if not (isinstance(net, DDP) and c[0] == "all_reduce" and c[1] == "backward")]

@@ -267,8 +267,6 @@ class StorageTracker(TorchDispatchMode):
         for t in initial:
             self._add(t)
         self.peak = self.current()
-        self.peak_op: tuple[str, str] | None = None  # the op right after which the peak was seen, and the phase
-        self.phase = ""  # set by the caller between phases, for peak_op
 
     def _add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -294,9 +292,7 @@ class StorageTracker(TorchDispatchMode):
         for t in torch.utils._pytree.tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not _no_storage(t):
                 self._add(t)
-        now = self.current()
-        if now > self.peak:
-            self.peak, self.peak_op = now, (str(func), self.phase)
+        self.peak = max(self.peak, self.current())
         return out
 
 

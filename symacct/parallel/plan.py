@@ -62,16 +62,16 @@ def _link(hw: Accelerator, group: str, lay: Layout) -> float:
     """Bytes/s of one GPU's link for a group: NVLink inside a node, the network across nodes. Ranks are
     numbered tensor-parallel innermost, then context-parallel, then data-parallel, then the pipeline
     (``Layout``): a group spans its size times its stride."""
-    tp = lay.tp * lay.cp  # the stride of the data-parallel ranks
+    stride = lay.tp * lay.cp  # of the data-parallel ranks
     span = {
         "tp": lay.tp,
-        "cp": tp,
-        "dp": lay.dp * tp,
-        "dp_cp": lay.dp * tp,
-        "dp_shard": lay.shard * tp,
-        "dp_replicate": lay.dp * tp,
-        "pp": lay.dp * tp * lay.pp,
-        "tied": lay.dp * tp * lay.pp,
+        "cp": stride,
+        "dp": lay.dp * stride,
+        "dp_cp": lay.dp * stride,
+        "dp_shard": lay.shard * stride,
+        "dp_replicate": lay.dp * stride,
+        "pp": lay.dp * stride * lay.pp,
+        "tied": lay.dp * stride * lay.pp,
     }[group]
     if span <= hw.gpus_per_node and hw.interconnect_gbs > 0:
         return hw.interconnect_gbs * GIGA

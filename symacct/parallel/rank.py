@@ -462,7 +462,7 @@ def _check_tensor_parallel(acct: Accounting, layout: Layout) -> None:
         )
 
 
-_TP_OPS = {
+_TRACED_OPS = {
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",  # in place: a whole parameter's gradient summed over the group
     "all_gather_into_tensor": "all_gather",
@@ -472,7 +472,7 @@ _TP_OPS = {
 _TRACED_GROUP = {"tp": "tensor parallel", "cp": "context parallel, ring attention"}
 
 
-def _tp_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, group: str = "tp") -> list[Collective]:
+def _traced_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, group: str = "tp") -> list[Collective]:
     """The collectives of the tensor- or context-parallel rank's traced step (DTensor's or the ring's, over
     the ``group``): each kind (op, phase, payload, module) once with its count per step; on a pipeline rank,
     its share of the stack and the parts before and after it that its stage holds. Payload: an all-reduce's
@@ -490,14 +490,14 @@ def _tp_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, group
         if node.op.startswith("_c10d_functional.wait_tensor"):
             continue
         name = node.op.split(".")[1]
-        if name not in _TP_OPS:
+        if name not in _TRACED_OPS:
             raise SymacctError(
-                f"no model of the collective {node.op} on a tensor-parallel rank",
+                f"no model of the collective {node.op} on a {_TRACED_GROUP[group]} rank",
                 module=node.module,
                 op=node.op,
-                hint="the plans' all-reduce, all-gather and reduce-scatter are modelled",
+                hint="all-reduce, all-gather, reduce-scatter and all-to-all are modelled",
             )
-        op = _TP_OPS[name]
+        op = _TRACED_OPS[name]
         shape = node.in_shapes[0] if op == "reduce_scatter" else node.shapes[0]
         itemsize = getattr(torch, node.dtypes[0].removeprefix("torch.")).itemsize
         payload = sympy.expand(itemsize * sympy.Mul(*shape))
@@ -642,10 +642,10 @@ def _formulas(
             layout, mode, rows, stack_rows=stack_rows, n=n, stage=stage, mem=mem, dp=dp, m=m, sizes=gathered
         )
         if layout.tp > 1:
-            colls += _tp_collectives(run, holds, piped)
+            colls += _traced_collectives(run, holds, piped)
         if layout.cp > 1:  # the gradients' group spans the context-parallel ranks too
             colls = [dataclasses.replace(c, group="dp_cp") if c.group == "dp" else c for c in colls]
-            colls += _tp_collectives(run, holds, piped, group="cp")
+            colls += _traced_collectives(run, holds, piped, group="cp")
         stage_transient = transient
         if piped:  # one micro-batch in flight through the stage's ops, the others held (see _stage_in_flight)
             one = stack_act.subs(L, L / (pp * v))
