@@ -832,6 +832,7 @@ def _derive(
     embedding_flops: str = "lookup",
     autocast: torch.dtype | str | None = None,
     params_dtype: torch.dtype | str | None = None,
+    fsdp_policy: bool = False,
     device: str = "cpu",
     sdpa_backend: str | None = None,
     hardware: Any = None,
@@ -882,6 +883,12 @@ def _derive(
             outside it, as usual).
         params_dtype: build the parameters in this dtype (pure low-precision
             training or inference); float inputs follow.
+        fsdp_policy: with ``params_dtype``, run the parameters as FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=...)`` does, not as
+            ``model.to(dtype)``: floating buffers keep their dtype and each
+            block of an ``nn.ModuleList`` (what ``fully_shard`` wraps) has its
+            floating inputs cast to ``params_dtype`` (``cast_forward_inputs``);
+            the compute trace of ``symacct.parallel.rank.derive_compute``.
         device: the device the fake tensors claim to be on (``"cpu"``
             default; ``"cuda"`` traces the CUDA kernels, e.g. flash attention,
             and needs a CUDA build of torch, not a GPU: without one the
@@ -938,6 +945,7 @@ def _derive(
         embedding_flops=embedding_flops,
         autocast=autocast,
         params_dtype=params_dtype,
+        fsdp_policy=fsdp_policy,
         device=device,
         sdpa_backend=sdpa_backend,
         hardware=hardware,
@@ -1035,6 +1043,7 @@ def _request(
     hardware: Any = None,
     without_gpu: bool = False,
     context_parallel: int | None = None,
+    fsdp_policy: bool = False,
 ) -> Request:
     """Check the options and put them in one record."""
     autocast, params_dtype = torch_dtype("autocast", autocast), torch_dtype("params_dtype", params_dtype)
@@ -1054,6 +1063,12 @@ def _request(
     check_device(device)
     check_backend(sdpa_backend)
     precision: dict[str, Any] = {"autocast": autocast, "params_dtype": params_dtype, "device": device}
+    if fsdp_policy is not False:
+        if fsdp_policy is not True:
+            raise SymacctError(f"fsdp_policy={fsdp_policy!r} is not True or False", hint="pass fsdp_policy=True")
+        if params_dtype is None:
+            raise SymacctError("fsdp_policy=True runs params_dtype as FSDP2's policy does: it needs params_dtype=")
+        precision["fsdp_policy"] = True
     if sdpa_backend is not None:
         precision["sdpa_backend"] = sdpa_backend
     if hardware is not None:
@@ -1096,6 +1111,7 @@ def _request(
             "optimizer_options": dict(optimizer_options or {}),
             "autocast": str(autocast) if autocast else None,
             "params_dtype": str(params_dtype) if params_dtype else None,
+            **({"fsdp_policy": True} if fsdp_policy is True else {}),
             "cache_dtype": str(kv_dtype) if kv_dtype else None,
             "device": device,
             "sdpa_backend": sdpa_backend,

@@ -51,6 +51,7 @@ ORDER = [
     "pipeline",
     "parallel.layout",
     "parallel.schedule",
+    "parallel.fsdp",
     "parallel.rank",
     "parallel.plan",
     "measure.run",

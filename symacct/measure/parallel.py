@@ -213,7 +213,18 @@ def fake_rank_peak(
 ) -> int:
     """The peak of live storage bytes of one FSDP2 / HSDP rank's second step, with real CPU tensors on the
     fake process group: every buffer FSDP2 allocates is real (the collectives move nothing, so the values
-    are not, which memory does not depend on)."""
+    are not, which memory does not depend on). With tensor or context parallelism (a 2-D mesh, as the gloo
+    runner lays it) the third step, as ``gloo_world`` measures it."""
+    if layout.tp > 1 or layout.cp > 1:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
+        try:
+            model = build()
+            return _dp_step(model, layout, rank, inputs(model), optimizer, stack, CollectiveCounter()).peak or 0
+        finally:
+            dist.destroy_process_group()
     with _fake_group(layout, rank):
         model = shard(build(), layout, stack)
         opt = optimizer(model.parameters())
@@ -596,8 +607,9 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     """The layout run for real (``gloo_world``) beside its derived figures, as ``symacct.measure.verify`` rows:
     each rank's static bytes and collective payloads exactly (rank 0 of the data-parallel group, the
     worst; each pipeline stage), the loss against one process (1e-5; with FSDP2's param_dtype, one process
-    with its parameters in that dtype), the peak exactly for DDP; the additive
-    model's peak is shown beside the measured one, not judged (docs/distributed.md gives its measured range).
+    with its parameters in that dtype), the peak exactly for DDP and for FSDP2 without a pipeline; over
+    pipeline stages the additive model's peak is shown beside the measured one, not judged
+    (docs/distributed.md gives its measured range).
     With context parallelism the rank derived is the ring's rank 0, the other ranks' peaks at most its own
     (measured); the loss is the ranks' mean."""
     from symacct.measure.verify import Row
@@ -660,7 +672,8 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
             w, s = want.get(op, [0, 0]), seen.get(op, [0, 0])
             rows.append(Row(f"{who} {op} bytes", w[0], s[0], 0.0))
             rows.append(Row(f"{who} {op} calls", w[1], s[1], 0.0))
-        exact = layout.pp == 1 and (layout.replicas == 1 or layout.dp_mode == "ddp")
+        # DDP: the traced step; FSDP2 without a pipeline: its buffers placed on it (symacct.parallel.fsdp)
+        exact = layout.pp == 1 and (layout.replicas == 1 or layout.dp_mode == "ddp" or par.overlay is not None)
         rows.append(Row(f"{who} peak bytes", p.peak, g.peak or 0, 0.0 if exact else float("inf")))
     if layout.cp > 1:  # each rank's loss is its shard's mean: equal shards, so their mean is the batch's
         rows.append(Row("loss (ranks' mean, against one process)", sum(g.loss for g in got) / len(got), loss, 1e-5))

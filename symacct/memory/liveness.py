@@ -239,6 +239,10 @@ class Liveness:
     other_owned: frozenset[int] = frozenset()
     saved: frozenset[int] = frozenset()
     other_saved: frozenset[int] = frozenset()
+    # per op of ``other``: its probe block (None: outside) and phase (``symacct.parallel.fsdp`` places
+    # FSDP2's buffers by them)
+    other_point_block: list[int | None] = field(default_factory=list)
+    other_phases: list[str] = field(default_factory=list)
 
     def without(self, drop: Callable[[int, int, bool], bool], brief: bool = False) -> Liveness:
         """The same step without the storages ``drop(storage, op that made it in base, other)`` names (for a
@@ -420,6 +424,8 @@ def liveness(
         frozenset(other.owner),
         saved,
         _saved(other),
+        [b[1] if b is not None else None for b in op_blocks(other.ops, stacks)],
+        [r.phase for r in other.ops],
     )
 
 

@@ -352,8 +352,12 @@ class _Fast:
 
     def at(self, par: Parallel, B: int) -> Parallel:
         values = {**self.acct.symbols, "B": B, "S": self.seq, **par.degrees()}
-        out = dataclasses.replace(par, ranks=par.evaluated_ranks(values, self._ev), values=values)
         lay = par.layout
+        ranks = par.evaluated_ranks(values, self._ev)
+        if par.overlay is not None:  # FSDP2: exactly, at every point (Parallel.at)
+            tp = {"tp": lay.tp} if lay.tp > 1 else {}
+            ranks = par.overlay_peaks(ranks, {**self.acct.values_at(B=B, S=self.seq, **tp), **par.degrees()})
+        out = dataclasses.replace(par, ranks=ranks, values=values)
         out.job_flops = self._ev(self.acct.flops.total, values) * lay.micro_batches * lay.dp * lay.tp
         out.optimizer_bytes = self._ev(optimizer_bytes(self.acct), values)
         out.acct_optimizer = self._ev(self.acct.memory.optimizer, values)

@@ -24,14 +24,16 @@ against the real code (fake process group and real gloo runs, ``tests/test_paral
   (``symacct.parallel.schedule``): the most (stage, micro-batch) pairs a rank holds at once.
 
 Peak per rank, of a later step (the optimizer states alive from its start; ``Liveness.steady``). DDP
-without a pipeline: the single-device peak plus the bucket copy. Every other layout: parameters and
-optimizer states of the rank plus the larger of (held activations + ``working`` — FSDP2's gathered root,
-kept through backward, and one gathered block — + ``transient``, the single-device peak's bytes beyond its
-parameters, states and saved bytes at its forward and backward points, + the rank's gradients when a
-backward ran before: 1F1B, gradient accumulation) and (the rank's gradients + the optimizer step's
-temporaries scaled by the rank's share of the states, rounded up). On a pipeline stage the temporaries are
-the stage's own micro-batch in flight (``_stage_in_flight``): the head's are the last stage's only.
-docs/distributed.md gives how far it was measured off.
+without a pipeline: the single-device peak plus the bucket copy. FSDP2 and HSDP (one layer stack, no
+pipeline): the traced step with FSDP2's own buffers placed at its hooks (``symacct.parallel.fsdp``),
+every point evaluated exactly by ``at()`` and the planner, and the optimizer step. Every other layout:
+parameters and optimizer states of the rank plus the larger of (held activations + ``working`` — FSDP2's
+gathered root and one gathered block where the overlay does not apply — + ``transient``, the single-device
+peak's bytes beyond its parameters, states and saved bytes at its forward and backward points, + the rank's
+gradients when a backward ran before: 1F1B, gradient accumulation) and (the rank's gradients + the
+optimizer step's temporaries scaled by the rank's share of the states, rounded up). On a pipeline stage the
+temporaries are the stage's own micro-batch in flight (``_stage_in_flight``): the head's are the last
+stage's only. docs/distributed.md gives how far each was measured off.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ import torch
 from symacct.cost.graph import records
 from symacct.cost.layers import op_blocks
 from symacct.errors import SymacctError
+from symacct.memory.liveness import Liveness
 from symacct.memory.static import ParamRow
 from symacct.options import DTYPES
+from symacct.parallel.fsdp import GroupBytes, fsdp_liveness
 from symacct.parallel.layout import Layout, check_model
 from symacct.parallel.schedule import actions, in_flight
 from symacct.symbols import evaluate, sym
@@ -131,6 +135,8 @@ class Parallel:
     optimizer_bytes: Any = None
     acct_optimizer: Any = None
     compute: Accounting | None = None  # FSDP2 mixed precision: the trace forward and backward run (derive_parallel)
+    # FSDP2 without a pipeline: the rank's live bytes with FSDP2's buffers at every point, and its static bytes
+    overlay: tuple[Liveness, Expr] | None = None
 
     def degrees(self) -> dict[str, int]:
         lay = self.layout
@@ -163,9 +169,21 @@ class Parallel:
             # every op, not the envelope of the points sampled for the formula
             steady = live.steady().evaluate(values)[0]
             ranks = [dataclasses.replace(r, peak=steady + r.working) for r in ranks]
+        elif self.overlay is not None:
+            ranks = self.overlay_peaks(ranks, base)
+        ones = self.acct._unit_sizes({sym(k): v for k, v in values.items()})
+        notes = self.notes + (
+            [
+                f"{', '.join(ones)} = 1: byte figures are derived for sizes >= 2; at size 1 PyTorch may take a view "
+                "instead of a copy (or the reverse), so bytes can differ (FLOPs do not)"
+            ]
+            if ones
+            else []
+        )
         return dataclasses.replace(
             self,
             ranks=ranks,
+            notes=notes,
             values=base,
             # the job's model FLOPs (a TP rank's: x tp; a CP rank's, its ring's share: x cp)
             job_flops=evaluate((self.compute or self.acct).flops.total, base)
@@ -176,6 +194,19 @@ class Parallel:
             optimizer_bytes=evaluate(optimizer_bytes(self.acct), base),
             acct_optimizer=evaluate(self.acct.memory.optimizer, base),
         )
+
+    def overlay_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
+        """FSDP2 without a pipeline: each evaluated rank's peak exactly at every point of the step with FSDP2's
+        buffers on it (``symacct.parallel.fsdp``), not the envelope of the points sampled for the formula;
+        ``values``: the sizes and the degrees."""
+        if self.overlay is None:
+            return ranks
+        ov, static = self.overlay
+        out = []
+        for r in ranks:
+            opt = evaluate(static, values) + int(r.grads) + _ceil_share(self.acct, int(r.optimizer), values)
+            out.append(dataclasses.replace(r, peak=max(ov.evaluate(values)[0], opt)))
+        return out
 
     def evaluated_ranks(self, base: dict[str, int], ev: Callable[[Expr, dict[str, int]], Any]) -> list[Rank]:
         """Every rank's formulas through ``ev(formula, values)``, each with its stage's held micro-batches."""
@@ -328,12 +359,22 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
     )
     cache = acct.__dict__.setdefault("_parallel_formulas", {})
     if key not in cache:
-        cache[key] = (_formulas(acct, layout, mode, kinds, compute), compute)  # compute kept: its id stays valid
-    ranks = cache[key][0]
+        overlays: list[Any] = []
+        # compute kept: its id stays valid
+        cache[key] = (_formulas(acct, layout, mode, kinds, compute, overlays), compute, overlays)
+    ranks, _, overlays = cache[key]
     held: dict[str, dict[str, int]] = {"only": {"g_held": int(layout.micro_batches > 1)}}
     flight = [1]
     if layout.pp == 1 and mode == "ddp":
         notes = ["peak per rank (a later step) = the single-device step's traced peak + the DDP bucket copy"]
+    elif overlays:
+        notes = [
+            "peak per rank (a later step): the traced step with FSDP2's own buffers placed at its hooks (all-gather "
+            "outputs, unsharded parameters, the prefetched block, reduce-scatter inputs, unsharded and sharded "
+            "gradients: symacct.parallel.fsdp), the larger of every op's and hook's live bytes and the optimizer "
+            "step's; at() evaluates every point exactly, the formula is the Max over the points largest in a "
+            "sample of the sizes"
+        ]
     else:
         notes = [
             "peak per rank (a later step) = parameters + states + the larger of held activations + working set "
@@ -342,9 +383,10 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
         ]
         if mode == "fsdp" and layout.replicas > 1:
             notes.append(
-                "FSDP2's peak: to the byte where activations dominate the start of backward, up to about 30% low "
-                "where they are small next to a block's parameters (gathered blocks in flight, unsharded "
-                "gradients and reduce-scatter buffers: docs/distributed.md)"
+                "FSDP2's peak over pipeline stages (or without one layer stack): the additive model, low where "
+                "activations are small next to a block's parameters (up to about 30% measured without a "
+                "pipeline: gathered blocks in flight, unsharded gradients and reduce-scatter buffers; "
+                "docs/distributed.md)"
             )
     if layout.cp > 1:
         notes.append(
@@ -374,17 +416,19 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
             f"{layout.schedule} with pp={layout.pp}, m={layout.micro_batches}, v={layout.stages_per_rank}: "
             f"(stage chunk, micro-batch) activations held at most per rank {flight} (PyTorch's action lists)"
         )
-    return Parallel(layout, acct, list(ranks), flight, notes, held=held, compute=compute)
+    overlay = (overlays[0][0], overlays[0][2]) if overlays else None
+    return Parallel(layout, acct, list(ranks), flight, notes, held=held, compute=compute, overlay=overlay)
 
 
 def derive_compute(model: Any, layout: Layout, **options: Any) -> Accounting | None:
     """``derive_parallel``'s ``compute`` for ``layout``: ``model`` derived with ``options`` (those of the
-    derivation it goes with) and its parameters in the layout's ``param_dtype``; None without one."""
+    derivation it goes with) and its parameters in the layout's ``param_dtype`` as FSDP2's policy runs
+    them (``fsdp_policy=True``); None without one."""
     from symacct.pipeline import derive
 
     if layout.param_dtype is None:
         return None
-    return derive(model, **{**options, "params_dtype": layout.param_dtype})
+    return derive(model, **{**options, "params_dtype": layout.param_dtype, "fsdp_policy": True})
 
 
 def _check_compute(acct: Accounting, layout: Layout, compute: Accounting | None) -> None:
@@ -413,6 +457,12 @@ def _check_compute(acct: Accounting, layout: Layout, compute: Accounting | None)
             f"compute= was derived with params_dtype={compute.options.get('params_dtype')}, the layout's "
             f"param_dtype is {want}",
             hint=f"derive(model, params_dtype={layout.param_dtype!r}, ...)",
+        )
+    if not compute.options.get("fsdp_policy") and compute.memory.buffers != acct.memory.buffers:
+        raise SymacctError(
+            f"compute= cast the model's floating buffers to {layout.param_dtype}: FSDP2's MixedPrecisionPolicy "
+            "casts the parameters only",
+            hint=f"derive(model, params_dtype={layout.param_dtype!r}, fsdp_policy=True, ...)",
         )
     same = ("step", "causal_discount", "embedding_flops", "device", "tensor_parallel", "autocast")
     differ = [k for k in same if acct.options.get(k) != compute.options.get(k)]
@@ -582,7 +632,12 @@ def _stage_in_flight(acct: Accounting, stage: str, accumulating: bool = False, c
 
 
 def _formulas(
-    acct: Accounting, layout: Layout, mode: str, kinds: tuple[str, ...], compute: Accounting | None = None
+    acct: Accounting,
+    layout: Layout,
+    mode: str,
+    kinds: tuple[str, ...],
+    compute: Accounting | None = None,
+    overlays: list[Any] | None = None,
 ) -> list[Rank]:
     """Each kind of rank's formulas; ``compute`` (FSDP2's mixed precision): the trace forward and backward
     run, for the activations, temporaries, FLOPs and the gathered dtypes (``derive_parallel``)."""
@@ -672,8 +727,14 @@ def _formulas(
             f += outside["before"]["forward"] + outside["before"]["backward"]
         if holds["after"]:
             f += outside["after"]["forward"] + outside["after"]["backward"]
+        overlay = _fsdp_overlay(acct, layout, mode, rows, stack_rows, n, gathered, params + states, compute)
         if not piped and mode == "ddp":  # replicas: the single-device step, exactly, and the bucket copy
             peak = steady_peak + working
+        elif overlay is not None:  # FSDP2's buffers placed on the trace, point by point (symacct.parallel.fsdp)
+            if overlays is not None:
+                overlays.append(overlay)
+            share = states / mem.optimizer if mem.optimizer != 0 else ZERO
+            peak = sympy.Max(overlay[1], overlay[2] + grads + sympy.ceiling(excess_opt * share), evaluate=False)
         else:  # the optimizer's temporaries scale with the states it updates
             share = states / mem.optimizer if mem.optimizer != 0 else ZERO
             # gradients are alive at the activations' peak when a backward ran before it: g_held (0 or 1)
@@ -708,6 +769,54 @@ def _formulas(
             )
         )
     return ranks
+
+
+def _ceil_share(acct: Accounting, states: int, values: dict[str, int]) -> int:
+    """The optimizer step's temporaries beyond the static bytes, scaled by the rank's share of the states (a
+    model: the single device's rounded up to whole bytes)."""
+    excess = _parts(acct)["steady"][2]
+    total = evaluate(acct.memory.optimizer, values)
+    return -(-evaluate(excess, values) * states // total) if total else 0
+
+
+def _fsdp_overlay(
+    acct: Accounting,
+    layout: Layout,
+    mode: str,
+    rows: list[tuple[ParamRow, Expr]],
+    stack_rows: list[tuple[ParamRow, Expr]],
+    n: Expr,
+    sizes: Sizes | None,
+    static: Expr,
+    compute: Accounting | None,
+) -> tuple[Liveness, Expr, Expr] | None:
+    """FSDP2 without a pipeline, tensor parallelism or HSDP, on one layer stack: the rank's live bytes over
+    forward and backward with FSDP2's buffers placed at its hooks (``symacct.parallel.fsdp``), its symbolic
+    peak, and the static bytes (sharded parameters and states); None for every other layout."""
+    run = compute or acct
+    live = run.liveness
+    if not (
+        mode == "fsdp"
+        and run.options.get("step") == "train"
+        and layout.replicas > 1
+        and layout.pp == 1
+        and len(acct.per_layer) == 1
+        and live is not None
+        and live.other is not None
+        and live.other_point_block
+    ):
+        return None
+
+    def group(part: list[tuple[ParamRow, Expr]]) -> GroupBytes:
+        one = [(rw, sympy.Integer(1)) for rw, _c in part]
+        sharded = _rows_bytes(one, n, shard_params=True, shard_grads=True, shard_states=True)[1]
+        return GroupBytes(_gathered(one, n, sizes=sizes), _gathered(one, n, grad=True, sizes=sizes), sharded)
+
+    root = group([(rw, c) for rw, c in rows if not _in_stack(rw)])
+    ov = fsdp_liveness(live.steady(), root, group(stack_rows), static, layout.reshard_after_forward)
+    free = sympy.sympify(run.memory.peak).free_symbols | sympy.sympify(static).free_symbols
+    names = sorted({str(x) for x in free} | {"L"})
+    return ov, ov.symbolic_peak(names)[0], static
 
 
 def _head_output(acct: Accounting) -> Expr:

@@ -678,6 +678,7 @@ def record_step(
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     autocast: torch.dtype | None = None,
     params_dtype: torch.dtype | None = None,
+    fsdp_policy: bool = False,
     device: str = "cpu",
     only_ops: bool = False,
     python_engine: bool | None = None,
@@ -740,7 +741,9 @@ def record_step(
     ):
         try:
             if params_dtype is not None:
-                _cast_floats(model, params_dtype)
+                _cast_floats(model, params_dtype, buffers=not fsdp_policy)
+                if fsdp_policy:
+                    _cast_block_inputs(model, params_dtype)
             with torch.device(device):
                 args = make_inputs(model)
             if params_dtype is not None:  # fp32 inputs follow the parameters (an fp8 KV cache stays fp8)
@@ -967,11 +970,11 @@ def _removing(handles: list[Any]) -> Any:
             h.remove()
 
 
-def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
+def _cast_floats(model: nn.Module, dtype: torch.dtype, buffers: bool = True) -> None:
     """``model.to(dtype)`` for fake parameters (``.to`` would swap tensors, which fake ones refuse).
 
-    Floating parameters and buffers are replaced by cast copies; a parameter
-    shared by several modules (tied weights) stays shared.
+    Floating parameters and (with ``buffers``) buffers are replaced by cast
+    copies; a parameter shared by several modules (tied weights) stays shared.
     """
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -982,8 +985,24 @@ def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
                 done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
             module._parameters[name] = done[id(p)]
         for name, b in list(module._buffers.items()):
-            if b is not None and b.is_floating_point():
+            if buffers and b is not None and b.is_floating_point():
                 module._buffers[name] = b.to(dtype)
+
+
+def _cast_block_inputs(model: nn.Module, dtype: torch.dtype) -> None:
+    """FSDP2's ``cast_forward_inputs``: each block of every ``nn.ModuleList`` (the modules the reference plan
+    wraps with ``fully_shard``) casts its floating tensor inputs to ``dtype`` before its forward."""
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
+
+    def hook(_module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    for stack in model.modules():
+        if isinstance(stack, nn.ModuleList):
+            for block in stack:
+                block.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def check_device(device: str) -> None:
