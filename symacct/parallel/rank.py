@@ -577,12 +577,41 @@ def _traced_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, g
     ]
 
 
-def _parts(acct: Accounting) -> dict[str, Any]:
-    """What the per-rank formulas read off one derivation, worked out once per derivation."""
+def _part(acct: Accounting, name: str) -> Any:
+    """What the per-rank formulas read off one derivation (``steady``, ``optimizer``, ``head``, ``outside``),
+    each worked out once per derivation, when first asked for."""
     per_acct = acct.__dict__.setdefault("_parallel_parts", {})
-    if not per_acct:
-        per_acct.update(steady=_steady(acct), head=_head_output(acct), outside=_outside_flops(acct))
-    return per_acct
+    if name not in per_acct:
+        make = {"steady": _steady, "optimizer": _optimizer_excess, "head": _head_output, "outside": _outside_flops}
+        per_acct[name] = make[name](acct)
+    return per_acct[name]
+
+
+def _optimizer_excess(acct: Accounting) -> Expr:
+    """The single-device optimizer step's bytes beyond the static ones, once the states exist: ``Max`` over
+    the optimizer's points largest somewhere in a sample of the sizes (``overlay_peaks`` evaluates every
+    point exactly)."""
+    steady = _steady_live(acct)
+    ops = [t for t in range(steady.base.n) if steady.labels[t][3] == "optimizer"]
+    if not ops:
+        return ZERO
+    names = sorted(
+        {str(x) for x in sympy.sympify(acct.memory.peak).free_symbols} | ({"L"} if acct.per_layer else set())
+    )
+    _, points = steady.symbolic_peak(names, ops=ops)
+    static = acct.memory.params + acct.memory.grads + acct.memory.optimizer
+    return sympy.Max(ZERO, *(sympy.expand(steady.at_point(t) - static) for t in points), evaluate=False)
+
+
+def _steady_live(acct: Accounting) -> Liveness:
+    """The single-device liveness of a later step (kept: its intervals' layout is reused at every size)."""
+    per_acct = acct.__dict__.setdefault("_parallel_parts", {})
+    if "steady_live" not in per_acct:
+        live = acct.liveness
+        if live is None:
+            raise SymacctError("this derivation has no liveness", hint="derive the model again")
+        per_acct["steady_live"] = live.steady()
+    return per_acct["steady_live"]
 
 
 # the parts of the step a pipeline stage runs: the stack, and what runs before it (first) or after it (last)
@@ -653,10 +682,8 @@ def _formulas(
     before_act = run.memory.activations_outside.get("before", ZERO)
     after_act = run.memory.activations_outside.get("after", ZERO)
     stack_act = sympy.expand(act_total - before_act - after_act)
-    steady_peak, _, excess_opt = _parts(acct)["steady"]  # the optimizer runs on the shards: acct's
-    _, transient, _ = _parts(run)["steady"]
-    head_out = _parts(run)["head"]
-    outside = _parts(run)["outside"]
+    head_out = _part(run, "head")
+    outside = _part(run, "outside")
     fwd_stack = sympy.expand(run.flops.forward - outside["before"]["forward"] - outside["after"]["forward"])
     bwd_stack = sympy.expand(run.flops.backward - outside["before"]["backward"] - outside["after"]["backward"])
     gathered = _gathered_sizes(layout, run)
@@ -701,6 +728,12 @@ def _formulas(
         if layout.cp > 1:  # the gradients' group spans the context-parallel ranks too
             colls = [dataclasses.replace(c, group="dp_cp") if c.group == "dp" else c for c in colls]
             colls += _traced_collectives(run, holds, piped, group="cp")
+        overlay = _fsdp_overlay(acct, layout, mode, rows, stack_rows, n, gathered, params + states, compute)
+        if overlay is None:  # the additive model's parts (the optimizer runs on the shards: acct's)
+            steady_peak, _, excess_opt = _part(acct, "steady")
+            transient = _part(run, "steady")[1]
+        else:  # FSDP2's buffers on the trace give the forward and backward; the optimizer step's own points
+            steady_peak, transient, excess_opt = ZERO, ZERO, _part(acct, "optimizer")
         stage_transient = transient
         if piped:  # one micro-batch in flight through the stage's ops, the others held (see _stage_in_flight)
             one = stack_act.subs(L, L / (pp * v))
@@ -727,7 +760,6 @@ def _formulas(
             f += outside["before"]["forward"] + outside["before"]["backward"]
         if holds["after"]:
             f += outside["after"]["forward"] + outside["after"]["backward"]
-        overlay = _fsdp_overlay(acct, layout, mode, rows, stack_rows, n, gathered, params + states, compute)
         if not piped and mode == "ddp":  # replicas: the single-device step, exactly, and the bucket copy
             peak = steady_peak + working
         elif overlay is not None:  # FSDP2's buffers placed on the trace, point by point (symacct.parallel.fsdp)
@@ -773,10 +805,15 @@ def _formulas(
 
 def _ceil_share(acct: Accounting, states: int, values: dict[str, int]) -> int:
     """The optimizer step's temporaries beyond the static bytes, scaled by the rank's share of the states (a
-    model: the single device's rounded up to whole bytes)."""
-    excess = _parts(acct)["steady"][2]
+    model: the single device's, at every optimizer op exactly, rounded up to whole bytes)."""
     total = evaluate(acct.memory.optimizer, values)
-    return -(-evaluate(excess, values) * states // total) if total else 0
+    if not total:
+        return 0
+    steady = _steady_live(acct)
+    live = steady.during(values, [t for t in range(steady.base.n) if steady.labels[t][3] == "optimizer"])
+    static = evaluate(acct.memory.params + acct.memory.grads + acct.memory.optimizer, values)
+    excess = max([0, *(b - static for b in live.values())])
+    return -(-excess * states // total)
 
 
 def _fsdp_overlay(
@@ -816,7 +853,8 @@ def _fsdp_overlay(
     ov = fsdp_liveness(live.steady(), root, group(stack_rows), static, layout.reshard_after_forward)
     free = sympy.sympify(run.memory.peak).free_symbols | sympy.sympify(static).free_symbols
     names = sorted({str(x) for x in free} | {"L"})
-    return ov, ov.symbolic_peak(names)[0], static
+    # the formula only (at(), fit and the planner evaluate every point): a smaller sample than derive's
+    return ov, ov.symbolic_peak(names, samples=16)[0], static
 
 
 def _head_output(acct: Accounting) -> Expr:
