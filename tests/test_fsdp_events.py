@@ -1,7 +1,7 @@
 """FSDP2's own buffers placed on the traced step (``symacct.parallel.fsdp``): a rank's peak against PyTorch's
 ``fully_shard`` run for real (real CPU tensors on the fake process group: every buffer FSDP2 allocates is
 real, the collectives move nothing), to the byte, over drawn models, degrees, HSDP, resharding, mixed
-precision, activation checkpointing and sizes, and with tensor and context parallelism."""
+precision, activation checkpointing, gradient accumulation and sizes, and with tensor parallelism."""
 
 from __future__ import annotations
 
@@ -48,14 +48,16 @@ def _stack(name: str) -> str:
     hsdp=st.booleans(),
     reshard=st.booleans(),
     mixed=st.sampled_from([None, ("bf16", None), ("bf16", "fp32")]),
+    m=st.integers(1, 2),
     B=st.integers(2, 4),  # B = 1: see docs/conventions.md, "a size of 1" (eager attention's views)
     S=st.integers(2, 16),
 )
-def test_peak_to_the_byte(name: str, dp: int, hsdp: bool, reshard: bool, mixed: Any, B: int, S: int) -> None:
+def test_peak_to_the_byte(name: str, dp: int, hsdp: bool, reshard: bool, mixed: Any, m: int, B: int, S: int) -> None:
     """Rank 0's peak of a later step: every op of the traced forward and backward, FSDP2's all-gather outputs,
     unsharded parameters (the root's kept, a block's prefetched), unsharded gradients, reduce-scatter inputs
     and sharded gradients at its hooks, and the optimizer step: equal to the real allocation, to the byte
-    (small models: FSDP2's buffers are a large part of the peak, which lands in backward or the optimizer)."""
+    (small models: FSDP2's buffers are a large part of the peak, which lands in backward or the optimizer);
+    with gradient accumulation (m = 2) too, whose second micro-batch holds the first's sharded gradients."""
     param, reduce = mixed or (None, None)
     lay = make_layout(
         dp=dp,
@@ -64,6 +66,7 @@ def test_peak_to_the_byte(name: str, dp: int, hsdp: bool, reshard: bool, mixed: 
         reshard_after_forward=reshard,
         param_dtype=param,
         reduce_dtype=reduce,
+        micro_batches=m,
     )
     cfg = CONFIGS[name]
     par = derive_parallel(_derived(name, None), lay, _derived(name, param) if param else None)

@@ -213,7 +213,8 @@ def fake_rank_peak(
 ) -> int:
     """The peak of live storage bytes of one FSDP2 / HSDP rank's second step, with real CPU tensors on the
     fake process group: every buffer FSDP2 allocates is real (the collectives move nothing, so the values
-    are not, which memory does not depend on). With tensor or context parallelism (a 2-D mesh, as the gloo
+    are not, which memory does not depend on); ``layout.micro_batches`` forward and backward passes (gradient
+    accumulation) before the optimizer step. With tensor or context parallelism (a 2-D mesh, as the gloo
     runner lays it) the third step, as ``gloo_world`` measures it."""
     if layout.tp > 1 or layout.cp > 1:
         import torch.distributed as dist
@@ -234,7 +235,8 @@ def fake_rank_peak(
         opt.zero_grad(set_to_none=True)
         tracker = _tracker(model, args, opt)
         with tracker:
-            model(*args).backward()
+            for _ in range(layout.micro_batches):  # gradient accumulation: each micro-batch reduce-scattered
+                model(*args).backward()
             opt.step()
         return tracker.peak
 
@@ -673,7 +675,8 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
             rows.append(Row(f"{who} {op} bytes", w[0], s[0], 0.0))
             rows.append(Row(f"{who} {op} calls", w[1], s[1], 0.0))
         # DDP: the traced step; FSDP2 without a pipeline: its buffers placed on it (symacct.parallel.fsdp)
-        exact = layout.pp == 1 and (layout.replicas == 1 or layout.dp_mode == "ddp" or par.overlay is not None)
+        overlay = par.overlay is not None and layout.micro_batches == 1  # the gloo runner runs one micro-batch
+        exact = layout.pp == 1 and (layout.replicas == 1 or layout.dp_mode == "ddp" or overlay)
         rows.append(Row(f"{who} peak bytes", p.peak, g.peak or 0, 0.0 if exact else float("inf")))
     if layout.cp > 1:  # each rank's loss is its shard's mean: equal shards, so their mean is the batch's
         rows.append(Row("loss (ranks' mean, against one process)", sum(g.loss for g in got) / len(got), loss, 1e-5))

@@ -16,7 +16,9 @@ checked against it, ``tests/test_fsdp_events.py``). A later step, with ``g`` a g
   gradients (the trace's); its post-backward frees ``UN``, frees the previous group's reduce-scatter input
   (``RS``), allocates its own ``RS`` (dp padded chunks of each gradient, in the reduce dtype) while the
   unsharded gradients live, frees them, and keeps the output: the sharded gradients (``SG``). The root
-  reduces last, once backward is done; then every ``AG`` and ``RS`` still held is freed;
+  reduces last, once backward is done; then every ``AG`` and ``RS`` still held is freed. With gradient
+  accumulation (m > 1) every micro-batch is reduce-scattered: a later one holds every ``SG`` from its start
+  and adds each new output into it (the peak is a later micro-batch's);
 - the optimizer step sees the sharded parameters, states and gradients only (its temporaries: the
   rank's share of the single device's, ``symacct.parallel.rank``).
 
@@ -88,7 +90,7 @@ def _points(tr: _Trace, n_blocks: int, reshard: bool) -> tuple[list[tuple[str, A
 
 
 def _overlay(
-    tr: _Trace, n_blocks: int, reshard: bool, root: GroupBytes, block: GroupBytes, static: Expr
+    tr: _Trace, n_blocks: int, reshard: bool, root: GroupBytes, block: GroupBytes, static: Expr, accumulating: bool
 ) -> tuple[Intervals, list[tuple[str, Any]], list[int | None]]:
     """The rank's live storages over its points (see the module docstring), the points and their blocks."""
     seq, at = _points(tr, n_blocks, reshard)
@@ -128,12 +130,19 @@ def _overlay(
         k = next(ids)
         start[k], end[k], nbytes[k] = float(first), float(final), size
 
+    def sharded_grads(at_hook: int, size: Expr) -> None:
+        """A group's reduce-scatter output: its sharded gradients from then on, or (a later micro-batch of
+        gradient accumulation) added into the ones held since the step's start, freed once added."""
+        add(-1 if accumulating else at_hook, FOREVER, size)
+        if accumulating:
+            add(at_hook, at_hook, size)
+
     f_end = max(i for t, i in op_at.items() if tr.phases[t] == "forward")
     add(-1, FOREVER, static)  # sharded parameters and optimizer states
     add(hook("fwd.pre", "root"), hook("fwd.pre", 0) if n_blocks else last, root.gathered)  # AG
     add(hook("fwd.pre", "root"), hook("bwd.rs", "root") - 1, root.gathered)  # UN, kept through backward
     add(hook("bwd.rs", "root"), last, root.reduce_input)
-    add(hook("bwd.sg", "root"), FOREVER, root.sharded_grads)
+    sharded_grads(hook("bwd.sg", "root"), root.sharded_grads)
     for b in range(n_blocks):
         # the last block's: until the root's post-forward (the forward's last op)
         ag_end = hook("fwd.pre", b + 1) if b + 1 < n_blocks else f_end
@@ -148,14 +157,18 @@ def _overlay(
             add(hook("fwd.pre", b), hook("bwd.rs", b) - 1, block.gathered)
         # the reduce-scatter input lives until the next group's post-backward frees it
         add(hook("bwd.rs", b), hook("bwd.rs", b - 1 if b else "root") - 1, block.reduce_input)
-        add(hook("bwd.sg", b), FOREVER, block.sharded_grads)
+        sharded_grads(hook("bwd.sg", b), block.sharded_grads)
     blocks = [tr.blocks[v] if k == "op" else (v[1] if isinstance(v[1], int) else None) for k, v in seq]
     return Intervals(n, start, end, nbytes), seq, blocks
 
 
-def fsdp_liveness(live: Liveness, root: GroupBytes, block: GroupBytes, static: Expr, reshard: bool = True) -> Liveness:
+def fsdp_liveness(
+    live: Liveness, root: GroupBytes, block: GroupBytes, static: Expr, reshard: bool = True, accumulating: bool = False
+) -> Liveness:
     """The FSDP2 rank's forward and backward, point by point (see the module docstring), from the compute
-    trace's steady ``live``; ``static``: the rank's sharded parameters and optimizer states."""
+    trace's steady ``live``; ``static``: the rank's sharded parameters and optimizer states; ``accumulating``:
+    a later micro-batch of gradient accumulation (each micro-batch reduce-scattered, its sharded gradients
+    added into those held since the first)."""
     if live.other is None or not live.other_point_block:
         raise ValueError("the FSDP2 overlay needs a layer stack traced at two depths")
     n_blocks = live.layers
@@ -164,8 +177,8 @@ def fsdp_liveness(live: Liveness, root: GroupBytes, block: GroupBytes, static: E
     other = _Trace(
         live.other, live.other_point_block, live.other_phases, live.other_owned - live.other_grads, live.other_grads
     )
-    iv, seq, blocks = _overlay(base, n_blocks, reshard, root, block, static)
-    iv2, seq2, _ = _overlay(other, n_blocks + 1, reshard, root, block, static)
+    iv, seq, blocks = _overlay(base, n_blocks, reshard, root, block, static, accumulating)
+    iv2, seq2, _ = _overlay(other, n_blocks + 1, reshard, root, block, static, accumulating)
     where = {item: i for i, item in enumerate(seq2)}
 
     def counterpart(kind: str, v: Any) -> tuple[str, Any]:
