@@ -151,13 +151,14 @@ def mixed_precision(layout: Layout) -> Any:
 
 @contextlib.contextmanager
 def _fake_group(layout: Layout, rank: int) -> Iterator[None]:
-    """PyTorch's fake process group as ``rank`` of an FSDP2 / HSDP layout, for the ``with`` block."""
+    """PyTorch's fake process group as ``rank`` of an FSDP2 / HSDP layout (over tensor- or context-parallel
+    ranks too: its whole world), for the ``with`` block."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if layout.dp_mode != "fsdp" or layout.pp > 1:
         raise SymacctError("the fake process group runs FSDP2 / HSDP only", hint="use gloo_world for DDP and pipelines")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.dp)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
     try:
         yield
     finally:
@@ -216,17 +217,10 @@ def fake_rank_peak(
     are not, which memory does not depend on); ``layout.micro_batches`` forward and backward passes (gradient
     accumulation) before the optimizer step. With tensor or context parallelism (a 2-D mesh, as the gloo
     runner lays it) the third step, as ``gloo_world`` measures it."""
-    if layout.tp > 1 or layout.cp > 1:
-        import torch.distributed as dist
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
-        try:
+    with _fake_group(layout, rank):
+        if layout.tp > 1 or layout.cp > 1:
             model = build()
             return _dp_step(model, layout, rank, inputs(model), optimizer, stack, CollectiveCounter()).peak or 0
-        finally:
-            dist.destroy_process_group()
-    with _fake_group(layout, rank):
         model = shard(build(), layout, stack)
         opt = optimizer(model.parameters())
         args = inputs(model)

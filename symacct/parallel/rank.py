@@ -202,10 +202,11 @@ class Parallel:
         if self.overlay is None:
             return ranks
         ov, static = self.overlay
+        steps, held = ov.evaluate(values)[0], evaluate(static, values)
         out = []
         for r in ranks:
-            opt = evaluate(static, values) + int(r.grads) + _ceil_share(self.acct, int(r.optimizer), values)
-            out.append(dataclasses.replace(r, peak=max(ov.evaluate(values)[0], opt)))
+            opt = held + int(r.grads) + _ceil_share(self.acct, int(r.optimizer), values)
+            out.append(dataclasses.replace(r, peak=max(steps, opt)))
         return out
 
     def evaluated_ranks(self, base: dict[str, int], ev: Callable[[Expr, dict[str, int]], Any]) -> list[Rank]:
@@ -595,12 +596,15 @@ def _optimizer_excess(acct: Accounting) -> Expr:
     ops = [t for t in range(steady.base.n) if steady.labels[t][3] == "optimizer"]
     if not ops:
         return ZERO
-    names = sorted(
-        {str(x) for x in sympy.sympify(acct.memory.peak).free_symbols} | ({"L"} if acct.per_layer else set())
-    )
-    _, points = steady.symbolic_peak(names, ops=ops)
+    _, points = steady.symbolic_peak(_peak_names(acct), ops=ops)
     static = acct.memory.params + acct.memory.grads + acct.memory.optimizer
     return sympy.Max(ZERO, *(sympy.expand(steady.at_point(t) - static) for t in points), evaluate=False)
+
+
+def _peak_names(acct: Accounting) -> list[str]:
+    """The symbols a single-device peak is sampled over (L with a layer stack)."""
+    free = {str(x) for x in sympy.sympify(acct.memory.peak).free_symbols}
+    return sorted(free | ({"L"} if acct.per_layer else set()))
 
 
 def _steady_live(acct: Accounting) -> Liveness:
@@ -879,9 +883,8 @@ def _steady(acct: Accounting) -> tuple[Expr, Expr, Expr]:
     mem, live = acct.memory, acct.liveness
     if live is None:
         raise SymacctError("this derivation has no liveness", hint="derive the model again")
-    steady = live.steady()
-    names = sorted({str(x) for x in sympy.sympify(mem.peak).free_symbols} | ({"L"} if acct.per_layer else set()))
-    peak, points = steady.symbolic_peak(names)
+    steady = _steady_live(acct)
+    peak, points = steady.symbolic_peak(_peak_names(acct))
     static = mem.params + mem.grads + mem.optimizer
     fb, opt = [ZERO], [ZERO]
     for t in points:
