@@ -5,9 +5,9 @@
    sequence-parallel rank, tp = 8, traced on the fake process group, in ZeRO-1 dp = 4 x 1F1B pp = 2; a
    context-parallel rank, PyTorch's ring over cp = 2 and 8, in FSDP2 over dp x cp = 64): issue 14's target
    is at most 3x the single-device derive.
-2. The planner: every layout of that model on 64 H100s (S = 8192, global batch 1024), ranked, tp = 1 and
-   tp = 2, 4, 8 with sequence parallelism (their derivations made before the clock starts): the target is
-   at least 100 layouts in at most 10 s.
+2. The planner: every layout of that model on 64 H100s (S = 8192, global batch 1024), ranked, tp = 1,
+   tp = 2, 4, 8 with sequence parallelism, and cp = 2, 8 with data parallelism (their derivations made
+   before the clock starts): the target is at least 100 layouts in at most 10 s.
 3. GPT-2 small, FSDP2 over 8 ranks: one rank run on PyTorch's fake process group (what torchtitan's
    estimator does: one number per size and rank) against derive_parallel, whose formulas then give any
    size and rank count; both are checked equal at the run's size (rank 0's static bytes, every payload).
@@ -74,11 +74,11 @@ def main() -> None:
     lay = make_layout(dp=4, tp=8, pp=2, dp_mode="zero1", micro_batches=8, sequence_parallel=True)
     derive_parallel(tp_acct, lay).at(B=1, S=8192)
     with_tp = time.perf_counter() - t
-    with_cp = {}
+    with_cp, cp_accts = {}, {}
     for cp in (2, 8):
         t = time.perf_counter()
-        cp_acct = derive70b(context_parallel=cp)
-        derive_parallel(cp_acct, make_layout(dp=64 // cp, cp=cp, dp_mode="fsdp")).at(B=1, S=8192)
+        cp_accts[cp] = derive70b(context_parallel=cp)
+        derive_parallel(cp_accts[cp], make_layout(dp=64 // cp, cp=cp, dp_mode="fsdp")).at(B=1, S=8192)
         with_cp[cp] = time.perf_counter() - t
     print("1. Llama-3-70B (bf16, AdamW, SDPA, checkpointing, meta)")
     print(f"   derive alone:                           {single:.2f} s")
@@ -91,11 +91,16 @@ def main() -> None:
 
     accts = {tp: derive70b(tensor_parallel="megatron-sp", tp=tp) for tp in (2, 4)} | {8: tp_acct}
     t = time.perf_counter()
-    rows = plan(acct, gpus=64, hardware="H100-SXM", global_batch=1024, seq=8192, tensor_parallel=accts)
+    rows = plan(
+        acct, gpus=64, hardware="H100-SXM", global_batch=1024, seq=8192, tensor_parallel=accts,
+        context_parallel=cp_accts,
+    )  # fmt: skip
     planned = time.perf_counter() - t
     best = rows[0]
     print("2. the planner, Llama-3-70B on 64 x H100-SXM, S=8192, global batch 1024")
     print(f"   {len(rows)} layouts ranked in {planned:.2f} s ({sum(r.fits for r in rows)} fit; target 100 in 10 s)")
+    kinds = Counter("tp" if r.layout.tp > 1 else "cp" if r.layout.cp > 1 else "dp x pp" for r in rows)
+    print(f"   of which {kinds['dp x pp']} dp x pp, {kinds['tp']} with tp = 2, 4, 8, {kinds['cp']} with cp = 2, 8")
     print(
         f"   first: {best.layout.describe()}, B={best.micro_batch}: {best.peak / 1e9:.1f} GB, {best.seconds:.1f} s/step"
     )

@@ -581,8 +581,8 @@ def _verify_parallel(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from symacct.parallel.plan import plan
-    from symacct.pipeline import derive
+    import dataclasses
+
     from symacct.report.parallel import plot_plan, print_plan
     from symacct.time.hardware import get
 
@@ -590,9 +590,58 @@ def _plan(args: argparse.Namespace) -> int:
     if not 0 < args.efficiency <= 1 or not 0 <= args.reserve < 1:
         raise UsageError("--efficiency must be in (0, 1] and --reserve in [0, 1)")
     out = _writable(args.out) if args.out else None
-    model = load_model(args.model, overrides_of(args.config))
-    options = {"optimizer": args.optimizer, "params_dtype": _dtype(args.params_dtype)}
+    policy = None
+    if args.fsdp_param_dtype is not None:  # FSDP2's MixedPrecisionPolicy: the model in its own dtype, traced again
+        if args.params_dtype is not None:
+            raise UsageError("--fsdp-param-dtype keeps the model in its own dtype (the shards'): drop --params-dtype")
+        policy = (args.fsdp_param_dtype, args.fsdp_reduce_dtype)
+    elif args.fsdp_reduce_dtype is not None:
+        raise UsageError("--fsdp-reduce-dtype goes with --fsdp-param-dtype")
+    overrides = overrides_of(args.config)
+    variants: list[tuple[str | None, dict[str, str]]] = [(None, {})]
+    if args.try_checkpointing:  # the model derived with and without activation checkpointing, ranked together
+        if "checkpoint" in overrides:
+            raise UsageError("--try-checkpointing sets the config's checkpoint field: drop --config checkpoint=...")
+        variants = [("checkpointed", {"checkpoint": "true"}), ("not checkpointed", {"checkpoint": "false"})]
+    rows, left_out = [], []
+    for name, extra in variants:
+        got, refused = _planned(args, hw, load_model(args.model, {**overrides, **extra}), policy)
+        rows += [dataclasses.replace(r, variant=name) for r in got]
+        left_out += [f"{name}: {w}" if name else w for w in refused]
+    rows.sort(key=lambda r: (not r.fits, r.seconds, r.peak))
+    mixed = f", FSDP2 MixedPrecisionPolicy({policy[0]}, reduce {policy[1] or policy[0]})" if policy else ""
+    header = (
+        f"{args.model} on {args.gpus} x {hw.name}{mixed}, S={args.seq}, global batch {args.global_batch}: "
+        f"{len(rows)} layouts, {sum(r.fits for r in rows)} fit" + "".join(f"; {w}" for w in left_out)
+    )
+    if args.json:
+        print(_json({"header": header, "layouts": [r.to_dict() for r in rows]}))
+    else:
+        print_plan(rows, args.top, header)
+    if out is not None:
+        for p in plot_plan(rows, hw.memory_bytes * (1 - args.reserve), out / "plan", header):
+            print(p)
+    return 0
+
+
+def _planned(
+    args: argparse.Namespace, hw: Any, model: Any, policy: tuple[str, str | None] | None
+) -> tuple[Any, list[str]]:
+    """The planner's rows for one model: its derivation, one per tensor- and context-parallel degree (and, with
+    FSDP2's policy, each traced again as the policy runs it); the degrees the model refuses, with the reason."""
+    from symacct.parallel.plan import plan
+    from symacct.pipeline import derive
+
+    own = None if policy else _dtype(args.params_dtype or "bf16")
+    options = {"optimizer": args.optimizer, "params_dtype": own}
     acct = derive(model, **options)
+    compute = {}
+
+    def traced(key: tuple[int, int], **rank: Any) -> None:  # the rank as FSDP2's policy runs it
+        if policy is not None:
+            compute[key] = derive(model, **{**options, "params_dtype": policy[0], "fsdp_policy": True}, **rank)
+
+    traced((1, 1))
     plan_name = "megatron-sp" if args.sp else "megatron"
     degrees = args.tp or [2**k for k in range(1, hw.gpus_per_node.bit_length()) if 2**k <= hw.gpus_per_node]
     tensor_parallel = {}
@@ -600,8 +649,16 @@ def _plan(args: argparse.Namespace) -> int:
     for tp in (d for d in degrees if d > 1):
         try:
             tensor_parallel[tp] = derive(model, **options, tensor_parallel=plan_name, tp=tp)
+            traced((tp, 1), tensor_parallel=plan_name, tp=tp)
         except SymacctError as e:  # a degree the model cannot be split by: the others are still planned
             left_out.append(e.what if e.what.startswith(f"tp={tp} ") else f"tp={tp}: {e.what}")
+    context_parallel = {}
+    for cp in sorted({d for d in args.cp or [] if d > 1}):
+        try:
+            context_parallel[cp] = derive(model, **options, context_parallel=cp)
+            traced((1, cp), context_parallel=cp)
+        except SymacctError as e:  # a degree the model cannot run (no SDPA, S not in 2 cp chunks): planned without
+            left_out.append(f"cp={cp}: {e.what}")
     rows = plan(
         acct,
         gpus=args.gpus,
@@ -614,19 +671,11 @@ def _plan(args: argparse.Namespace) -> int:
         dp_modes=tuple(args.dp_mode) if args.dp_mode else None,
         return_outputs=args.return_outputs,
         tensor_parallel=tensor_parallel,
+        context_parallel=context_parallel,
+        fsdp_policy=policy,
+        compute=compute or None,
     )
-    header = (
-        f"{args.model} on {args.gpus} x {hw.name}, S={args.seq}, global batch {args.global_batch}: "
-        f"{len(rows)} layouts, {sum(r.fits for r in rows)} fit" + "".join(f"; {w}" for w in left_out)
-    )
-    if args.json:
-        print(_json({"header": header, "layouts": [r.to_dict() for r in rows]}))
-    else:
-        print_plan(rows, args.top, header)
-    if out is not None:
-        for p in plot_plan(rows, hw.memory_bytes * (1 - args.reserve), out / "plan", header):
-            print(p)
-    return 0
+    return rows, left_out
 
 
 def _step_args(p: argparse.ArgumentParser, steps: tuple[str, ...] = ("train", "forward")) -> None:
@@ -655,7 +704,7 @@ def _step_args(p: argparse.ArgumentParser, steps: tuple[str, ...] = ("train", "f
 
 def _main(argv: Sequence[str] | None) -> int:
     from symacct.options import CACHE_DTYPES, DTYPES, LOW_PRECISION
-    from symacct.parallel.layout import DP_MODES
+    from symacct.parallel.layout import DP_MODES, MIXED_DTYPES
 
     parser = _Parser(prog="symacct", description="Symbolic resource accounting for PyTorch")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -681,7 +730,9 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     d.add_argument("--efficiency", type=_number, default=0.5, help="with a layout: compute at this share of the peak")
     d.add_argument("--no-overlap", action="store_true", help="with a layout: no communication hides behind compute")
-    pl = sub.add_parser("plan", help="every valid dp x pp layout of a job on N GPUs: memory, step time, ranked")
+    pl = sub.add_parser(
+        "plan", help="every valid dp x tp x pp (x cp) layout of a job on N GPUs: memory, step time, ranked"
+    )
     pl.add_argument("model", help="built-in name (symacct list) or package.module:factory")
     pl.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     pl.add_argument("--gpus", type=_count, required=True, help="GPUs of the job")
@@ -689,7 +740,22 @@ def _main(argv: Sequence[str] | None) -> int:
     pl.add_argument("--seq", type=_count, required=True, help="S: tokens per sequence")
     pl.add_argument("--global-batch", type=_count, required=True, help="sequences per optimizer step")
     pl.add_argument("--optimizer", default="adamw")
-    pl.add_argument("--params-dtype", choices=LOW_PRECISION, default="bf16", help="parameters in this dtype")
+    pl.add_argument(
+        "--params-dtype", choices=LOW_PRECISION, default=None, help="parameters in this dtype (default bf16)"
+    )
+    pl.add_argument(
+        "--fsdp-param-dtype",
+        choices=MIXED_DTYPES,
+        default=None,
+        help="plan FSDP2 and HSDP with MixedPrecisionPolicy(param_dtype=...): the model in its own dtype (the "
+        "shards', the optimizer's), forward and backward traced again in this one",
+    )
+    pl.add_argument(
+        "--fsdp-reduce-dtype",
+        choices=MIXED_DTYPES,
+        default=None,
+        help="with --fsdp-param-dtype: MixedPrecisionPolicy(reduce_dtype=...) (default: the param dtype)",
+    )
     pl.add_argument("--efficiency", type=_number, default=0.5, help="compute at this share of the peak (0.5)")
     pl.add_argument("--no-overlap", action="store_true", help="no communication hides behind compute")
     pl.add_argument("--reserve", type=_number, default=0.15, help="fraction of memory kept free (0.15)")
@@ -705,6 +771,20 @@ def _main(argv: Sequence[str] | None) -> int:
         help="tensor-parallel degrees to try (repeatable; default 1 and every power of two up to a node's GPUs)",
     )
     pl.add_argument("--sp", action="store_true", help="tensor parallelism with sequence parallelism (megatron-sp)")
+    pl.add_argument(
+        "--cp",
+        type=_count,
+        action="append",
+        default=None,
+        help="context-parallel degrees to try with data parallelism (repeatable; default none: each is one more "
+        "derivation, of a ring rank, which needs the model's SDPA)",
+    )
+    pl.add_argument(
+        "--try-checkpointing",
+        action="store_true",
+        help="rank every layout with and without activation checkpointing (the config's checkpoint field: the "
+        "model derived twice)",
+    )
     pl.add_argument("--top", type=_count, default=15, help="rows printed (default 15)")
     pl.add_argument("--json", action="store_true", help="every layout as JSON")
     pl.add_argument("--out", default=None, help="write the Pareto plot (plan.png, plan.svg) here")

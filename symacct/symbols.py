@@ -11,6 +11,7 @@ cancel and compare.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Mapping
 from fractions import Fraction
@@ -118,17 +119,18 @@ def _sympy_value(expr: sympy.Expr, values: Mapping[str, int]) -> Fraction:
 def rational_form(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int | Fraction]:
     """``expr`` as a function of integer sizes (symbol name -> int) returning its exact value, without sympy:
     a sum of rational multiples of symbol powers, evaluated in Python integers (a ``Fraction`` where a power
-    is negative or a coefficient not whole). An expression of another kind (a Max, a floor) goes to sympy."""
+    is negative or a coefficient not whole). An expression of another kind (a Max, a ceiling) goes to
+    ``exact_form``."""
     terms: list[tuple[int, int, tuple[tuple[str, int], ...]]] = []
     for mono, coeff in sympy.expand(expr).as_coefficients_dict().items():
         if not coeff.is_Rational:
-            return functools.partial(_sympy_value, expr)
+            return exact_form(expr)
         powers = []
         for base, e in mono.as_powers_dict().items():
             if base == 1:
                 continue
             if not (base.is_Symbol and e.is_Integer):
-                return functools.partial(_sympy_value, expr)
+                return exact_form(expr)
             powers.append((base.name, int(e)))
         terms.append((int(coeff.p), int(coeff.q), tuple(powers)))
     whole = all(q == 1 and all(e > 0 for _, e in pw) for _, q, pw in terms)
@@ -150,6 +152,73 @@ def rational_form(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int | Fract
                     q *= values[name] ** -e
             frac += Fraction(p, q)
         return frac
+
+    return value
+
+
+_FUNCS: dict[Any, str] = {sympy.ceiling: "_ceil", sympy.floor: "_floor", sympy.Max: "max", sympy.Min: "min"}
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _code(e: Any, names: dict[str, int]) -> str:
+    """Python source computing ``e`` exactly over ``_v`` (the symbols' values in ``names`` order): integers,
+    ``Fraction`` where a coefficient or a power is not whole."""
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Rational:
+        return f"_q({int(e.p)}, {int(e.q)})"
+    if e.is_Symbol:
+        return f"_v[{names.setdefault(e.name, len(names))}]"
+    if e.is_Add:
+        return "(" + " + ".join(_code(a, names) for a in e.args) + ")"
+    if e.is_Mul:
+        num, den = [], []
+        for a in e.args:
+            if a.is_Rational and not a.is_Integer:
+                num.append(str(int(a.p)))
+                den.append(str(int(a.q)))
+            elif a.is_Pow and a.exp.is_Integer and a.exp < 0:
+                den.append(f"({_code(a.base, names)})" + ("" if a.exp == -1 else f" ** {int(-a.exp)}"))
+            else:
+                num.append(_code(a, names))
+        top = " * ".join(num) or "1"
+        return f"_q({top}, {' * '.join(den)})" if den else f"({top})"
+    if e.is_Pow and e.exp.is_Integer:
+        base = _code(e.base, names)
+        return f"({base}) ** {int(e.exp)}" if e.exp > 0 else f"_q(1, ({base}) ** {int(-e.exp)})"
+    if e.is_Function and e.func in _FUNCS:
+        return f"{_FUNCS[e.func]}(" + ", ".join(_code(a, names) for a in e.args) + ")"
+    if isinstance(e, sympy.Mod):
+        return f"(({_code(e.args[0], names)}) % ({_code(e.args[1], names)}))"
+    raise _Unsupported(type(e).__name__)
+
+
+def _q(a: int | Fraction, b: int | Fraction) -> int | Fraction:
+    """a / b exactly: an integer where it divides."""
+    if type(a) is int and type(b) is int:
+        return a // b if a % b == 0 else Fraction(a, b)
+    return Fraction(a) / b
+
+
+@functools.lru_cache(maxsize=16384)
+def exact_form(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int | Fraction]:
+    """``expr`` compiled to Python once: its exact value at integer sizes (symbol name -> int), in integers and
+    ``Fraction`` (``ceiling``, ``floor``, ``Max``, ``Min`` and ``Mod`` included, none of them through sympy); an
+    expression of another kind (a float, a root) goes to sympy."""
+    names: dict[str, int] = {}
+    try:
+        body = _code(sympy.sympify(expr), names)
+    except _Unsupported:
+        return functools.partial(_sympy_value, expr)
+    order = tuple(names)
+    fn = eval(f"lambda _v: {body}", {"_q": _q, "_ceil": math.ceil, "_floor": math.floor})  # noqa: S307
+
+    def value(values: Mapping[str, int]) -> int | Fraction:
+        got = fn([values[n] for n in order])
+        return int(got) if isinstance(got, Fraction) and got.denominator == 1 else got
 
     return value
 

@@ -183,6 +183,31 @@ def test_verify_context_parallel_with_data_parallel_world_four() -> None:
     assert any(r.name.startswith("loss (ranks' mean") for r in rows)
 
 
+def test_planner_over_context_parallel_degrees() -> None:
+    """The planner lays dp x cp over the ring rank's derivation (data parallelism only: no pipeline, no HSDP);
+    every row's peak, step time and MFU are those of ``derive_parallel(...).at()`` and ``step_time``; a
+    degree whose ring cannot cut S into 2 cp chunks is left out, and a derivation of another degree is
+    refused."""
+    from symacct.parallel.plan import layouts, plan, step_time
+
+    one = symacct.derive(Llama(_llama(4, 2, 8, 32, 64, 2, 16)), optimizer="adamw")
+    rows = plan(one, gpus=4, hardware="H100-SXM", global_batch=8, seq=16, context_parallel={2: _derived(2)})
+    ring = [r for r in rows if r.layout.cp == 2]
+    assert ring and {r.layout.dp_mode for r in ring} == {"ddp", "zero1", "zero2", "fsdp"}
+    assert all(r.layout.pp == 1 and r.layout.tp == 1 and not r.layout.hsdp_shard for r in ring)
+    for r in rows:
+        assert r.layout.world == 4 and r.micro_batch * r.layout.micro_batches * r.layout.dp == 8
+        exact = derive_parallel(_derived(2) if r.layout.cp > 1 else one, r.layout).at(B=r.micro_batch, S=16)
+        assert r.peak == max(k.peak for k in exact.ranks)
+        t = step_time(exact, "H100-SXM")
+        assert r.seconds == pytest.approx(t.seconds, rel=1e-12) and r.mfu == pytest.approx(t.mfu, rel=1e-12)
+    assert {lay.cp for lay, _ in layouts(one, 4, 8, seq=10, context_parallel={2: _derived(2)})} == {1}
+    with pytest.raises(SymacctError, match="no valid layout .*cp=2: .*S=10 breaks 4 divides S"):
+        layouts(one, 4, 3, seq=10, context_parallel={2: _derived(2)})
+    with pytest.raises(SymacctError, match=r"context_parallel\[4\] is a derivation of cp=2"):
+        layouts(one, 4, 8, seq=16, context_parallel={4: _derived(2)})
+
+
 def test_cli() -> None:
     """``symacct derive llama --cp 2`` prints the rank the API derives (its bytes and the ring's collectives);
     a layout it cannot derive is one line and exit 2."""
@@ -199,6 +224,23 @@ def test_cli() -> None:
     assert [r for r in ring if r[0] != "all_reduce"] == sorted(
         (c.op, c.phase, c.payload, c.count) for c in pred.collectives if c.group == "cp"
     )
+    planned = subprocess.run(
+        [*run[:3], "plan", "llama", *flags, "--gpus", "4", "--hardware", "H100-SXM", "--seq", "16"]
+        + ["--global-batch", "4", "--tp", "1", "--cp", "2", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert planned.returncode == 0, planned.stderr
+    got_rows = json.loads(planned.stdout)["layouts"]
+    assert {r["cp"] for r in got_rows} == {1, 2}
+    low = symacct.derive(
+        Llama(_llama(4, 2, 8, 32, 64, 2, 16)), optimizer="adamw", params_dtype="bf16", context_parallel=2
+    )
+    for r in got_rows:  # the plan's parameters in bf16 (its default)
+        if r["cp"] == 2:
+            lay = make_layout(dp=r["dp"], cp=2, dp_mode=r["dp_mode"], micro_batches=r["micro_batches"])
+            exact = derive_parallel(low, lay).at(B=r["micro_batch"], S=16)
+            assert (r["pp"], r["hsdp_shard"], r["peak_bytes"]) == (1, None, max(k.peak for k in exact.ranks))
     bad = subprocess.run([*run, "--cp", "2", "--tp", "2"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "context parallelism with tensor parallelism" in bad.stderr

@@ -110,6 +110,47 @@ def test_formula_and_planner() -> None:
             assert evaluate(par.ranks[0].peak, values) <= exact.ranks[0].peak
 
 
+def test_planner_with_the_policy() -> None:
+    """``plan(fsdp_policy=...)`` ranks FSDP2 and HSDP with the policy, each row the figures of
+    ``derive_parallel(acct, layout, compute).at()`` and ``step_time``; the CLI's ``--fsdp-param-dtype`` the
+    same; other modes, a degree without its compute trace, and a compute trace without a policy refused."""
+    import json
+    import subprocess
+    import sys
+
+    from symacct.parallel.plan import plan, step_time
+
+    own, low = _derived("llama", None), _derived("llama", "bf16")
+    kw: dict[str, Any] = {"gpus": 4, "hardware": "H100-SXM", "global_batch": 8, "seq": 16}
+    rows = plan(own, **kw, fsdp_policy=("bf16", "fp32"), compute={(1, 1): low})
+    assert {(r.layout.dp_mode, r.layout.param_dtype, r.layout.reduce_dtype) for r in rows} == {("fsdp", "bf16", "fp32")}
+    assert any(r.layout.hsdp_shard for r in rows)
+    for r in rows:
+        exact = derive_parallel(own, r.layout, low).at(B=r.micro_batch, S=16)
+        assert r.peak == max(k.peak for k in exact.ranks)
+        t = step_time(exact, "H100-SXM")
+        assert r.seconds == pytest.approx(t.seconds, rel=1e-12) and r.mfu == pytest.approx(t.mfu, rel=1e-12)
+    with pytest.raises(SymacctError, match="plans FSDP2 and HSDP only"):
+        plan(own, **kw, fsdp_policy=("bf16", None), compute={(1, 1): low}, dp_modes=("ddp",))
+    with pytest.raises(SymacctError, match="tp=1, cp=1 need that rank traced with its parameters in bf16"):
+        plan(own, **kw, fsdp_policy=("bf16", None), compute={})
+    with pytest.raises(SymacctError, match="goes with fsdp_policy="):
+        plan(own, **kw, compute={(1, 1): low})
+    cfg = {"dim": 12, "n_layers": 2, "n_heads": 3, "n_kv_heads": 1, "vocab_size": 29, "hidden_dim": 20}
+    flags = [a for k, v in {**cfg, "max_seq_len": 16}.items() for a in ("--config", f"{k}={v}")]
+    run = [sys.executable, "-m", "symacct.cli", "plan", "llama", *flags, "--gpus", "4", "--hardware", "H100-SXM"]
+    run += ["--seq", "16", "--global-batch", "8", "--tp", "1", "--json"]
+    got = subprocess.run(
+        [*run, "--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32"], capture_output=True, text=True
+    )
+    assert got.returncode == 0, got.stderr
+    by_layout = {(r.layout.hsdp_shard, r.micro_batch): r.peak for r in rows}
+    printed = json.loads(got.stdout)["layouts"]
+    assert {(r["hsdp_shard"], r["micro_batch"]): r["peak_bytes"] for r in printed} == by_layout
+    bad = subprocess.run([*run, "--fsdp-param-dtype", "bf16", "--params-dtype", "bf16"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "drop --params-dtype" in bad.stderr
+
+
 def test_compute_trace_as_the_policy_runs_it() -> None:
     """``fsdp_policy=True`` keeps floating buffers in their dtype (the compute trace's buffer bytes are the
     model's own); a compute trace that cast them (``model.to(bf16)``) is refused for a model with floating

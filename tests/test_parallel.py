@@ -248,6 +248,24 @@ def test_schedules_hold_what_narayanan_counts() -> None:
         assert first == pytest.approx(pp * (1 + (pp - 1) / (pp * v)))
 
 
+def test_action_lists_are_the_schedule_visualizers() -> None:
+    """The stand-in stage made once and reused gives, call after call, the lists PyTorch's own
+    ``get_schedule_ops`` builds with a fresh one."""
+    from torch.distributed.pipelining import schedules as sch
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from symacct.parallel.schedule import _compute_only, _pipeline_order
+
+    classes = {"gpipe": sch.ScheduleGPipe, "1f1b": sch.Schedule1F1B, "interleaved": sch.ScheduleInterleaved1F1B}
+    for name, pp, m, v in (("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1), ("interleaved", 2, 4, 2), ("1f1b", 2, 6, 1)):
+        cls = _compute_only(classes[name])
+        ours = _pipeline_order(cls, pp, m, v)
+        theirs = get_schedule_ops(cls, pp, m, v if name == "interleaved" else None)
+        assert [[str(a) for a in row] for row in ours] == [[str(a) for a in row] for row in theirs], (name, pp, m)
+    with pytest.raises(SymacctError, match="one stage per rank"):
+        actions("gpipe", 2, 4, 2)
+
+
 def test_makespan_is_the_textbook_bubble() -> None:
     """(m + pp - 1)(t_f + t_b) for GPipe and 1F1B; a bubble of (pp - 1)(t_f + t_b) / v interleaved."""
     for name in ("gpipe", "1f1b"):
@@ -359,6 +377,36 @@ def test_cli_fsdp_mixed_precision(gpt2_acct: symacct.Accounting, gpt2_low: dict[
     assert any("MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" in n for n in report["notes"])
     bad = subprocess.run([*run, "--dp-mode", "ddp", *mixed], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "MixedPrecisionPolicy" in bad.stderr
+
+
+def test_cli_plan_tries_checkpointing() -> None:
+    """``plan --try-checkpointing`` ranks the model derived with and without activation checkpointing together:
+    each row is the planner's for that derivation (parameters in bf16, the CLI's default); the checkpointed
+    ones hold less and recompute (a longer step at the same layout); --config checkpoint=... beside it exits 2."""
+    run = [sys.executable, "-m", "symacct.cli", "plan", "gpt2", *_CLI_SMALL, "--gpus", "4", "--hardware", "H100-SXM"]
+    run += ["--seq", "8", "--global-batch", "8", "--tp", "1"]
+    got = subprocess.run([*run, "--try-checkpointing", "--json"], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    printed = json.loads(got.stdout)["layouts"]
+    keys = ("dp", "pp", "dp_mode", "hsdp_shard", "schedule", "micro_batches", "v", "micro_batch")
+    for variant, checkpoint in (("checkpointed", True), ("not checkpointed", False)):
+        cfg = dataclasses.replace(GPT2_SMALL, checkpoint=checkpoint)
+        acct = symacct.derive(GPT2(cfg), optimizer="adamw", params_dtype="bf16")
+        want = {
+            tuple(r.to_dict()[k] for k in keys): (r.peak, r.seconds)
+            for r in plan(acct, gpus=4, hardware="H100-SXM", global_batch=8, seq=8)
+        }
+        mine = {
+            tuple(r[k] for k in keys): (r["peak_bytes"], r["step_seconds"]) for r in printed if r["variant"] == variant
+        }
+        assert mine == want
+    both = {}
+    for r in printed:
+        both.setdefault(tuple(r[k] for k in keys), {})[r["variant"]] = (r["peak_bytes"], r["step_seconds"])
+    assert all(v["checkpointed"][1] > v["not checkpointed"][1] for v in both.values())
+    assert any(v["checkpointed"][0] < v["not checkpointed"][0] for v in both.values())
+    bad = subprocess.run([*run, "--try-checkpointing", "--config", "checkpoint=true"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "drop --config checkpoint" in bad.stderr
 
 
 def test_docs_formulas_are_derived() -> None:

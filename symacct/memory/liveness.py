@@ -30,12 +30,13 @@ evaluates the live bytes of every point exactly at the given sizes.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
 import math
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from symacct.memory.static import Memory
 
 Expr = Any
+Terms = dict[Any, Any]  # monomial -> int or Fraction coefficient: an expanded polynomial, term by term
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Intervals:
     _layout: tuple[list[sympy.Expr], np.ndarray, np.ndarray, np.ndarray, list[int]] | None = field(
         default=None, repr=False, compare=False
     )
+    _forms: list[Callable[[Mapping[str, int]], int]] | None = field(default=None, repr=False, compare=False)
 
     def layout(self) -> tuple[list[sympy.Expr], np.ndarray, np.ndarray, np.ndarray, list[int]]:
         """The distinct byte formulas, each storage's formula, the slot it starts counting at and the slot it
@@ -79,31 +82,38 @@ class Intervals:
         return self._layout
 
     def live(self, values: Mapping[str, int]) -> list[int]:
-        """Live bytes at the given sizes, exactly: ``out[t + 1]`` during op t (``out[0]`` before the step).
+        """Live bytes at the given sizes, exactly: ``out[t + 1]`` during op t (``out[0]`` before the step)."""
+        return self.live_array(values).tolist()
 
-        Each distinct formula is evaluated once (``integer_form``); the sums run in int64 when no total can
-        overflow it, in Python integers otherwise.
+    def live_array(self, values: Mapping[str, int]) -> np.ndarray:
+        """``live`` as an array: int64 when no total can overflow it, Python integers (dtype object) otherwise.
+
+        Each distinct formula is evaluated once (``integer_form``).
         """
         exprs, group, lo, hi, counts = self.layout()
-        b = [integer_form(e)(values) for e in exprs]
-        delta: Any
-        if sum(abs(x) * c for x, c in zip(b, counts)) < 2**62:
-            per = np.array(b, dtype=np.int64)[group]
-            delta = np.zeros(self.n + 3, dtype=np.int64)
-            np.add.at(delta, lo, per)
-            np.add.at(delta, hi, -per)
-            return np.cumsum(delta).tolist()
-        delta = [0] * (self.n + 3)
-        for g, i, j in zip(group.tolist(), lo.tolist(), hi.tolist()):
-            delta[i] += b[g]
-            delta[j] -= b[g]
-        return list(itertools.accumulate(delta))
+        if self._forms is None:
+            self._forms = [integer_form(e) for e in exprs]
+        b = [f(values) for f in self._forms]
+        big = sum(abs(x) * c for x, c in zip(b, counts)) >= 2**62
+        per = np.array(b, dtype=object if big else np.int64)[group]
+        delta = np.zeros(self.n + 3, dtype=object if big else np.int64)
+        np.add.at(delta, lo, per)
+        np.add.at(delta, hi, -per)
+        return np.cumsum(delta)
 
     def alive_at(self, pos: float) -> list[int]:
         return [s for s in self.start if self.start[s] <= pos <= self.end[s]]
 
     def symbolic(self, storages: list[int]) -> sympy.Expr:
         return sympy.Add(*(self.nbytes[s] for s in storages))
+
+    def terms(self, storages: list[int]) -> Terms:
+        """The expanded sum of the storages' bytes as ``{monomial: coefficient}``."""
+        out: dict[sympy.Expr, int | Fraction] = {}
+        for e, n in Counter(self.nbytes[s] for s in storages).items():
+            for mono, c in _expanded(e):
+                out[mono] = out.get(mono, 0) + n * c
+        return {m: c for m, c in out.items() if c}
 
 
 def _lifetimes(trace: StepTrace) -> tuple[dict[int, float], dict[int, float]]:
@@ -119,7 +129,7 @@ def _lifetimes(trace: StepTrace) -> tuple[dict[int, float], dict[int, float]]:
 
 def _counted(trace: StepTrace, st: int) -> int:
     nb = trace.storage_nbytes.get(st)
-    return _nbytes_from_ops(trace, st) if nb is None else nb
+    return _from_ops(trace).get(st, 0) if nb is None else nb
 
 
 def intervals(trace: StepTrace, probe: Probe) -> Intervals:
@@ -208,12 +218,17 @@ def borrowed_intervals(
     return Intervals(len(other.ops), start, end, {st: expr[st] for st in start})
 
 
-def _nbytes_from_ops(trace: StepTrace, st: int) -> int:
-    for rec in trace.ops:
-        for m in (*rec.inputs, *rec.outputs):
-            if m.storage == st:
-                return math.prod(m.shape) * m.itemsize
-    return 0
+def _from_ops(trace: StepTrace) -> dict[int, int]:
+    """Bytes of each storage as the first op that reads or makes it sees its tensor (for storages the trace did
+    not count), worked out once per trace."""
+    kept = trace.__dict__.get("_bytes_from_ops")
+    if kept is None:
+        kept = {}
+        for rec in trace.ops:
+            for m in (*rec.inputs, *rec.outputs):
+                kept.setdefault(m.storage, math.prod(m.shape) * m.itemsize)
+        trace.__dict__["_bytes_from_ops"] = kept
+    return kept
 
 
 @dataclass
@@ -283,57 +298,87 @@ class Liveness:
         """Live bytes at a phase point, evaluated exactly."""
         return evaluate(self.at_mark(name), dict(values))
 
-    def _valid(self, t: int, L: int) -> bool:
-        """Whether op t of the probe stands for a point of a model with L blocks."""
-        b = self.point_block[t] if self.point_block else None
-        if b is None or b == 0:
-            return True
-        if b == self.layers - 1:
-            return L >= 2  # the last block
-        return L >= 3  # a middle block
+    def _valid(self, L: int) -> np.ndarray:
+        """Per op of the probe, whether it stands for a point of a model with L blocks (ops outside the stack
+        and in block 0 always; the last block's for L >= 2, a middle block's for L >= 3)."""
+        cached = self.__dict__.get("_blocks")
+        if cached is None or cached[0] is not self.point_block:
+            blocks = np.array([-1 if b is None else b for b in self.point_block], dtype=np.int64)
+            cached = self.__dict__["_blocks"] = (self.point_block, blocks)
+        blocks = cached[1]
+        if not len(blocks):
+            return np.ones(self.base.n, dtype=bool)
+        last = blocks == self.layers - 1
+        return (blocks <= 0) | (last & (L >= 2)) | (~last & (L >= 3))
 
     def evaluate(self, values: Mapping[str, int], phases: tuple[str, ...] | None = None) -> tuple[int, int]:
         """(peak bytes, op index) at the given sizes, exactly; over the ops of ``phases`` only, if given."""
         chosen = [t for t in range(self.base.n) if phases is None or self.labels[t][3] in phases]
         if not chosen:
             raise ValueError(f"no op in phases {phases}")
-        vals = self.during(values, chosen)
-        best = max(vals, key=lambda t: vals[t])
-        return vals[best], best
+        ops, got = self.during_array(values, chosen)
+        best = int(np.argmax(got))
+        return int(got[best]), int(ops[best])
 
     def during(self, values: Mapping[str, int], ops: list[int]) -> dict[int, int]:
         """Live bytes during each of ``ops`` at the given sizes, exactly (the ops a model with L blocks has)."""
-        live = self.base.live(values)
+        kept, got = self.during_array(values, ops)
+        return dict(zip(kept.tolist(), got.tolist()))
+
+    def during_array(self, values: Mapping[str, int], ops: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``during`` as two arrays: the ops a model with L blocks has, in the order given, and their bytes."""
+        t = np.asarray(ops, dtype=np.int64)
+        live = self.base.live_array(values)
         if self.other is None:
-            return {t: live[t + 1] for t in ops}
-        live2 = self.other.live(values)
+            return t, live[t + 1]
         L = values.get("L", self.layers)
-        k = L - self.layers
-        return {t: live[t + 1] + k * (live2[self.align[t] + 1] - live[t + 1]) for t in ops if self._valid(t, L)}
+        t = t[self._valid(L)[t]]
+        live2 = self.other.live_array(values)
+        here, there, k = live[t + 1], live2[np.asarray(self.align, dtype=np.int64)[t] + 1], L - self.layers
+        wide = live.dtype == object or live2.dtype == object
+        if wide or (_magnitude(here) + _magnitude(there)) * (abs(k) + 1) >= 2**62:  # int64 could overflow
+            here, there = here.astype(object), there.astype(object)
+        return t, here + k * (there - here)
+
+    def point_terms(self, t: int) -> Terms:
+        """Live bytes during op t as ``{monomial: coefficient}`` (``at_point`` expanded, term by term)."""
+        return self._factored(self.base.alive_at(t), self.other.alive_at(self.align[t]) if self.other else None)
 
     def at_point(self, t: int) -> sympy.Expr:
-        e = self.base.symbolic(self.base.alive_at(t))
-        if self.other is None:
-            return sympy.expand(e)
-        e2 = self.other.symbolic(self.other.alive_at(self.align[t]))
-        return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
+        return _expr(self.point_terms(t))
 
     def grads_at_point(self, t: int) -> sympy.Expr:
         """Live bytes of gradients during op t (as ``at_point``)."""
-        e = self.base.symbolic([s for s in self.base.alive_at(t) if s in self.grads])
-        if self.other is None:
-            return sympy.expand(e)
-        e2 = self.other.symbolic([s for s in self.other.alive_at(self.align[t]) if s in self.other_grads])
-        return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
+        base = [s for s in self.base.alive_at(t) if s in self.grads]
+        other = None
+        if self.other is not None:
+            other = [s for s in self.other.alive_at(self.align[t]) if s in self.other_grads]
+        return _expr(self._factored(base, other))
 
     def at_mark(self, name: str) -> sympy.Expr:
         pos = self.marks[name]
-        e = self.base.symbolic([s for s in self.base.start if self.base.start[s] < pos < self.base.end[s]])
-        if self.other is None:
-            return sympy.expand(e)
-        pos2 = self.other_marks[name]
-        e2 = self.other.symbolic([s for s in self.other.start if self.other.start[s] < pos2 < self.other.end[s]])
-        return sympy.expand(e + (sym("L") - self.layers) * (e2 - e))
+        base = [s for s in self.base.start if self.base.start[s] < pos < self.base.end[s]]
+        other = None
+        if self.other is not None:
+            pos2 = self.other_marks[name]
+            other = [s for s in self.other.start if self.other.start[s] < pos2 < self.other.end[s]]
+        return _expr(self._factored(base, other))
+
+    def _factored(self, base: list[int], other: list[int] | None) -> Terms:
+        """The bytes of ``base``'s storages, plus (L - layers) times the difference ``other``'s make: the
+        expansion of ``e + (L - layers) (e2 - e)``, term by term."""
+        e = self.base.terms(base)
+        if other is None or self.other is None:
+            return e
+        e2 = self.other.terms(other)
+        out = dict(e)
+        L = sym("L")
+        for mono in e.keys() | e2.keys():
+            c = e2.get(mono, 0) - e.get(mono, 0)
+            if c:
+                out[mono] = out.get(mono, 0) - self.layers * c
+                out[L * mono] = out.get(L * mono, 0) + c
+        return {m: c for m, c in out.items() if c}
 
     def symbolic_peak(
         self, names: list[str], samples: int = 48, seed: int = 0, ops: list[int] | None = None
@@ -349,30 +394,50 @@ class Liveness:
                 values["L"] = self.layers + int(2 ** rng.uniform(0, 8))
             if "S_max" in values and "S" in values:
                 values["S_max"] = max(values["S_max"], values["S"])
-            vals = self.during(values, chosen)
-            if vals:
-                candidates.add(max(vals, key=lambda t: vals[t]))
+            kept, got = self.during_array(values, chosen)
+            if len(kept):
+                candidates.add(int(kept[int(np.argmax(got))]))
         if not candidates:
             return sympy.Integer(0), []
-        exprs = {t: self.at_point(t) for t in sorted(candidates)}
+        terms = {t: self.point_terms(t) for t in sorted(candidates)}
         keep = []
-        for t, e in exprs.items():
-            dominated = any(
-                u != t and (exprs[u] != e or u < t) and _nonnegative(sympy.expand(exprs[u] - e)) for u in exprs
-            )
+        for t, e in terms.items():
+            dominated = any(u != t and (terms[u] != e or u < t) and _covers(terms[u], e) for u in terms)
             if not dominated:
                 keep.append(t)
         if len(keep) == 1:
-            return exprs[keep[0]], keep
-        return sympy.Max(*(exprs[t] for t in keep), evaluate=False), keep  # already pruned
+            return _expr(terms[keep[0]]), keep
+        return sympy.Max(*(_expr(terms[t]) for t in keep), evaluate=False), keep  # already pruned
 
 
-def _nonnegative(e: sympy.Expr) -> bool:
-    """True when every coefficient of the expanded polynomial is >= 0 (so e >= 0 for positive symbols)."""
-    if e == 0:
-        return True
-    terms = e.as_ordered_terms() if isinstance(e, sympy.Add) else [e]
-    return all(t.as_coeff_Mul()[0] >= 0 for t in terms)
+def _magnitude(a: np.ndarray) -> int:
+    return int(np.abs(a).max()) if len(a) else 0
+
+
+def _covers(a: Terms, b: Terms) -> bool:
+    """True when every coefficient of the expanded ``a - b`` is >= 0 (so a >= b for positive symbols: b is
+    dominated)."""
+    return all(a.get(m, 0) - c >= 0 for m, c in b.items()) and all(c >= 0 for m, c in a.items() if m not in b)
+
+
+@functools.lru_cache(maxsize=65536)
+def _expanded(expr: sympy.Expr) -> tuple[tuple[sympy.Expr, int | Fraction], ...]:
+    """``expr`` expanded, as (monomial, exact coefficient) pairs."""
+    out = []
+    for mono, c in sympy.expand(expr).as_coefficients_dict().items():
+        if c:
+            out.append((mono, int(c) if c.is_Integer else Fraction(int(c.p), int(c.q))))
+    return tuple(out)
+
+
+def _expr(terms: Terms) -> sympy.Expr:
+    """The sum ``terms`` stands for (what ``sympy.expand`` gives for it)."""
+    return sympy.Add(
+        *(
+            (sympy.Integer(c) if isinstance(c, int) else sympy.Rational(c.numerator, c.denominator)) * m
+            for m, c in terms.items()
+        )
+    )
 
 
 def liveness(

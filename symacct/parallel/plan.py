@@ -24,7 +24,6 @@ times ``tp`` for a tensor-parallel rank's derivation) over the step time times t
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ from symacct.errors import SymacctError
 from symacct.parallel.layout import Layout, make_layout
 from symacct.parallel.rank import Parallel, Rank, derive_parallel, optimizer_bytes
 from symacct.parallel.schedule import actions, makespan
-from symacct.symbols import sym
+from symacct.symbols import exact_form
 from symacct.time.hardware import Accelerator, get
 
 if TYPE_CHECKING:
@@ -186,6 +185,7 @@ class PlanRow:
     seconds: float
     tokens_per_s: float
     mfu: float
+    variant: str | None = None  # which derivation of the model (the CLI's --try-checkpointing), None: the only one
 
     def to_dict(self) -> dict[str, Any]:
         lay = self.layout
@@ -194,6 +194,7 @@ class PlanRow:
             "tp": lay.tp,
             "sequence_parallel": lay.sequence_parallel,
             "pp": lay.pp,
+            "cp": lay.cp,
             "dp_mode": lay.dp_mode,
             "hsdp_shard": lay.hsdp_shard,
             "schedule": lay.schedule if lay.pp > 1 else None,
@@ -206,6 +207,7 @@ class PlanRow:
             "step_seconds": self.seconds,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
+            "variant": self.variant,
         }
 
 
@@ -216,8 +218,14 @@ def _divisors(n: int) -> list[int]:
 def _tp_valid(acct: Accounting, tp: int, seq: int | None) -> str | None:
     """Why ``acct`` (one tensor-parallel rank's derivation) cannot run tp ranks, or None: its constraints
     (tp dividing the heads, F, V, S with sequence parallelism)."""
+    return _sizes_refused(acct, {"tp": tp, "B": 1, **({"S": seq} if seq is not None else {})})
+
+
+def _sizes_refused(acct: Accounting, values: dict[str, int]) -> str | None:
+    """Why the derivation's constraints refuse these sizes (a context-parallel rank's: S into 2 cp chunks),
+    or None."""
     try:
-        acct._validate({"tp": tp, "B": 1, **({"S": seq} if seq is not None else {})})
+        acct._validate(values)
     except SymacctError as e:
         return e.what
     return None
@@ -232,13 +240,19 @@ def layouts(
     return_outputs: bool = False,
     tensor_parallel: Mapping[int, Accounting] | None = None,
     seq: int | None = None,
+    context_parallel: Mapping[int, Accounting] | None = None,
+    fsdp_policy: tuple[str, str | None] | None = None,
 ) -> list[tuple[Layout, int]]:
     """Every valid (layout, micro-batch) of ``gpus`` GPUs for ``global_batch`` sequences a step; refused with
     the reasons when there is none. A pipeline's last stage keeps its outputs only with ``return_outputs``
     (``schedule.step(return_outputs=False)``, what a training loop passes, is the default here).
     ``tensor_parallel``: tensor-parallel degrees to try, each with its rank's derivation (``derive(...,
-    tensor_parallel=plan, tp=degree)``); a degree that does not divide the GPUs or that the derivation's
-    constraints refuse is left out, with the reason."""
+    tensor_parallel=plan, tp=degree)``); ``context_parallel``: context-parallel degrees, each with its ring
+    rank's derivation (``derive(..., context_parallel=degree)``), tried with data parallelism alone (no
+    pipeline, no HSDP: what ``make_layout`` takes with cp). A degree that does not divide the GPUs (or, for
+    cp, S into 2 cp chunks) or that the derivation's constraints refuse is left out, with the reason.
+    ``fsdp_policy``: (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy, on every FSDP2 and HSDP
+    layout."""
     from symacct.parallel.layout import DP_MODES
 
     modes = dp_modes or DP_MODES
@@ -255,7 +269,24 @@ def layouts(
             reasons.append(f"tp={tp}: {why}")
             continue
         sp = tp > 1 and rank_acct.options.get("tensor_parallel") == "megatron-sp"
-        out += _layouts_at(L, gpus // tp, tp, sp, global_batch, modes, return_outputs, reasons)
+        out += _layouts_at(L, gpus // tp, tp, sp, global_batch, modes, return_outputs, reasons, policy=fsdp_policy)
+    for cp, rank_acct in sorted((context_parallel or {}).items()):
+        traced = rank_acct.options.get("context_parallel")
+        if traced != cp:
+            raise SymacctError(
+                f"context_parallel[{cp}] is a derivation of cp={traced or 1}",
+                hint=f"derive(model, context_parallel={cp}, ...) for cp={cp}",
+            )
+        if gpus % cp:
+            reasons.append(f"cp={cp}: does not divide {gpus} GPUs")
+            continue
+        why = _sizes_refused(rank_acct, {"B": 1, **({"S": seq} if seq is not None else {})})
+        if why is not None:
+            reasons.append(f"cp={cp}: {why}")
+            continue
+        out += _layouts_at(
+            L, gpus // cp, 1, False, global_batch, modes, return_outputs, reasons, cp=cp, policy=fsdp_policy
+        )
     if not out:
         raise SymacctError(
             f"no valid layout of {gpus} GPUs for a global batch of {global_batch}: " + "; ".join(reasons[:6]),
@@ -273,11 +304,15 @@ def _layouts_at(
     modes: tuple[str, ...],
     return_outputs: bool,
     reasons: list[str],
+    cp: int = 1,
+    policy: tuple[str, str | None] | None = None,
 ) -> list[tuple[Layout, int]]:
-    """The (layout, micro-batch) pairs of ``gpus`` tensor-parallel groups of ``tp`` ranks."""
+    """The (layout, micro-batch) pairs of ``gpus`` tensor-parallel groups of ``tp`` ranks (or context-parallel
+    rings of ``cp``: data parallelism over them, no pipeline, no HSDP); ``policy`` on the FSDP2 ones."""
     out: list[tuple[Layout, int]] = []
-    deg = {"tp": tp, "sequence_parallel": sp}
-    for pp in _divisors(gpus):
+    deg: dict[str, Any] = {"tp": tp, "sequence_parallel": sp} | ({"cp": cp} if cp > 1 else {})
+    mixed = {"param_dtype": policy[0], "reduce_dtype": policy[1]} if policy else {}
+    for pp in _divisors(gpus) if cp == 1 else [1]:
         if pp > 1 and (L is None or L % pp):
             reasons.append(f"pp={pp}: does not divide the {L} layers" if L else f"pp={pp}: no layer stack")
             continue
@@ -288,13 +323,14 @@ def _layouts_at(
         for b in _divisors(global_batch // dp):
             m = global_batch // (dp * b)
             for mode in modes:
-                if dp == 1 and mode != "ddp" or pp > 1 and mode in ("zero2", "fsdp") and dp > 1:
+                if dp * cp == 1 and mode != "ddp" or pp > 1 and mode in ("zero2", "fsdp") and dp > 1:
                     continue
                 if pp == 1:
-                    out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m, **deg), b))
-                    if mode == "fsdp":  # HSDP: sharded over each proper divisor of dp, replicated over the rest
+                    own = mixed if mode == "fsdp" else {}
+                    out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m, **deg, **own), b))
+                    if mode == "fsdp" and cp == 1:  # HSDP: sharded over each proper divisor of dp, replicated
                         for shard in _divisors(dp)[1:-1]:
-                            lay = make_layout(dp=dp, dp_mode=mode, micro_batches=m, hsdp_shard=shard, **deg)
+                            lay = make_layout(dp=dp, dp_mode=mode, micro_batches=m, hsdp_shard=shard, **deg, **own)
                             out.append((lay, b))
                     continue
                 kw = {"dp": dp, "pp": pp, "dp_mode": mode, "micro_batches": m, "return_outputs": return_outputs}
@@ -320,21 +356,51 @@ def plan(
     dp_modes: tuple[str, ...] | None = None,
     return_outputs: bool = False,
     tensor_parallel: Mapping[int, Accounting] | None = None,
+    context_parallel: Mapping[int, Accounting] | None = None,
+    fsdp_policy: tuple[str, str | None] | None = None,
+    compute: Mapping[tuple[int, int], Accounting] | None = None,
 ) -> list[PlanRow]:
     """Every valid layout, evaluated and ranked: fitting ones first, then by step time (see the module
     docstring); ``reserve`` is the fraction of memory kept free (allocator, workspaces); ``tensor_parallel``
-    as for ``layouts``."""
+    and ``context_parallel`` as for ``layouts``.
+
+    ``fsdp_policy`` (param_dtype, reduce_dtype): FSDP2 with its MixedPrecisionPolicy, the layouts FSDP2 and
+    HSDP only (the other modes would train in another precision); ``acct`` and the rank derivations are the
+    model in its own dtype (the shards', the optimizer's), and ``compute[(tp, cp)]`` the same rank traced with
+    its parameters in param_dtype as FSDP2's policy runs them (``derive(..., params_dtype=...,
+    fsdp_policy=True)``, ``derive_parallel``'s ``compute``), for (1, 1) and each degree given."""
     hw = get(hardware)
     capacity = hw.memory_bytes * (1 - reserve)
+    if fsdp_policy is not None:
+        if dp_modes is not None and tuple(dp_modes) != ("fsdp",):
+            raise SymacctError(
+                "an FSDP2 MixedPrecisionPolicy plans FSDP2 and HSDP only", hint="drop dp_modes (or pass ('fsdp',))"
+            )
+        dp_modes = ("fsdp",)
+    elif compute:
+        raise SymacctError("compute= is FSDP2's mixed-precision trace: it goes with fsdp_policy=")
     rows = []
-    accts = {1: acct, **(tensor_parallel or {})}
-    fast = {tp: _Fast(a, seq) for tp, a in accts.items()}
+    accts = {(1, 1): acct}
+    accts |= {(tp, 1): a for tp, a in (tensor_parallel or {}).items()}
+    accts |= {(1, cp): a for cp, a in (context_parallel or {}).items()}
+    fast = {key: _Fast(a, seq) for key, a in accts.items()}
     found = layouts(
         acct, gpus, global_batch, dp_modes=dp_modes, return_outputs=return_outputs, tensor_parallel=tensor_parallel,
-        seq=seq,
+        seq=seq, context_parallel=context_parallel, fsdp_policy=fsdp_policy,
     )  # fmt: skip
     for lay, b in found:
-        par = fast[lay.tp].at(derive_parallel(accts[lay.tp], lay), b)
+        key = (lay.tp, lay.cp)
+        run = None
+        if lay.param_dtype is not None:
+            run = (compute or {}).get(key)
+            if run is None:
+                raise SymacctError(
+                    f"the FSDP2 policy's layouts with tp={lay.tp}, cp={lay.cp} need that rank traced with its "
+                    f"parameters in {lay.param_dtype}",
+                    hint=f"compute={{{key}: derive(model, params_dtype={lay.param_dtype!r}, fsdp_policy=True, "
+                    "...)}} (the CLI does it for --fsdp-param-dtype)",
+                )
+        par = fast[key].at(derive_parallel(accts[key], lay, run), b)
         t = step_time(par, hw, efficiency=efficiency, overlap=overlap, dtype=dtype)
         worst = max(par.ranks, key=lambda r: r.peak)
         rows.append(PlanRow(lay, b, worst.peak, worst.stage, worst.peak <= capacity, t.seconds, t.tokens_per_s, t.mfu))
@@ -343,40 +409,50 @@ def plan(
 
 
 class _Fast:
-    """Parallel formulas evaluated in floats (lambdified once per formula set): the planner's path."""
+    """Parallel formulas evaluated exactly, each compiled to Python once (``exact_form``): the planner's path."""
 
     def __init__(self, acct: Accounting, seq: int) -> None:
         self.acct = acct
         self.seq = seq
         self._fns: dict[int, Any] = {}
+        self._sizes: dict[tuple[int, int], dict[str, int]] = {}
+        self._steady: Any = None
 
     def at(self, par: Parallel, B: int) -> Parallel:
+        """``par.at(B=B, S=seq)``: the same figures (peaks exactly where ``Parallel.at`` evaluates them so)."""
         values = {**self.acct.symbols, "B": B, "S": self.seq, **par.degrees()}
         lay = par.layout
         ranks = par.evaluated_ranks(values, self._ev)
-        if par.overlay is not None:  # FSDP2: exactly, at every point (Parallel.at)
-            tp = {"tp": lay.tp} if lay.tp > 1 else {}
-            ranks = par.overlay_peaks(ranks, {**self.acct.values_at(B=B, S=self.seq, **tp), **par.degrees()})
+        live = self.acct.liveness
+        if lay.pp == 1 and (lay.replicas == 1 or lay.dp_mode == "ddp") and live is not None:
+            if self._steady is None:
+                self._steady = live.steady()
+            steady = self._steady.evaluate(self._model_sizes(B, lay))[0]  # as Parallel.at: every op, exactly
+            ranks = [dataclasses.replace(r, peak=steady + r.working) for r in ranks]
+        elif par.overlay is not None:  # FSDP2: exactly, at every point (Parallel.at)
+            ranks = par.overlay_peaks(ranks, {**self._model_sizes(B, lay), **par.degrees()})
         out = dataclasses.replace(par, ranks=ranks, values=values)
-        out.job_flops = self._ev(self.acct.flops.total, values) * lay.micro_batches * lay.dp * lay.tp
+        model_flops = (par.compute or self.acct).flops.total  # FSDP2's policy: the trace forward and backward run
+        out.job_flops = self._ev(model_flops, values) * lay.micro_batches * lay.dp * lay.tp * lay.cp
         out.optimizer_bytes = self._ev(optimizer_bytes(self.acct), values)
         out.acct_optimizer = self._ev(self.acct.memory.optimizer, values)
         return out
 
+    def _model_sizes(self, B: int, lay: Layout) -> dict[str, int]:
+        key = (B, lay.tp)
+        if key not in self._sizes:
+            tp = {"tp": lay.tp} if lay.tp > 1 else {}
+            self._sizes[key] = self.acct.values_at(B=B, S=self.seq, **tp)
+        return self._sizes[key]
+
     def _ev(self, e: Any, vals: dict[str, int]) -> Any:
-        e = sympy.sympify(e)
-        if e.is_Number:
-            return int(e) if e.is_Integer else float(e)
+        if isinstance(e, int):
+            return e
         fn = self._fns.get(id(e))
-        if fn is None:
-            names = sorted(str(s) for s in e.free_symbols)
-            modules = [{"ceiling": math.ceil, "Max": max}, "math"]
-            f = sympy.lambdify([sym(n) for n in names], e, modules=modules, docstring_limit=0)  # no docstring print
-            fn = (names, f, e)  # e kept: its id stays valid
-            self._fns[id(e)] = fn
-        names, f, _ = fn
-        got = f(*[vals[n] for n in names])
-        return int(round(got)) if isinstance(got, float) and abs(got) < 2**53 else got
+        if fn is None:  # by identity first: the formulas are shared, and comparing two large ones costs
+            fn = self._fns[id(e)] = (exact_form(sympy.sympify(e)), e)  # e kept: its id stays valid
+        got = fn[0](vals)
+        return got if isinstance(got, int) else round(got)
 
 
 @dataclasses.dataclass

@@ -54,7 +54,7 @@ from symacct.options import DTYPES
 from symacct.parallel.fsdp import GroupBytes, fsdp_liveness
 from symacct.parallel.layout import Layout, check_model
 from symacct.parallel.schedule import actions, in_flight
-from symacct.symbols import evaluate, sym
+from symacct.symbols import evaluate, exact_form, sym
 
 if TYPE_CHECKING:
     from symacct.accounting import Accounting
@@ -156,10 +156,13 @@ class Parallel:
         base = {**values, **self.degrees()}
 
         def ev(e: Expr, values: dict[str, int]) -> int:
-            got = sympy.sympify(e).xreplace({sym(k): sympy.Integer(v) for k, v in values.items()})
-            if not got.is_Integer:
+            try:
+                got = exact_form(sympy.sympify(e))(values)
+            except KeyError as missing:
+                raise SymacctError(f"{e} has a symbol with no value: {missing}", internal=True) from None
+            if not isinstance(got, int):
                 raise SymacctError(f"{e} is not a whole number at these sizes: {got}", internal=True)
-            return int(got)
+            return got
 
         ranks = self.evaluated_ranks(base, ev)
         lay = self.layout
@@ -292,9 +295,12 @@ def _gathered_sizes(layout: Layout, run: Accounting) -> Sizes | None:
 def _sides(acct: Accounting) -> tuple[list[Any], Callable[[int, str], str]]:
     """The step's ops' blocks, and where an op outside the stack runs: 'before' or 'after' it (op index, phase
     forward or backward)."""
-    trace = acct.step
-    assert trace is not None
-    blocks = op_blocks(trace.ops, list(acct.per_layer))
+    per_acct = acct.__dict__.setdefault("_parallel_parts", {})
+    if "blocks" not in per_acct:
+        trace = acct.step
+        assert trace is not None
+        per_acct["blocks"] = op_blocks(trace.ops, list(acct.per_layer))
+    trace, blocks = acct.step, per_acct["blocks"]
     first = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "forward"), None)
     # backward runs the stack in reverse: 'after' ops (head, loss) come before the stack's first backward op
     first_bwd = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "backward"), None)

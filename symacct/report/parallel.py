@@ -111,11 +111,14 @@ def print_ranks(report: dict[str, Any]) -> None:
 def print_plan(rows: list[PlanRow], top: int, header: str) -> None:
     c = console()
     t = Table(title=header, box=box.SIMPLE)
+    variants = any(r.variant for r in rows)
     for col in (
         "#",
+        *(("model",) if variants else ()),
         "dp",
         "tp",
         "pp",
+        "cp",
         "data parallel",
         "schedule",
         "B",
@@ -127,7 +130,7 @@ def print_plan(rows: list[PlanRow], top: int, header: str) -> None:
         "tokens/s",
         "MFU",
     ):
-        t.add_column(col, justify="left" if col in ("data parallel", "schedule", "worst", "fits") else "right")
+        t.add_column(col, justify="left" if col in ("model", "data parallel", "schedule", "worst", "fits") else "right")
     for i, r in enumerate(rows[:top], 1):
         lay = r.layout
         mode = lay.dp_mode + (f" shard {lay.hsdp_shard}" if lay.hsdp_shard else "")
@@ -136,9 +139,11 @@ def print_plan(rows: list[PlanRow], top: int, header: str) -> None:
         )
         t.add_row(
             str(i),
+            *((r.variant or "",) if variants else ()),
             str(lay.dp),
             str(lay.tp) + (" sp" if lay.sequence_parallel else ""),
             str(lay.pp),
+            str(lay.cp),
             mode,
             sched,
             str(r.micro_batch),
