@@ -93,7 +93,7 @@ def test_with_tensor_parallelism(param: str | None) -> None:
 
 def test_formula_and_planner() -> None:
     """The formula is a Max over the points largest somewhere in a sample of the sizes: never above the exact
-    peak (each of its terms is the live bytes at one point); ``at()`` and the planner's float path evaluate
+    peak (each of its terms is the live bytes at one point); ``at()`` and the planner's compiled path evaluate
     every point and agree."""
     from symacct.parallel.plan import plan
     from symacct.symbols import evaluate

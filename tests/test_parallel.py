@@ -336,7 +336,7 @@ def test_plan_ranks_fitting_layouts_first(gpt2_acct: symacct.Accounting) -> None
     for r in rows:
         assert r.layout.world == 8 and r.micro_batch * r.layout.micro_batches * r.layout.dp == 16
         exact = derive_parallel(gpt2_acct, r.layout).at(B=r.micro_batch, S=16)
-        assert r.peak == max(k.peak for k in exact.ranks)  # the planner's float path agrees with the exact one
+        assert r.peak == max(k.peak for k in exact.ranks)  # the planner's compiled path agrees with at()
 
 
 def test_cli_derive_with_a_layout_and_plan(tmp_path: object) -> None:

@@ -188,7 +188,7 @@ def test_gloo_fsdp_by_tensor_parallel_world_four(param_dtype: str | None) -> Non
 
 
 def test_planner_over_tensor_parallel_degrees() -> None:
-    """The planner lays dp x tp x pp over each degree's own rank derivation; its float path gives the exact
+    """The planner lays dp x tp x pp over each degree's own rank derivation; its compiled path gives the exact
     formulas' peak for every row, and a degree the model cannot be split by is refused by name."""
     from symacct.parallel.plan import layouts, plan
 
