@@ -73,7 +73,7 @@ from symacct.models.hf import tp_plan as hf_tp_plan
 from symacct.options import CACHE_DTYPES, optimizer_factory, torch_dtype
 from symacct.sameness import NOT_THE_SAME, TENSOR_PARALLEL_IGNORED, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
-from symacct.symbols import letter_for_field, rational_form, sym
+from symacct.symbols import exact_form, letter_for_field, sym
 from symacct.time.hardware import get as get_hardware
 from symacct.trace.constraints import check as check_constraints
 from symacct.trace.constraints import learn as learn_constraints
@@ -722,7 +722,7 @@ def _check(costed1: list[CostedOp], counts1: list[Any], costed2: list[CostedOp],
     predicted = _terms(costed1, counts1)
     measured = _terms(costed2, [1] * len(costed2))
     for key in sorted(set(predicted) | set(measured)):
-        p, m = (sum(rational_form(sympy.sympify(t))(values) for t in got.get(key, ())) for got in (predicted, measured))
+        p, m = (sum(exact_form(sympy.sympify(t))(values) for t in got.get(key, ())) for got in (predicted, measured))
         if p != m:
             _locate(costed1, costed2, subs)
             phase, metric = key

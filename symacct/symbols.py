@@ -115,47 +115,6 @@ def _sympy_value(expr: sympy.Expr, values: Mapping[str, int]) -> Fraction:
     return Fraction(int(v.p), int(v.q))
 
 
-@functools.lru_cache(maxsize=4096)
-def rational_form(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int | Fraction]:
-    """``expr`` as a function of integer sizes (symbol name -> int) returning its exact value, without sympy:
-    a sum of rational multiples of symbol powers, evaluated in Python integers (a ``Fraction`` where a power
-    is negative or a coefficient not whole). An expression of another kind (a Max, a ceiling) goes to
-    ``exact_form``."""
-    terms: list[tuple[int, int, tuple[tuple[str, int], ...]]] = []
-    for mono, coeff in sympy.expand(expr).as_coefficients_dict().items():
-        if not coeff.is_Rational:
-            return exact_form(expr)
-        powers = []
-        for base, e in mono.as_powers_dict().items():
-            if base == 1:
-                continue
-            if not (base.is_Symbol and e.is_Integer):
-                return exact_form(expr)
-            powers.append((base.name, int(e)))
-        terms.append((int(coeff.p), int(coeff.q), tuple(powers)))
-    whole = all(q == 1 and all(e > 0 for _, e in pw) for _, q, pw in terms)
-
-    def value(values: Mapping[str, int]) -> int | Fraction:
-        if whole:
-            total = 0
-            for p, _, pw in terms:
-                for name, e in pw:
-                    p *= values[name] ** e
-                total += p
-            return total
-        frac = Fraction(0)
-        for p, q, pw in terms:
-            for name, e in pw:
-                if e > 0:
-                    p *= values[name] ** e
-                else:
-                    q *= values[name] ** -e
-            frac += Fraction(p, q)
-        return frac
-
-    return value
-
-
 _FUNCS: dict[Any, str] = {sympy.ceiling: "_ceil", sympy.floor: "_floor", sympy.Max: "max", sympy.Min: "min"}
 
 
@@ -224,8 +183,8 @@ def exact_form(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int | Fraction
 
 
 def integer_form(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int]:
-    """``rational_form`` truncated as ``evaluate`` truncates (``int`` of sympy's rational)."""
-    f = rational_form(expr)
+    """``exact_form`` truncated as ``evaluate`` truncates (``int`` of sympy's rational)."""
+    f = exact_form(expr)
     return lambda values: int(f(values))
 
 

@@ -295,12 +295,8 @@ def _gathered_sizes(layout: Layout, run: Accounting) -> Sizes | None:
 def _sides(acct: Accounting) -> tuple[list[Any], Callable[[int, str], str]]:
     """The step's ops' blocks, and where an op outside the stack runs: 'before' or 'after' it (op index, phase
     forward or backward)."""
-    per_acct = acct.__dict__.setdefault("_parallel_parts", {})
-    if "blocks" not in per_acct:
-        trace = acct.step
-        assert trace is not None
-        per_acct["blocks"] = op_blocks(trace.ops, list(acct.per_layer))
-    trace, blocks = acct.step, per_acct["blocks"]
+    trace, blocks = acct.step, _part(acct, "blocks")
+    assert trace is not None
     first = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "forward"), None)
     # backward runs the stack in reverse: 'after' ops (head, loss) come before the stack's first backward op
     first_bwd = next((i for i, b in enumerate(blocks) if b is not None and trace.ops[i].phase == "backward"), None)
@@ -585,11 +581,20 @@ def _traced_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, g
 
 
 def _part(acct: Accounting, name: str) -> Any:
-    """What the per-rank formulas read off one derivation (``steady``, ``optimizer``, ``head``, ``outside``),
-    each worked out once per derivation, when first asked for."""
+    """What the per-rank formulas read off one derivation, each worked out once per derivation, when first
+    asked for: ``steady`` (``_steady``), ``optimizer`` (``_optimizer_excess``), ``head``, ``outside``, the
+    step's op ``blocks``, the ``steady_live`` liveness and its ``optimizer_ops``."""
     per_acct = acct.__dict__.setdefault("_parallel_parts", {})
     if name not in per_acct:
-        make = {"steady": _steady, "optimizer": _optimizer_excess, "head": _head_output, "outside": _outside_flops}
+        make: dict[str, Callable[[Accounting], Any]] = {
+            "steady": _steady,
+            "optimizer": _optimizer_excess,
+            "head": _head_output,
+            "outside": _outside_flops,
+            "blocks": lambda a: op_blocks(a.step.ops, list(a.per_layer)),
+            "steady_live": _steady_liveness,
+            "optimizer_ops": lambda a: [t for t, lab in enumerate(_steady_live(a).labels) if lab[3] == "optimizer"],
+        }
         per_acct[name] = make[name](acct)
     return per_acct[name]
 
@@ -598,8 +603,7 @@ def _optimizer_excess(acct: Accounting) -> Expr:
     """The single-device optimizer step's bytes beyond the static ones, once the states exist: ``Max`` over
     the optimizer's points largest somewhere in a sample of the sizes (``overlay_peaks`` evaluates every
     point exactly)."""
-    steady = _steady_live(acct)
-    ops = [t for t in range(steady.base.n) if steady.labels[t][3] == "optimizer"]
+    steady, ops = _steady_live(acct), _part(acct, "optimizer_ops")
     if not ops:
         return ZERO
     _, points = steady.symbolic_peak(_peak_names(acct), ops=ops)
@@ -615,13 +619,15 @@ def _peak_names(acct: Accounting) -> list[str]:
 
 def _steady_live(acct: Accounting) -> Liveness:
     """The single-device liveness of a later step (kept: its intervals' layout is reused at every size)."""
-    per_acct = acct.__dict__.setdefault("_parallel_parts", {})
-    if "steady_live" not in per_acct:
-        live = acct.liveness
-        if live is None:
-            raise SymacctError("this derivation has no liveness", hint="derive the model again")
-        per_acct["steady_live"] = live.steady()
-    return per_acct["steady_live"]
+    live: Liveness = _part(acct, "steady_live")
+    return live
+
+
+def _steady_liveness(acct: Accounting) -> Liveness:
+    live = acct.liveness
+    if live is None:
+        raise SymacctError("this derivation has no liveness", hint="derive the model again")
+    return live.steady()
 
 
 # the parts of the step a pipeline stage runs: the stack, and what runs before it (first) or after it (last)
@@ -819,8 +825,7 @@ def _ceil_share(acct: Accounting, states: int, values: dict[str, int]) -> int:
     total = evaluate(acct.memory.optimizer, values)
     if not total:
         return 0
-    steady = _steady_live(acct)
-    live = steady.during(values, [t for t in range(steady.base.n) if steady.labels[t][3] == "optimizer"])
+    live = _steady_live(acct).during(values, _part(acct, "optimizer_ops"))
     static = evaluate(acct.memory.params + acct.memory.grads + acct.memory.optimizer, values)
     excess = max([0, *(b - static for b in live.values())])
     return -(-excess * states // total)
