@@ -211,6 +211,7 @@ def _per_layer_saved(B: int, S: int) -> int:
     return out[1] - out[0]
 
 
+@pytest.mark.slow
 def test_activation_claims(claims):
     seed = claims["activations-seed-rule"]
     korth = claims["activations-korthikanti"]

@@ -146,6 +146,7 @@ def test_refusals() -> None:
         make_layout(cp=2, pp=2)
 
 
+@pytest.mark.slow
 def test_gloo_context_parallel() -> None:
     """Two real gloo processes running PyTorch's context_parallel (cp = 2) under DDP and under FSDP2: the
     ranks' mean loss is one process's; static bytes and every collective exactly; the peak, DDP's and

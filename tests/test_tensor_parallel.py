@@ -166,6 +166,7 @@ def test_gloo_tensor_parallel(model: str) -> None:
         assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
 
 
+@pytest.mark.slow
 def test_gloo_collective_buffers_freed_in_program_order(tmp_path: Path) -> None:
     """Two gloo processes: a real run's live bytes see a finished collective's buffers freed when the
     program drops them, every time (the tensor-parallel peaks above are compared to the byte)."""

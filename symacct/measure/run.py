@@ -277,10 +277,16 @@ class StorageTracker(TorchDispatchMode):
     def current(self) -> int:
         """Bytes of the live storages now: read again, since code may resize a storage it keeps (FSDP2 frees
         its gathered parameters with ``untyped_storage().resize_(0)`` and regrows them for the next use)."""
-        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        live, dead = 0, []
+        for k, (ref, _) in self.live.items():
+            # a storage another thread lets go of (gloo's worker) can expire between a check and the read
+            st = None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if st is None:
+                dead.append(k)
+            else:
+                live += st.nbytes()
         for k in dead:
             del self.live[k]
-        live = sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() for ref, _ in self.live.values())
         return live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import sympy
+import torch
 
 from symacct.cost.layers import DROP, align_layers, one_block_less, op_blocks
 from symacct.symbols import evaluate, integer_form, sort_key, sym
@@ -258,12 +259,16 @@ class Liveness:
     # FSDP2's buffers by them)
     other_point_block: list[int | None] = field(default_factory=list)
     other_phases: list[str] = field(default_factory=list)
+    # gradient storage -> the op at which autograd's AccumulateGrad takes it (``grad_ready``), of base and other
+    grad_taken: dict[int, int] = field(default_factory=dict)
+    other_grad_taken: dict[int, int] = field(default_factory=dict)
 
     def without(self, drop: Callable[[int, int, bool], bool], brief: bool = False) -> Liveness:
         """The same step without the storages ``drop(storage, op that made it in base, other)`` names (for a
         storage of ``other``, the op of ``base`` aligned with the one that made it; -1: none, or before the
-        step); with ``brief``, the gradients kept, each alive for the op that makes it and the next only (a
-        gradient added into one that exists: the new one is freed by the ``add_``)."""
+        step); with ``brief``, the gradients kept, each alive from the op that makes it to the one at which
+        autograd's AccumulateGrad takes it (``grad_ready``; else the next op): a later micro-batch's gradient is
+        added into the one that exists there, and freed."""
         back = {o: b for b, o in enumerate(self.align)}
 
         def only(iv: Intervals, other: bool) -> Intervals:
@@ -272,8 +277,12 @@ class Liveness:
                 return back.get(t, -1) if other else t
 
             short = (self.other_grads if other else self.grads) if brief else frozenset()
+            taken = self.other_grad_taken if other else self.grad_taken
             start = {st: s for st, s in iv.start.items() if st in short or not drop(st, made(st), other)}
-            end = {st: (min(e, start[st] + 1) if st in short and st in start else e) for st, e in iv.end.items()}
+            end = {
+                st: (min(e, taken.get(st, start[st] + 1)) if st in short and st in start else e)
+                for st, e in iv.end.items()
+            }
             return Intervals(iv.n, start, end, iv.nbytes)
 
         other = only(self.other, True) if self.other is not None else None
@@ -461,7 +470,20 @@ def liveness(
     grads = frozenset(base.grad_storages)
     owned, saved = frozenset(base.owner), _saved(base)
     if other is None:
-        return Liveness(iv, None, [], layers, labels, marks, {}, states=states, grads=grads, owned=owned, saved=saved)
+        return Liveness(
+            iv,
+            None,
+            [],
+            layers,
+            labels,
+            marks,
+            {},
+            states=states,
+            grads=grads,
+            owned=owned,
+            saved=saved,
+            grad_taken=grad_ready(base),
+        )
     align = align_layers(base, other, stacks, layers)
     if align is None:
         return None
@@ -491,7 +513,27 @@ def liveness(
         _saved(other),
         [b[1] if b is not None else None for b in op_blocks(other.ops, stacks)],
         [r.phase for r in other.ops],
+        grad_ready(base),
+        grad_ready(other),
     )
+
+
+def grad_ready(trace: StepTrace) -> dict[int, int]:
+    """Each gradient's AccumulateGrad point: the first ``detach`` of its storage after the op that made it.
+    In a first backward AccumulateGrad keeps a new gradient by ``new_grad.detach()`` (torch's
+    ``accumulate_grad.h``: nothing to add it to yet); with a gradient already there it runs ``grad +=
+    new_grad`` at that point instead, and the new one is freed. Autograd runs an AccumulateGrad node as soon
+    as the node that made its input finishes, which can be several ops after that input was made (a linear
+    layer's bias gradient after its weight's)."""
+    grads = set(trace.grad_storages)
+    made = {st: trace.storage_producer.get(st, -1) for st in grads}
+    out: dict[int, int] = {}
+    for rec in trace.ops:
+        if rec.phase == "backward" and rec.op is torch.ops.aten.detach.default:
+            for m in rec.inputs:
+                if m.storage in grads and m.storage not in out and rec.index > made[m.storage]:
+                    out[m.storage] = rec.index
+    return out
 
 
 def _saved(trace: StepTrace) -> frozenset[int]:

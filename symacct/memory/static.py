@@ -48,6 +48,8 @@ class Memory:
     activations_outside: dict[str, Expr] = field(default_factory=dict)
     buffers: Expr = 0  # every module buffer, persistent or not (DDP broadcasts them at each forward)
     boundary: Expr = 0  # bytes one block hands the next in forward (a pipeline stage's send per micro-batch)
+    inputs: Expr = 0  # the step's input tensors (distinct storages)
+    loss: Expr = 0  # the training step's loss tensor
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,10 @@ def static_and_activations(
         outside[where] += trace.bytes_of(st, nb, nbytes) * counts[producer]
     mem.activations_outside = {k: sympy.expand(v) for k, v in outside.items()}
     mem.boundary = _boundary(trace, nb, blocks)
+    inputs = {ph.meta.storage for ph in trace.placeholders if ph.kind == "input"}
+    mem.inputs = sympy.expand(sum((trace.bytes_of(st, nb) for st in sorted(inputs)), sympy.Integer(0)))
+    if trace.loss_storage is not None:
+        mem.loss = trace.bytes_of(trace.loss_storage, nb)
     return mem
 
 

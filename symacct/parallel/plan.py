@@ -400,7 +400,7 @@ def plan(
                     hint=f"compute={{{key}: derive(model, params_dtype={lay.param_dtype!r}, fsdp_policy=True, "
                     "...)}} (the CLI does it for --fsdp-param-dtype)",
                 )
-        par = fast[key].at(derive_parallel(accts[key], lay, run), b)
+        par = fast[key].at(derive_parallel(accts[key], lay, run, peak_formulas=False), b)
         t = step_time(par, hw, efficiency=efficiency, overlap=overlap, dtype=dtype)
         worst = max(par.ranks, key=lambda r: r.peak)
         rows.append(PlanRow(lay, b, worst.peak, worst.stage, worst.peak <= capacity, t.seconds, t.tokens_per_s, t.mfu))
@@ -431,6 +431,8 @@ class _Fast:
             ranks = [dataclasses.replace(r, peak=steady + r.working) for r in ranks]
         elif par.overlay is not None:  # FSDP2: exactly, at every point (Parallel.at)
             ranks = par.overlay_peaks(ranks, {**self._model_sizes(B, lay), **par.degrees()})
+        elif lay.pp > 1:  # a pipeline: exactly, at every point of the schedule (Parallel.at)
+            ranks = par.pipeline_peaks(ranks, {**self._model_sizes(B, lay), **par.degrees()})
         out = dataclasses.replace(par, ranks=ranks, values=values)
         model_flops = (par.compute or self.acct).flops.total  # FSDP2's policy: the trace forward and backward run
         out.job_flops = self._ev(model_flops, values) * lay.micro_batches * lay.dp * lay.tp * lay.cp
@@ -482,7 +484,7 @@ def fit_layout(
     less ``reserve``; peaks are evaluated exactly (``Parallel.at``) and grow with B. ``compute``: FSDP2's
     mixed-precision trace (``derive_parallel``)."""
     hw = get(hardware)
-    par = derive_parallel(acct, layout, compute)
+    par = derive_parallel(acct, layout, compute, peak_formulas=False)
     budget = int(hw.memory_bytes * (1 - reserve))
 
     def worst(B: int) -> Rank:

@@ -26,7 +26,11 @@ against the real code (fake process group and real gloo runs, ``tests/test_paral
 Peak per rank, of a later step (the optimizer states alive from its start; ``Liveness.steady``). DDP
 without a pipeline: the single-device peak plus the bucket copy. FSDP2 and HSDP (one layer stack, no
 pipeline): the traced step with FSDP2's own buffers placed at its hooks (``symacct.parallel.fsdp``),
-every point evaluated exactly by ``at()`` and the planner, and the optimizer step. Every other layout:
+every point evaluated exactly by ``at()`` and the planner, and the optimizer step. A pipeline with GPipe or
+1F1B: every point of the rank's schedule as PyTorch's runtime runs it (``schedule.runtime_holds``: the
+stage's micro-batch in flight at every op, the held micro-batches' saved activations, the runtime's
+receive buffers, the outputs and input gradients its send ops keep, the last stage's kept outputs and
+losses; ``_pipeline_peak``, ``Parallel.pipeline_peaks``), and the optimizer step. Every other layout:
 parameters and optimizer states of the rank plus the larger of (held activations + ``working`` — FSDP2's
 gathered root and one gathered block where the overlay does not apply — + ``transient``, the single-device
 peak's bytes beyond its parameters, states and saved bytes at its forward and backward points, + the rank's
@@ -137,6 +141,7 @@ class Parallel:
     compute: Accounting | None = None  # FSDP2 mixed precision: the trace forward and backward run (derive_parallel)
     # FSDP2 without a pipeline: the rank's live bytes with FSDP2's buffers at every point, and its static bytes
     overlay: tuple[Liveness, Expr] | None = None
+    stages: dict[str, StageParts] = dataclasses.field(default_factory=dict)  # a pipeline's, per stage kind
 
     def degrees(self) -> dict[str, int]:
         lay = self.layout
@@ -174,6 +179,8 @@ class Parallel:
             ranks = [dataclasses.replace(r, peak=steady + r.working) for r in ranks]
         elif self.overlay is not None:
             ranks = self.overlay_peaks(ranks, base)
+        elif lay.pp > 1:
+            ranks = self.pipeline_peaks(ranks, base)
         ones = self.acct._unit_sizes({sym(k): v for k, v in values.items()})
         notes = self.notes + (
             [
@@ -198,6 +205,46 @@ class Parallel:
             acct_optimizer=evaluate(self.acct.memory.optimizer, base),
         )
 
+    def _schedule_points(self) -> bool:
+        """A pipeline whose peaks ``pipeline_peaks`` evaluates at the schedule's points (gpipe, 1f1b)."""
+        lay = self.layout
+        return lay.pp > 1 and lay.schedule in SCHEDULE_RUNTIMES and lay.stages_per_rank == 1 and bool(self.stages)
+
+    def pipeline_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
+        """A gpipe / 1f1b pipeline: each evaluated rank's peak exactly, at every op of the micro-batch in flight
+        at every point of the schedule (``_pipeline_peak``'s terms; the formula's in-flight bytes are the ``Max``
+        over the ops largest in a sample of the sizes); ``values``: the sizes and the degrees. Other layouts:
+        ``ranks`` as they are."""
+        from symacct.parallel.schedule import runtime_holds
+
+        lay = self.layout
+        if not self._schedule_points():
+            return ranks
+        run = self.compute or self.acct
+        local = {**values, "L": values["L"] // lay.pp}  # one stage's blocks
+        out = []
+        for r in ranks:
+            parts = self.stages[r.stage]
+            held, sent, loss, head, runtime = (
+                _compiled(run, e)(values) for e in (parts.held, parts.boundary, parts.loss, parts.head, parts.runtime)
+            )
+            own = _stage_own(run, r.stage, local)
+            grads_b, working = int(r.grads), int(r.working)
+            best = 0
+            index = _stage_index(r.stage, lay.pp)
+            for h in runtime_holds(lay.schedule, lay.pp, lay.micro_batches, index, lay.return_outputs):
+                here = 0 if h.kind == "end" else own[(h.kind, h.grads)]
+                here += _beside(
+                    h.others, h.outputs + h.input_grads, h.losses, h.chunks + h.merged, h.grads,
+                    held, sent, loss, head, grads_b, working,
+                )  # fmt: skip
+                best = max(best, here)
+            kept = lay.micro_batches * head if r.stage == "last" and lay.return_outputs else 0
+            opt = grads_b + _ceil_share(self.acct, int(r.optimizer), values) + kept
+            peak = int(r.params) + int(r.optimizer) + runtime + max(best, opt)
+            out.append(dataclasses.replace(r, peak=peak))
+        return out
+
     def overlay_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
         """FSDP2 without a pipeline: each evaluated rank's peak exactly at every point of the step with FSDP2's
         buffers on it (``symacct.parallel.fsdp``), not the envelope of the points sampled for the formula;
@@ -213,9 +260,12 @@ class Parallel:
         return out
 
     def evaluated_ranks(self, base: dict[str, int], ev: Callable[[Expr, dict[str, int]], Any]) -> list[Rank]:
-        """Every rank's formulas through ``ev(formula, values)``, each with its stage's held micro-batches."""
+        """Every rank's formulas through ``ev(formula, values)``, each with its stage's held micro-batches (the
+        peak left at 0 where ``pipeline_peaks`` evaluates it)."""
         out = []
-        skip = ("stage", "collectives", "chunk")
+        skip: tuple[str, ...] = ("stage", "collectives", "chunk")
+        if self._schedule_points():
+            skip += ("peak",)
         for r in self.ranks:
             vals = {**base, **self.held.get(r.stage, {})}
             fields = {f.name: ev(getattr(r, f.name), vals) for f in dataclasses.fields(Rank) if f.name not in skip}
@@ -322,7 +372,9 @@ def _outside_flops(acct: Accounting) -> dict[str, dict[str, Expr]]:
     return {w: {p: sympy.expand(e) for p, e in d.items()} for w, d in out.items()}
 
 
-def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None = None) -> Parallel:
+def derive_parallel(
+    acct: Accounting, layout: Layout, compute: Accounting | None = None, *, peak_formulas: bool = True
+) -> Parallel:
     """Per-rank figures of ``layout`` for the model ``acct`` was derived from (see the module docstring).
 
     The formulas depend on the layout's kind only (data-parallel mode, whether there is a pipeline and a
@@ -333,7 +385,9 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
     ``params_dtype=`` that dtype (and otherwise the same options), whose trace is what forward and backward
     run on the gathered parameters: its saved activations, temporaries, FLOPs and the gathered parameters'
     and gradients' dtypes; ``acct`` (the model in its own dtype) gives the shards, their gradients, the
-    optimizer and its temporaries."""
+    optimizer and its temporaries. ``peak_formulas=False`` (the planner's, which evaluates every peak at
+    its sizes): a GPipe or 1F1B rank's peak formula is not built (the ``Max`` over the schedule's points,
+    built per schedule and m); ``at()`` gives the same figures either way."""
     if acct.values is not None:
         raise SymacctError("derive_parallel needs the formulas: pass the result of derive, not of at()")
     if not acct.memory.tensors:
@@ -364,9 +418,18 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
     cache = acct.__dict__.setdefault("_parallel_formulas", {})
     if key not in cache:
         overlays: list[Any] = []
+        stages: dict[str, StageParts] = {}
         # compute kept: its id stays valid
-        cache[key] = (_formulas(acct, layout, mode, kinds, compute, overlays), compute, overlays)
-    ranks, _, overlays = cache[key]
+        cache[key] = (_formulas(acct, layout, mode, kinds, compute, overlays, stages), compute, overlays, stages)
+    ranks, _, overlays, stages = cache[key]
+    if peak_formulas and layout.pp > 1 and layout.schedule in SCHEDULE_RUNTIMES and layout.stages_per_rank == 1:
+        sched_key = (key, layout.schedule, layout.pp, layout.micro_batches)
+        if sched_key not in cache:
+            run = compute or acct
+            cache[sched_key] = [
+                dataclasses.replace(r, peak=_pipeline_peak(r, stages[r.stage], acct, layout, run)) for r in ranks
+            ]
+        ranks = cache[sched_key]
     held: dict[str, dict[str, int]] = {"only": {"g_held": int(layout.micro_batches > 1)}}
     flight = [1]
     if layout.pp == 1 and mode == "ddp":
@@ -378,6 +441,14 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
             "gradients: symacct.parallel.fsdp), the larger of every op's and hook's live bytes and the optimizer "
             "step's; at() evaluates every point exactly, the formula is the Max over the points largest in a "
             "sample of the sizes"
+        ]
+    elif layout.pp > 1 and layout.schedule in SCHEDULE_RUNTIMES and layout.stages_per_rank == 1:
+        notes = [
+            "peak per rank (a later step): every point of the rank's schedule as PyTorch's runtime runs it (the "
+            "micro-batch in flight at every op of the stage, the held ones' saved activations, the receive "
+            "buffers, the outputs and input gradients send ops keep, the last stage's kept outputs and losses, "
+            "the whole batch's inputs) and the optimizer step; at() evaluates every op exactly, the formula's "
+            "micro-batch in flight is the Max over the ops largest in a sample of the sizes"
         ]
     else:
         notes = [
@@ -420,7 +491,9 @@ def derive_parallel(acct: Accounting, layout: Layout, compute: Accounting | None
             f"(stage chunk, micro-batch) activations held at most per rank {flight} (PyTorch's action lists)"
         )
     overlay = (overlays[0][0], overlays[0][2]) if overlays else None
-    return Parallel(layout, acct, list(ranks), flight, notes, held=held, compute=compute, overlay=overlay)
+    return Parallel(
+        layout, acct, list(ranks), flight, notes, held=held, compute=compute, overlay=overlay, stages=stages
+    )
 
 
 def derive_compute(model: Any, layout: Layout, **options: Any) -> Accounting | None:
@@ -634,18 +707,17 @@ def _steady_liveness(acct: Accounting) -> Liveness:
 STAGE_SIDES = {"first": ("before", "stack"), "middle": ("stack",), "last": ("stack", "after")}
 
 
-def _stage_in_flight(acct: Accounting, stage: str, accumulating: bool = False, chunks: int = 1) -> Expr:
-    """The most a pipeline stage holds for the micro-batch in flight beside its parameters, gradients and
-    states: the single-device step's live bytes at the forward and backward ops of the stage's parts (the
-    first stage runs no head: the logits' gradient is the last stage's), less the parameters, gradients and
-    states and less what the other parts save, with one stage chunk's L/(pp*chunks) blocks (``chunks``: v,
-    the interleaved schedule's chunks per rank); a ``Max`` over the ops largest
-    somewhere in a sample of the sizes (``Liveness.symbolic_peak``). The stage's other held micro-batches
-    add their saved activations (``_formulas``). ``accumulating``: the stage's gradients exist from an
-    earlier micro-batch (1F1B, gradient accumulation), so each new gradient is a temporary until it is
-    added in."""
-    cache = acct.__dict__.setdefault("_stage_in_flight", {})
-    key = (stage, accumulating, chunks)
+def _stage_live(acct: Accounting, stage: str, accumulating: bool = False) -> tuple[Liveness, list[int], list[int]]:
+    """A pipeline stage's own live bytes for the micro-batch in flight beside its parameters and states: the
+    single-device step's liveness less the parameters and states and less every storage the other parts
+    make (the first stage runs no head: the logits' gradient is the last stage's; the stage's input and its
+    output's gradient arrive in the runtime's receive buffers, counted apart), its gradients as the first
+    backward makes them, evaluated with L set to the stage chunk's blocks; and the forward and the backward
+    ops of the stage's parts. ``accumulating``: the stage's gradients exist from an earlier micro-batch
+    (1F1B, gradient accumulation), so each new one lives until AccumulateGrad adds it in
+    (``Liveness.without``)."""
+    cache = acct.__dict__.setdefault("_stage_live", {})
+    key = (stage, accumulating)
     if key not in cache:
         live = acct.liveness
         assert live is not None and acct.step is not None
@@ -660,13 +732,65 @@ def _stage_in_flight(acct: Accounting, stage: str, accumulating: bool = False, c
             return side(t, phase if phase in ("forward", "backward") else "forward")
 
         def drop(st: int, made: int, other: bool) -> bool:
-            if st in (live.other_owned if other else live.owned):
+            if made >= 0 and part(made) not in wanted:  # another stage's (its outputs: the receive buffers)
                 return True
-            saved = live.other_saved if other else live.saved
-            return st in saved and made >= 0 and part(made) not in wanted
+            # parameters and states: the rank's own rows; its gradients as the backward makes them
+            return st in (live.other_owned if other else live.owned) and st not in (
+                live.other_grads if other else live.grads
+            )
 
-        stage_live = live.steady().without(drop, brief=accumulating)
-        ops = [t for t, lab in enumerate(labels) if lab[3] in ("forward", "backward") and part(t) in wanted]
+        ops = {
+            phase: [t for t, lab in enumerate(labels) if lab[3] == phase and part(t) in wanted]
+            for phase in ("forward", "backward")
+        }
+        cache[key] = (live.steady().without(drop, brief=accumulating), ops["forward"], ops["backward"])
+    return cache[key]
+
+
+DEGREES = frozenset({"dp", "pp", "m", "v", "tp", "cp", "dp_shard", "k", "k_first", "k_last", "g_held"})
+
+
+def _compiled(acct: Accounting, e: Expr) -> Callable[[Mapping[str, int]], Any]:
+    """``exact_form(e)``, kept on ``acct`` by the formula's identity (the formulas are shared; hashing and
+    comparing large ones costs more than evaluating them)."""
+    cache = acct.__dict__.setdefault("_compiled", {})
+    got = cache.get(id(e))
+    if got is None:
+        got = cache[id(e)] = (exact_form(sympy.sympify(e)), e)  # e kept: its id stays valid
+    return got[0]
+
+
+def _stage_own(acct: Accounting, stage: str, values: dict[str, int]) -> dict[tuple[str, bool], int]:
+    """A stage's most live bytes for its micro-batch in flight (``_stage_live``) over its forward ops ('F')
+    and its backward ops ('B'), before a first backward and after (the gradients accumulating), exactly at
+    ``values`` (L: the stage's blocks); kept per sizes (the planner asks again for each layout)."""
+    cache = acct.__dict__.setdefault("_stage_own", {})
+    key = (stage, tuple(sorted((k, v) for k, v in values.items() if k not in DEGREES)))
+    if key not in cache:
+        if len(cache) >= 4096:
+            cache.clear()
+        own: dict[tuple[str, bool], int] = {}
+        for grads in (False, True):
+            live, fwd, bwd = _stage_live(acct, stage, grads)
+            for kind, ops in (("F", fwd), ("B", bwd)):
+                own[(kind, grads)] = int(live.during_array(values, ops)[1].max()) if ops else 0
+        cache[key] = own
+    return cache[key]
+
+
+def _stage_in_flight(
+    acct: Accounting, stage: str, accumulating: bool = False, chunks: int = 1, phases: str = "FB"
+) -> Expr:
+    """The most a pipeline stage holds for the micro-batch in flight beside its parameters, gradients and
+    states (``_stage_live``) at its forward (``phases`` F), backward (B) or both ops, with one stage
+    chunk's L/(pp*chunks) blocks (``chunks``: v, the interleaved schedule's chunks per rank); a ``Max`` over
+    the ops largest somewhere in a sample of the sizes (``Liveness.symbolic_peak``). The stage's other held
+    micro-batches add their saved activations (``_formulas``)."""
+    cache = acct.__dict__.setdefault("_stage_in_flight", {})
+    key = (stage, accumulating, chunks, phases)
+    if key not in cache:
+        stage_live, fwd, bwd = _stage_live(acct, stage, accumulating)
+        ops = sorted((fwd if "F" in phases else []) + (bwd if "B" in phases else []))
         names = sorted({str(x) for x in sympy.sympify(acct.memory.peak).free_symbols} | {"L"})
         peak, _ = stage_live.symbolic_peak(names, ops=ops)
         share = {sym("L"): sym("L") / (sym("pp") * chunks)}  # each point on its own: no Max evaluated again
@@ -683,6 +807,7 @@ def _formulas(
     kinds: tuple[str, ...],
     compute: Accounting | None = None,
     overlays: list[Any] | None = None,
+    stages: dict[str, StageParts] | None = None,
 ) -> list[Rank]:
     """Each kind of rank's formulas; ``compute`` (FSDP2's mixed precision): the trace forward and backward
     run, for the activations, temporaries, FLOPs and the gathered dtypes (``derive_parallel``)."""
@@ -731,8 +856,8 @@ def _formulas(
                 activations += sym("k_last") * after_act
                 if layout.return_outputs:  # schedule.step(return_outputs=True), PyTorch's default: m outputs kept
                     activations += m * head_out
-            else:  # a stage keeps each held micro-batch's output (fwd_cache) until its backward
-                activations += sym("k") * run.memory.boundary
+            # a held micro-batch's output (the runtime's fwd_cache) is among the stack's saved activations: the
+            # next block saves its input
         else:
             activations = act_total
         stack_rows = [(rw, c) for rw, c in rows if _in_stack(rw)]
@@ -751,10 +876,17 @@ def _formulas(
         else:  # FSDP2's buffers on the trace give the forward and backward; the optimizer step's own points
             steady_peak, transient, excess_opt = ZERO, ZERO, _part(acct, "optimizer")
         stage_transient = transient
+        runtime = ZERO
         if piped:  # one micro-batch in flight through the stage's ops, the others held (see _stage_in_flight)
             one = stack_act.subs(L, L / (pp * v))
             one += before_act if holds["before"] else ZERO
             one += after_act if holds["after"] else ZERO
+            # the runtime's receive buffers (one per micro-batch for each stage chunk's input from the stage
+            # before and for its output's gradient from the stage after), and the whole batch's inputs
+            recv = 2 * v - int(holds["before"]) - int(holds["after"])
+            runtime = recv * m * run.memory.boundary + (m - 1) * run.memory.inputs
+            if stages is not None:
+                stages[stage] = StageParts(stage, one, run.memory.boundary, head_out, run.memory.loss, runtime)
             g = sym("g_held")
             flight = (1 - g) * _stage_in_flight(run, stage, chunks=v) + g * _stage_in_flight(
                 run, stage, accumulating=True, chunks=v
@@ -788,12 +920,14 @@ def _formulas(
             # gradients are alive at the activations' peak when a backward ran before it: g_held (0 or 1)
             held_grads = sym("g_held") * grads
             # (a model: rounded up to whole bytes, as the share is a fraction of the single device's)
+            # the last stage's outputs kept for step()'s return live until the next step: the optimizer's too
+            kept = m * head_out if piped and holds["after"] and layout.return_outputs else ZERO
             during = sympy.Max(
                 activations + working + stage_transient + held_grads,
-                grads + sympy.ceiling(excess_opt * share),
+                grads + sympy.ceiling(excess_opt * share) + kept,
                 evaluate=False,
             )
-            peak = params + states + during
+            peak = params + states + runtime + during
         ranks.append(
             Rank(
                 stage=stage,
@@ -819,16 +953,94 @@ def _formulas(
     return ranks
 
 
+@dataclasses.dataclass(frozen=True)
+class StageParts:
+    """A pipeline stage's pieces (formulas) for its live bytes at every point of PyTorch's schedule
+    (``Parallel.pipeline_peaks``): one held micro-batch's saved activations (``held``), a stage output or
+    input gradient (``boundary``), the last stage's output of one micro-batch (``head``), the loss, and
+    what the runtime keeps through the step (``runtime``: receive buffers, the whole batch's inputs)."""
+
+    kind: str
+    held: Expr
+    boundary: Expr
+    head: Expr
+    loss: Expr
+    runtime: Expr
+
+
+SCHEDULE_RUNTIMES = ("gpipe", "1f1b")  # single-stage schedules whose runtime's references are modelled
+
+
+def _beside(
+    others: int,
+    sent: int,
+    losses: int,
+    outs: int,
+    grads: bool,
+    held: Any,
+    boundary: Any,
+    loss: Any,
+    head: Any,
+    grad_bytes: Any,
+    working: Any,
+) -> Any:
+    """A stage's bytes at a point of its schedule beside the micro-batch in flight: the held micro-batches'
+    saved activations, the outputs and input gradients the runtime references, its losses and kept outputs,
+    the gradients once a backward ran, and ``working`` (formulas or numbers alike)."""
+    got = others * held + sent * boundary + losses * loss + outs * head + working
+    return got + grad_bytes if grads else got
+
+
+def _stage_index(kind: str, pp: int) -> int:
+    return {"first": 0, "middle": 1, "last": pp - 1}[kind]
+
+
+def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layout, run: Accounting) -> Expr:
+    """A gpipe / 1f1b stage's peak as a formula: its parameters, states and runtime bytes plus the ``Max``
+    over the schedule's points (``runtime_holds``; a point left out where another of the same kind holds at
+    least as much of everything) of the micro-batch in flight (``_stage_in_flight``, forward or backward,
+    its gradients accumulating after a first backward) + the held micro-batches + what the runtime
+    references, and the optimizer step's."""
+    from symacct.parallel.schedule import runtime_holds
+
+    m = layout.micro_batches
+    points = runtime_holds(layout.schedule, layout.pp, m, _stage_index(parts.kind, layout.pp), layout.return_outputs)
+    keys = {(h.kind, h.grads, h.others, h.outputs + h.input_grads, h.losses, h.chunks + h.merged) for h in points}
+    kept = [
+        k
+        for k in keys
+        if not any(o != k and o[:2] == k[:2] and all(a >= b for a, b in zip(o[2:], k[2:], strict=True)) for o in keys)
+    ]
+    terms = []
+    for kind, grads, others, sent, losses, outs in sorted(kept, key=str):
+        own = ZERO if kind == "end" else _stage_in_flight(run, parts.kind, accumulating=grads, phases=kind)
+        sizes = (parts.held, parts.boundary, parts.loss, parts.head, rank.grads, rank.working)
+        terms.append(own + _beside(others, sent, losses, outs, grads, *sizes))
+    mem = acct.memory
+    excess = _part(acct, "steady")[2]
+    share = rank.optimizer / mem.optimizer if mem.optimizer != 0 else ZERO
+    kept_outputs = m * parts.head if parts.kind == "last" and layout.return_outputs else ZERO
+    terms.append(rank.grads + sympy.ceiling(excess * share) + kept_outputs)
+    return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
+
+
 def _ceil_share(acct: Accounting, states: int, values: dict[str, int]) -> int:
     """The optimizer step's temporaries beyond the static bytes, scaled by the rank's share of the states (a
     model: the single device's, at every optimizer op exactly, rounded up to whole bytes)."""
-    total = evaluate(acct.memory.optimizer, values)
-    if not total:
-        return 0
-    live = _steady_live(acct).during(values, _part(acct, "optimizer_ops"))
-    static = evaluate(acct.memory.params + acct.memory.grads + acct.memory.optimizer, values)
-    excess = max([0, *(b - static for b in live.values())])
-    return -(-excess * states // total)
+    cache = acct.__dict__.setdefault("_optimizer_excess", {})
+    key = tuple(sorted((k, v) for k, v in values.items() if k not in DEGREES))
+    if key not in cache:
+        if len(cache) >= 4096:
+            cache.clear()
+        total = evaluate(acct.memory.optimizer, values)
+        excess = 0
+        if total:
+            live = _steady_live(acct).during(values, _part(acct, "optimizer_ops"))
+            static = evaluate(acct.memory.params + acct.memory.grads + acct.memory.optimizer, values)
+            excess = max([0, *(b - static for b in live.values())])
+        cache[key] = (total, excess)
+    total, excess = cache[key]
+    return -(-excess * states // total) if total else 0
 
 
 def _fsdp_overlay(

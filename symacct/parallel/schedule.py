@@ -205,3 +205,155 @@ def _order(acts: tuple[tuple[Action, ...], ...]) -> tuple[list[tuple[int, int, b
         if not progressed:
             raise SymacctError("the schedule's actions wait on each other", internal=True)
     return order, first
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a pipeline stage holds during one of its compute actions beyond the micro-batch in flight (its own
+    ops' storages, the trace's): ``others``, micro-batches whose forward is done and backward is not (their
+    saved activations); and what PyTorch's runtime keeps referenced that the trace does not: stage outputs
+    (``outputs``: the send ops and works that hold them, a backward's ``stage_output``), input gradients
+    waiting in ``bwd_cache`` or in send ops (``input_grads``), the last stage's losses (``losses``) and its
+    outputs kept for ``step``'s return (``chunks``; a held micro-batch's too: the trace does not save logits).
+    ``grads``: a backward ran before (the stage's gradients exist). ``kind`` 'end': after the last backward,
+    while ``step`` merges the last stage's outputs (``merged`` of them, a new tensor)."""
+
+    kind: str  # F | B | end
+    micro: int
+    others: int
+    outputs: int = 0
+    input_grads: int = 0
+    losses: int = 0
+    chunks: int = 0
+    grads: bool = False
+    merged: int = 0
+
+
+class _Runtime:
+    """References PyTorch's runtime keeps during one ``step`` of a single-stage schedule (torch 2.13's
+    ``PipelineStage`` and ``_step_microbatches``); objects are (kind, micro-batch): 'out' a stage output (on
+    the last stage, its logits), 'ig' an input gradient, 'loss'."""
+
+    def __init__(self, first: bool, last: bool, keep_outputs: bool) -> None:
+        self.first, self.last, self.keep = first, last, keep_outputs
+        self.vars: dict[str, tuple[tuple[str, int], ...]] = {}
+        self.fwd_cache: dict[int, tuple[str, int]] = {}
+        self.bwd_cache: dict[int, tuple[str, int]] = {}
+        self.output_chunks: list[tuple[str, int]] = []
+        self.losses: list[tuple[str, int]] = []
+        self.works: list[tuple[str, int]] = []  # works kept in a list until step returns (GPipe)
+        self.points: list[Held] = []
+        self.backwards = 0
+
+    def _refs(self) -> list[tuple[str, int]]:
+        held = [o for v in self.vars.values() for o in v]
+        return held + list(self.bwd_cache.values()) + self.output_chunks + self.losses + self.works
+
+    def _point(self, kind: str, micro: int, local: tuple[str, int] | None = None) -> None:
+        cached = set(self.fwd_cache.values())
+        own = {("loss", micro), ("ig", micro)} | ({("out", micro)} if kind == "F" else set())
+        refs = {o for o in self._refs() + ([local] if local else []) if o not in own}
+        count = {k: sum(1 for o in refs if o[0] == k and o not in cached) for k in ("out", "ig", "loss")}
+        outs = count["out"] + (len(cached) if self.last else 0)  # logits: not saved activations
+        self.points.append(
+            Held(
+                kind,
+                micro,
+                len(self.fwd_cache),
+                outputs=0 if self.last else outs,
+                input_grads=count["ig"],
+                losses=count["loss"],
+                chunks=outs if self.last else 0,
+                grads=self.backwards > 0,
+            )
+        )
+
+    def forward(self, i: int) -> tuple[str, int]:
+        self._point("F", i)
+        out = ("out", i)
+        self.fwd_cache[i] = out
+        if self.last and self.keep:
+            self.output_chunks.append(out)
+        if self.last:
+            self.losses.append(("loss", i))
+        return out
+
+    def backward(self, i: int) -> None:
+        out = self.fwd_cache.pop(i)  # held by backward_one_chunk's stage_output while it runs
+        self._point("B", i, local=out)
+        self.backwards += 1
+        if not self.first:
+            self.bwd_cache[i] = ("ig", i)
+
+    def fwd_sends(self, i: int) -> tuple[tuple[str, int], ...]:
+        """``get_fwd_send_ops``: ops holding the output (a detached view of it) for the next stage."""
+        return () if self.last else (self.fwd_cache[i],)
+
+    def bwd_sends(self, i: int) -> tuple[tuple[str, int], ...]:
+        """``get_bwd_send_ops``: pops the input gradient into the ops sending it to the previous stage."""
+        return () if self.first else (self.bwd_cache.pop(i),)
+
+    def end(self) -> None:
+        self.vars.clear()
+        self.works.clear()
+        cached = len(self.output_chunks) if self.keep else 0
+        self.points.append(Held("end", -1, 0, losses=len(self.losses), chunks=cached, grads=True, merged=cached))
+
+
+def _gpipe(rt: _Runtime, m: int) -> None:
+    """torch 2.13 ``ScheduleGPipe._step_microbatches``: every forward, then every backward; the send works
+    are kept in lists until it returns (a work holds its tensor)."""
+    for i in range(m):
+        rt.vars["output"] = (rt.forward(i),)
+        rt.vars["ops"] = rt.fwd_sends(i)
+        rt.works.extend(rt.vars["ops"])
+    for i in range(m):
+        rt.vars["ops"] = ()  # the receive ops: persistent buffers
+        rt.backward(i)
+        rt.vars["ops"] = rt.bwd_sends(i)
+        rt.works.extend(rt.vars["ops"])
+    rt.end()
+
+
+def _one_f_one_b(rt: _Runtime, m: int, warmup: int) -> None:
+    """torch 2.13 ``Schedule1F1B._step_microbatches``: ``warmup`` forwards, then one backward and one
+    forward in turn, then the remaining backwards; ``send_work`` and the ops lists stay referenced until
+    reassigned (a waited work still holds its tensor)."""
+    f = b = 0
+    for _ in range(warmup):
+        rt.vars["output"] = (rt.forward(f),)
+        rt.vars["fwd_sends"] = rt.fwd_sends(f)
+        if f != warmup - 1:
+            rt.vars["send_work"] = rt.vars["fwd_sends"]
+        f += 1
+    while True:
+        rt.backward(b)
+        rt.vars["bwd_sends"] = rt.bwd_sends(b)
+        b += 1
+        if f == m:
+            break
+        rt.vars["output"] = (rt.forward(f),)
+        rt.vars["fwd_sends"] = rt.fwd_sends(f)
+        f += 1
+    rt.vars["send_work"] = rt.vars["bwd_sends"]
+    while b < m:
+        rt.backward(b)
+        rt.vars["bwd_sends"] = rt.bwd_sends(b)
+        rt.vars["send_work"] = rt.vars["bwd_sends"]
+        b += 1
+    rt.end()
+
+
+@functools.lru_cache(maxsize=512)
+def runtime_holds(schedule: str, pp: int, m: int, stage: int, keep_outputs: bool = True) -> tuple[Held, ...]:
+    """Per compute action of ``stage`` (in the order it runs them), then the step's end: what it holds
+    beyond its micro-batch in flight (``Held``), as PyTorch's runtime runs ``schedule`` (gpipe or 1f1b, one
+    stage per rank). ``keep_outputs``: ``step(return_outputs=True)``, PyTorch's default."""
+    rt = _Runtime(stage == 0, stage == pp - 1, keep_outputs)
+    if schedule == "gpipe":
+        _gpipe(rt, m)
+    elif schedule == "1f1b":
+        _one_f_one_b(rt, m, min(m, pp - stage))
+    else:
+        raise SymacctError(f"no model of the runtime's references for the {schedule} schedule", internal=True)
+    return tuple(rt.points)

@@ -130,6 +130,7 @@ class StepTrace:
     grad_storages: dict[int, str] = field(default_factory=dict)  # storage -> parameter name
     state_storages: dict[int, tuple[str, str]] = field(default_factory=dict)  # storage -> (parameter, state key)
     held_storages: set[int] = field(default_factory=set)  # kept alive to the end of the step (the loss)
+    loss_storage: int | None = None  # the training step's loss
     cache_storages: set[int] = field(default_factory=set)  # the KV cache after a serving step (args["cache"])
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
     storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
@@ -832,6 +833,7 @@ def record_step(
                 for t in [value, *tree_flatten(out)[0]]:
                     if isinstance(t, torch.Tensor):  # the caller still holds the output and the loss
                         trace.held_storages.add(ids.storage(t))
+                trace.loss_storage = ids.storage(value)
                 recorder.mark("after_forward")
                 recorder.phase = "backward"
                 if not value.requires_grad:
