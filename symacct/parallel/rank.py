@@ -43,6 +43,7 @@ stage's only. docs/distributed.md gives how far each was measured off.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,7 @@ from symacct.memory.static import ParamRow
 from symacct.options import DTYPES
 from symacct.parallel.fsdp import GroupBytes, fsdp_liveness
 from symacct.parallel.layout import Layout, check_model
-from symacct.parallel.schedule import actions, in_flight
+from symacct.parallel.schedule import actions, in_flight, runtime_holds
 from symacct.symbols import evaluate, exact_form, sym
 
 if TYPE_CHECKING:
@@ -215,7 +216,6 @@ class Parallel:
         at every point of the schedule (``_pipeline_peak``'s terms; the formula's in-flight bytes are the ``Max``
         over the ops largest in a sample of the sizes); ``values``: the sizes and the degrees. Other layouts:
         ``ranks`` as they are."""
-        from symacct.parallel.schedule import runtime_holds
 
         lay = self.layout
         if not self._schedule_points():
@@ -232,12 +232,11 @@ class Parallel:
             grads_b, working = int(r.grads), int(r.working)
             best = 0
             index = _stage_index(r.stage, lay.pp)
-            for h in runtime_holds(lay.schedule, lay.pp, lay.micro_batches, index, lay.return_outputs):
-                here = 0 if h.kind == "end" else own[(h.kind, h.grads)]
-                here += _beside(
-                    h.others, h.outputs + h.input_grads, h.losses, h.chunks + h.merged, h.grads,
-                    held, sent, loss, head, grads_b, working,
-                )  # fmt: skip
+            for kind, grads, others, refs, losses, outs in _points(
+                lay.schedule, lay.pp, lay.micro_batches, index, lay.return_outputs
+            ):
+                here = 0 if kind == "end" else own[(kind, grads)]
+                here += _beside(others, refs, losses, outs, grads, held, sent, loss, head, grads_b, working)
                 best = max(best, here)
             kept = lay.micro_batches * head if r.stage == "last" and lay.return_outputs else 0
             opt = grads_b + _ceil_share(self.acct, int(r.optimizer), values) + kept
@@ -991,6 +990,31 @@ def _beside(
     return got + grad_bytes if grads else got
 
 
+Point = tuple[str, bool, int, int, int, int]
+
+
+@functools.lru_cache(maxsize=512)
+def _points(schedule: str, pp: int, m: int, stage: int, keep_outputs: bool) -> tuple[Point, ...]:
+    """The stage's schedule points (``runtime_holds``) as (kind, gradients exist, held micro-batches, outputs
+    and input gradients referenced, losses, last-stage outputs), each once."""
+    keys = {
+        (h.kind, h.grads, h.others, h.outputs + h.input_grads, h.losses, h.chunks + h.merged)
+        for h in runtime_holds(schedule, pp, m, stage, keep_outputs)
+    }
+    return tuple(sorted(keys))
+
+
+def _dominant(points: tuple[Point, ...]) -> list[Point]:
+    """``points`` less each one another of the same kind and gradients holds at least as much of everything
+    beside (it cannot be the larger): the terms of a peak formula."""
+    by_kind: dict[tuple[str, bool], list[Point]] = {}
+    for k in sorted(points, key=lambda k: k[2:], reverse=True):  # a dominating point sorts before what it covers
+        same = by_kind.setdefault(k[:2], [])
+        if not any(all(a >= b for a, b in zip(o[2:], k[2:], strict=True)) for o in same):
+            same.append(k)
+    return [k for kind in sorted(by_kind) for k in by_kind[kind]]
+
+
 def _stage_index(kind: str, pp: int) -> int:
     return {"first": 0, "middle": 1, "last": pp - 1}[kind]
 
@@ -1001,18 +1025,13 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
     least as much of everything) of the micro-batch in flight (``_stage_in_flight``, forward or backward,
     its gradients accumulating after a first backward) + the held micro-batches + what the runtime
     references, and the optimizer step's."""
-    from symacct.parallel.schedule import runtime_holds
 
     m = layout.micro_batches
-    points = runtime_holds(layout.schedule, layout.pp, m, _stage_index(parts.kind, layout.pp), layout.return_outputs)
-    keys = {(h.kind, h.grads, h.others, h.outputs + h.input_grads, h.losses, h.chunks + h.merged) for h in points}
-    kept = [
-        k
-        for k in keys
-        if not any(o != k and o[:2] == k[:2] and all(a >= b for a, b in zip(o[2:], k[2:], strict=True)) for o in keys)
-    ]
     terms = []
-    for kind, grads, others, sent, losses, outs in sorted(kept, key=str):
+    index = _stage_index(parts.kind, layout.pp)
+    for kind, grads, others, sent, losses, outs in _dominant(
+        _points(layout.schedule, layout.pp, m, index, layout.return_outputs)
+    ):
         own = ZERO if kind == "end" else _stage_in_flight(run, parts.kind, accumulating=grads, phases=kind)
         sizes = (parts.held, parts.boundary, parts.loss, parts.head, rank.grads, rank.working)
         terms.append(own + _beside(others, sent, losses, outs, grads, *sizes))

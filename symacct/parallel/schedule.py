@@ -23,7 +23,7 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from symacct.errors import SymacctError
 
@@ -207,8 +207,7 @@ def _order(acts: tuple[tuple[Action, ...], ...]) -> tuple[list[tuple[int, int, b
     return order, first
 
 
-@dataclass(frozen=True)
-class Held:
+class Held(NamedTuple):
     """What a pipeline stage holds during one of its compute actions beyond the micro-batch in flight (its own
     ops' storages, the trace's): ``others``, micro-batches whose forward is done and backward is not (their
     saved activations); and what PyTorch's runtime keeps referenced that the trace does not: stage outputs
@@ -216,7 +215,8 @@ class Held:
     waiting in ``bwd_cache`` or in send ops (``input_grads``), the last stage's losses (``losses``) and its
     outputs kept for ``step``'s return (``chunks``; a held micro-batch's too: the trace does not save logits).
     ``grads``: a backward ran before (the stage's gradients exist). ``kind`` 'end': after the last backward,
-    while ``step`` merges the last stage's outputs (``merged`` of them, a new tensor)."""
+    while ``step`` merges the last stage's outputs (``merged`` of them, a new tensor). A tuple: a long
+    schedule's points cost the garbage collector nothing once kept."""
 
     kind: str  # F | B | end
     micro: int
@@ -232,38 +232,58 @@ class Held:
 class _Runtime:
     """References PyTorch's runtime keeps during one ``step`` of a single-stage schedule (torch 2.13's
     ``PipelineStage`` and ``_step_microbatches``); objects are (kind, micro-batch): 'out' a stage output (on
-    the last stage, its logits), 'ig' an input gradient, 'loss'."""
+    the last stage, its logits), 'ig' an input gradient, 'loss'. Each holder (a variable, a cache, a list)
+    counts its references, so a point costs the same at any m."""
 
     def __init__(self, first: bool, last: bool, keep_outputs: bool) -> None:
         self.first, self.last, self.keep = first, last, keep_outputs
+        self.refs: dict[tuple[str, int], int] = defaultdict(int)
+        self.alive: dict[str, int] = defaultdict(int)  # per kind: objects referenced at all
         self.vars: dict[str, tuple[tuple[str, int], ...]] = {}
         self.fwd_cache: dict[int, tuple[str, int]] = {}
         self.bwd_cache: dict[int, tuple[str, int]] = {}
-        self.output_chunks: list[tuple[str, int]] = []
-        self.losses: list[tuple[str, int]] = []
-        self.works: list[tuple[str, int]] = []  # works kept in a list until step returns (GPipe)
+        self.kept: list[tuple[str, int]] = []  # output_chunks, _internal_losses and works kept in lists
         self.points: list[Held] = []
         self.backwards = 0
 
-    def _refs(self) -> list[tuple[str, int]]:
-        held = [o for v in self.vars.values() for o in v]
-        return held + list(self.bwd_cache.values()) + self.output_chunks + self.losses + self.works
+    def _hold(self, *objs: tuple[str, int]) -> None:
+        for o in objs:
+            self.refs[o] += 1
+            if self.refs[o] == 1:
+                self.alive[o[0]] += 1
 
-    def _point(self, kind: str, micro: int, local: tuple[str, int] | None = None) -> None:
-        cached = set(self.fwd_cache.values())
-        own = {("loss", micro), ("ig", micro)} | ({("out", micro)} if kind == "F" else set())
-        refs = {o for o in self._refs() + ([local] if local else []) if o not in own}
-        count = {k: sum(1 for o in refs if o[0] == k and o not in cached) for k in ("out", "ig", "loss")}
-        outs = count["out"] + (len(cached) if self.last else 0)  # logits: not saved activations
+    def _drop(self, *objs: tuple[str, int]) -> None:
+        for o in objs:
+            self.refs[o] -= 1
+            if self.refs[o] == 0:
+                self.alive[o[0]] -= 1
+
+    def assign(self, name: str, objs: tuple[tuple[str, int], ...]) -> None:
+        """A variable of the schedule's code now refers to ``objs`` (what it referred to before let go)."""
+        self._hold(*objs)
+        self._drop(*self.vars.get(name, ()))
+        self.vars[name] = objs
+
+    def keep_in_list(self, *objs: tuple[str, int]) -> None:
+        self._hold(*objs)
+        self.kept.extend(objs)
+
+    def _point(self, kind: str, micro: int) -> None:
+        # beside the micro-batch in flight: its own loss is the trace's (its output and input gradient are
+        # made after a forward's point, its input gradient after a backward's); the held micro-batches'
+        # outputs are their saved activations, except the last stage's logits (not saved)
+        cached = len(self.fwd_cache)
+        outs = self.alive["out"] - cached
+        losses = self.alive["loss"] - (1 if kind == "B" and self.refs[("loss", micro)] else 0)
         self.points.append(
             Held(
                 kind,
                 micro,
-                len(self.fwd_cache),
+                cached,
                 outputs=0 if self.last else outs,
-                input_grads=count["ig"],
-                losses=count["loss"],
-                chunks=outs if self.last else 0,
+                input_grads=self.alive["ig"],
+                losses=losses,
+                chunks=outs + cached if self.last else 0,
                 grads=self.backwards > 0,
             )
         )
@@ -272,18 +292,21 @@ class _Runtime:
         self._point("F", i)
         out = ("out", i)
         self.fwd_cache[i] = out
+        self._hold(out)
         if self.last and self.keep:
-            self.output_chunks.append(out)
+            self.keep_in_list(out)
         if self.last:
-            self.losses.append(("loss", i))
+            self.keep_in_list(("loss", i))
         return out
 
     def backward(self, i: int) -> None:
         out = self.fwd_cache.pop(i)  # held by backward_one_chunk's stage_output while it runs
-        self._point("B", i, local=out)
+        self._point("B", i)
+        self._drop(out)
         self.backwards += 1
         if not self.first:
             self.bwd_cache[i] = ("ig", i)
+            self._hold(("ig", i))
 
     def fwd_sends(self, i: int) -> tuple[tuple[str, int], ...]:
         """``get_fwd_send_ops``: ops holding the output (a detached view of it) for the next stage."""
@@ -291,27 +314,33 @@ class _Runtime:
 
     def bwd_sends(self, i: int) -> tuple[tuple[str, int], ...]:
         """``get_bwd_send_ops``: pops the input gradient into the ops sending it to the previous stage."""
-        return () if self.first else (self.bwd_cache.pop(i),)
+        if self.first:
+            return ()
+        ig = self.bwd_cache.pop(i)
+        self._drop(ig)
+        return (ig,)
 
     def end(self) -> None:
-        self.vars.clear()
-        self.works.clear()
-        cached = len(self.output_chunks) if self.keep else 0
-        self.points.append(Held("end", -1, 0, losses=len(self.losses), chunks=cached, grads=True, merged=cached))
+        """``_step_microbatches`` returned (its variables and works let go); ``step`` merges the kept outputs."""
+        for name in list(self.vars):
+            self.assign(name, ())
+        kept = sum(1 for o in self.kept if o[0] == "out")
+        losses = sum(1 for o in self.kept if o[0] == "loss")
+        self.points.append(Held("end", -1, 0, losses=losses, chunks=kept, grads=True, merged=kept))
 
 
 def _gpipe(rt: _Runtime, m: int) -> None:
     """torch 2.13 ``ScheduleGPipe._step_microbatches``: every forward, then every backward; the send works
     are kept in lists until it returns (a work holds its tensor)."""
     for i in range(m):
-        rt.vars["output"] = (rt.forward(i),)
-        rt.vars["ops"] = rt.fwd_sends(i)
-        rt.works.extend(rt.vars["ops"])
+        rt.assign("output", (rt.forward(i),))
+        rt.assign("ops", rt.fwd_sends(i))
+        rt.keep_in_list(*rt.vars["ops"])  # fwd_sends_to_wait
     for i in range(m):
-        rt.vars["ops"] = ()  # the receive ops: persistent buffers
+        rt.assign("ops", ())  # the receive ops: their buffers are the stage's own
         rt.backward(i)
-        rt.vars["ops"] = rt.bwd_sends(i)
-        rt.works.extend(rt.vars["ops"])
+        rt.assign("ops", rt.bwd_sends(i))
+        rt.keep_in_list(*rt.vars["ops"])  # bwd_sends_to_wait
     rt.end()
 
 
@@ -321,25 +350,25 @@ def _one_f_one_b(rt: _Runtime, m: int, warmup: int) -> None:
     reassigned (a waited work still holds its tensor)."""
     f = b = 0
     for _ in range(warmup):
-        rt.vars["output"] = (rt.forward(f),)
-        rt.vars["fwd_sends"] = rt.fwd_sends(f)
+        rt.assign("output", (rt.forward(f),))
+        rt.assign("fwd_sends", rt.fwd_sends(f))
         if f != warmup - 1:
-            rt.vars["send_work"] = rt.vars["fwd_sends"]
+            rt.assign("send_work", rt.vars["fwd_sends"])
         f += 1
     while True:
         rt.backward(b)
-        rt.vars["bwd_sends"] = rt.bwd_sends(b)
+        rt.assign("bwd_sends", rt.bwd_sends(b))
         b += 1
         if f == m:
             break
-        rt.vars["output"] = (rt.forward(f),)
-        rt.vars["fwd_sends"] = rt.fwd_sends(f)
+        rt.assign("output", (rt.forward(f),))
+        rt.assign("fwd_sends", rt.fwd_sends(f))
         f += 1
-    rt.vars["send_work"] = rt.vars["bwd_sends"]
+    rt.assign("send_work", rt.vars["bwd_sends"])
     while b < m:
         rt.backward(b)
-        rt.vars["bwd_sends"] = rt.bwd_sends(b)
-        rt.vars["send_work"] = rt.vars["bwd_sends"]
+        rt.assign("bwd_sends", rt.bwd_sends(b))
+        rt.assign("send_work", rt.vars["bwd_sends"])
         b += 1
     rt.end()
 
