@@ -103,12 +103,15 @@ class Rank:
     optimizer: Expr
     activations: Expr
     working: Expr  # FSDP2's gathered root and one block; DDP's bucket copy
-    transient: Expr  # the additive model's temporaries (0 where FSDP2's buffers on the trace give the peak)
+    # the additive model's temporaries (0 where the peak is evaluated at every point: FSDP2's buffers on the
+    # trace, a GPipe or 1F1B schedule)
+    transient: Expr
     flops: Expr  # model FLOPs this rank runs in one step (all its micro-batches)
     collectives: list[Collective]
     # model FLOPs of one micro-batch: through one stage chunk of the stack, and before / after the stack
     chunk: dict[str, Expr] = dataclasses.field(default_factory=dict)
     peak: Expr = 0  # see the module docstring
+    runtime: Expr = 0  # a pipeline runtime's receive buffers and the whole batch's inputs, kept through the step
 
     @property
     def static(self) -> Expr:
@@ -386,7 +389,7 @@ def derive_parallel(
     and gradients' dtypes; ``acct`` (the model in its own dtype) gives the shards, their gradients, the
     optimizer and its temporaries. ``peak_formulas=False`` (the planner's, which evaluates every peak at
     its sizes): a GPipe or 1F1B rank's peak formula is not built (the ``Max`` over the schedule's points,
-    built per schedule and m); ``at()`` gives the same figures either way."""
+    built per schedule and m; ``nan`` in its place); ``at()`` gives the same figures either way."""
     if acct.values is not None:
         raise SymacctError("derive_parallel needs the formulas: pass the result of derive, not of at()")
     if not acct.memory.tensors:
@@ -886,11 +889,13 @@ def _formulas(
             runtime = recv * m * run.memory.boundary + (m - 1) * run.memory.inputs
             if stages is not None:
                 stages[stage] = StageParts(stage, one, run.memory.boundary, head_out, run.memory.loss, runtime)
-            g = sym("g_held")
-            flight = (1 - g) * _stage_in_flight(run, stage, chunks=v) + g * _stage_in_flight(
-                run, stage, accumulating=True, chunks=v
-            )
-            stage_transient = flight - one
+            stage_transient = ZERO  # one stage per rank: every point evaluated (_pipeline_peak)
+            if v > 1:  # the interleaved schedule: the additive model
+                g = sym("g_held")
+                flight = (1 - g) * _stage_in_flight(run, stage, chunks=v) + g * _stage_in_flight(
+                    run, stage, accumulating=True, chunks=v
+                )
+                stage_transient = flight - one
         working = ZERO
         if mode == "fsdp" and layout.replicas > 1:
             root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
@@ -909,6 +914,8 @@ def _formulas(
             f += outside["after"]["forward"] + outside["after"]["backward"]
         if not piped and mode == "ddp":  # replicas: the single-device step, exactly, and the bucket copy
             peak = steady_peak + working
+        elif piped and v == 1:  # GPipe, 1F1B: the schedule's points (derive_parallel: _pipeline_peak)
+            peak = sympy.nan
         elif overlay is not None:  # FSDP2's buffers placed on the trace, point by point (symacct.parallel.fsdp)
             if overlays is not None:
                 overlays.append(overlay)
@@ -936,6 +943,7 @@ def _formulas(
                 optimizer=sympy.expand(states),
                 activations=sympy.expand(activations),
                 working=sympy.expand(working),
+                runtime=sympy.expand(runtime),
                 transient=stage_transient,
                 flops=sympy.expand(m * f + acct.flops.optimizer),
                 collectives=colls,

@@ -13,7 +13,7 @@ from symacct.parallel.plan import PlanRow, StepTime
 from symacct.parallel.rank import Parallel
 from symacct.report.terminal import console
 
-_FIELDS = ("params", "grads", "optimizer", "activations", "working", "transient", "peak")
+_FIELDS = ("params", "grads", "optimizer", "activations", "working", "runtime", "transient", "peak")
 
 
 def rank_report(par: Parallel, at: Parallel, time: StepTime | None = None) -> dict[str, Any]:
