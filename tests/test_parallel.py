@@ -253,6 +253,27 @@ def test_gloo_pipeline_three_stages() -> None:
         assert [g.peak for g in got] == [p.peak for p in pred.ranks], schedule
 
 
+@pytest.mark.slow
+def test_gloo_interleaved_pipeline() -> None:
+    """The interleaved schedule (v = 2 stages per rank, m = 4) on two gloo processes: every static byte, each
+    send and receive, and the loss exactly; the peak on the additive model, whose runtime references
+    (PyTorch's PipelineScheduleMulti) are not modelled beyond the receive buffers: 0.96-1.05 of the real
+    peak measured (GPT-2 D = 10 and D = 64, m = 2 and 4; docs/distributed.md), held here within 6%."""
+    acct = symacct.derive(GPT2(GPT2_PIPE), optimizer="adamw")
+    torch.manual_seed(0)
+    one = GPT2(GPT2_PIPE)
+    loss = float(one(*Batch(4 * 2, 7, 37)(one)).detach())
+    lay = make_layout(pp=2, schedule="interleaved", micro_batches=4, stages_per_rank=2)
+    pred = derive_parallel(acct, lay).at(B=2, S=7)
+    got = gloo_world(Build(GPT2_PIPE), lay, Batch(4 * 2, 7, 37), adamw, split=stage)
+    for g, p in zip(got, pred.ranks, strict=True):
+        assert (g.params, g.grads, g.optimizer) == (p.params, p.grads, p.optimizer)
+        sends = Counter((op, payload) for op, _phase, payload in g.collectives)
+        assert sends == Counter((c.op, c.payload) for c in p.collectives for _ in range(c.count))
+        assert abs(p.peak - g.peak) <= 0.06 * g.peak, (p.stage, p.peak, g.peak)
+    assert got[-1].loss == pytest.approx(loss, rel=1e-5)
+
+
 def test_runtime_references_as_the_schedules_code_keeps_them() -> None:
     """What torch 2.13's GPipe and 1F1B keep referenced beyond the micro-batch in flight, worked out by hand
     from ``_step_microbatches`` (pp = 2, m = 3). GPipe keeps every send's work until it returns: stage 0's

@@ -524,23 +524,27 @@ def _pipeline_step(
         raise SymacctError("a pipeline run needs split(model, stage, pp)")
     if layout.dp > 1:
         raise SymacctError("the real pipeline run is pp only (dp=1)")
-    part = split(model, rank, layout.pp)
-    stage = PipelineStage(part, rank, layout.pp, torch.device("cpu"))
+    # the rank's stages: rank, rank + pp, ... of pp * v (the interleaved schedule's v per rank)
+    n = layout.pp * layout.stages_per_rank
+    index = range(rank, n, layout.pp)
+    part = nn.ModuleList([split(model, s, n) for s in index])
+    stages = [PipelineStage(p, s, n, torch.device("cpu")) for p, s in zip(part, index, strict=True)]
     last = rank == layout.pp - 1
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
-    cls = {"gpipe": sch.ScheduleGPipe, "1f1b": sch.Schedule1F1B}[layout.schedule]
+    cls = {"gpipe": sch.ScheduleGPipe, "1f1b": sch.Schedule1F1B, "interleaved": sch.ScheduleInterleaved1F1B}
     # every rank gets loss_fn: a schedule without one runs no backward (and the ranks then wait on each other)
-    schedule = cls(stage, layout.micro_batches, loss_fn=loss_fn, scale_grads=True)
+    one = stages[0] if layout.stages_per_rank == 1 else stages
+    schedule = cls[layout.schedule](one, layout.micro_batches, loss_fn=loss_fn, scale_grads=True)
     opt = optimizer(part.parameters())
     idx, target = args
     first_loss = _run_schedule(schedule, rank, last, idx, target)  # the first step infers the stages' shapes
     opt.step()
     opt.zero_grad(set_to_none=True)
     counter.phase = "step"  # a schedule interleaves forwards and backwards
-    tracker = _tracker(part, (idx, target), opt, _runtime_buffers(stage))
+    tracker = _tracker(part, (idx, target), opt, tuple(b for st in stages for b in _runtime_buffers(st)))
     with tracker, counter:
         _run_schedule(schedule, rank, last, idx, target)
         counter.phase = "optimizer"
