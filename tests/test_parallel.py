@@ -300,6 +300,8 @@ def test_runtime_references_as_the_schedules_code_keeps_them() -> None:
         ("end", 3, 3, 0),
     ]
     assert g1[-1].merged == 3 and runtime_holds("gpipe", 2, 3, 1, keep_outputs=False)[-1].merged == 0
+    # once step() returns only the last stage's lists are left: the works (and their outputs) are let go
+    assert g0[-1] == ("end", -1, 0, 0, 0, 0, 0, True, 0)
     f0 = runtime_holds("1f1b", 2, 3, 0)
     assert [(h.kind, h.micro, h.others, h.outputs, h.grads) for h in f0[:-1]] == [
         ("F", 0, 0, 0, False),

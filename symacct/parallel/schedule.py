@@ -242,7 +242,8 @@ class _Runtime:
         self.vars: dict[str, tuple[tuple[str, int], ...]] = {}
         self.fwd_cache: dict[int, tuple[str, int]] = {}
         self.bwd_cache: dict[int, tuple[str, int]] = {}
-        self.kept: list[tuple[str, int]] = []  # output_chunks, _internal_losses and works kept in lists
+        self.works: list[tuple[str, int]] = []  # what the send works kept in lists hold (GPipe)
+        self.output_chunks = self.losses = 0  # the last stage's lists: kept after _step_microbatches returns
         self.points: list[Held] = []
         self.backwards = 0
 
@@ -264,9 +265,10 @@ class _Runtime:
         self._drop(*self.vars.get(name, ()))
         self.vars[name] = objs
 
-    def keep_in_list(self, *objs: tuple[str, int]) -> None:
+    def keep_works(self, objs: tuple[tuple[str, int], ...]) -> None:
+        """Works kept in a list until ``_step_microbatches`` returns (a work holds its tensor)."""
         self._hold(*objs)
-        self.kept.extend(objs)
+        self.works.extend(objs)
 
     def _point(self, kind: str, micro: int) -> None:
         # beside the micro-batch in flight: its own loss is the trace's (its output and input gradient are
@@ -293,10 +295,12 @@ class _Runtime:
         out = ("out", i)
         self.fwd_cache[i] = out
         self._hold(out)
-        if self.last and self.keep:
-            self.keep_in_list(out)
-        if self.last:
-            self.keep_in_list(("loss", i))
+        if self.last and self.keep:  # output_chunks
+            self._hold(out)
+            self.output_chunks += 1
+        if self.last:  # _internal_losses
+            self._hold(("loss", i))
+            self.losses += 1
         return out
 
     def backward(self, i: int) -> None:
@@ -324,9 +328,10 @@ class _Runtime:
         """``_step_microbatches`` returned (its variables and works let go); ``step`` merges the kept outputs."""
         for name in list(self.vars):
             self.assign(name, ())
-        kept = sum(1 for o in self.kept if o[0] == "out")
-        losses = sum(1 for o in self.kept if o[0] == "loss")
-        self.points.append(Held("end", -1, 0, losses=losses, chunks=kept, grads=True, merged=kept))
+        self._drop(*self.works)
+        self.works.clear()
+        kept = self.output_chunks
+        self.points.append(Held("end", -1, 0, losses=self.losses, chunks=kept, grads=True, merged=kept))
 
 
 def _gpipe(rt: _Runtime, m: int) -> None:
@@ -335,12 +340,12 @@ def _gpipe(rt: _Runtime, m: int) -> None:
     for i in range(m):
         rt.assign("output", (rt.forward(i),))
         rt.assign("ops", rt.fwd_sends(i))
-        rt.keep_in_list(*rt.vars["ops"])  # fwd_sends_to_wait
+        rt.keep_works(rt.vars["ops"])  # fwd_sends_to_wait
     for i in range(m):
         rt.assign("ops", ())  # the receive ops: their buffers are the stage's own
         rt.backward(i)
         rt.assign("ops", rt.bwd_sends(i))
-        rt.keep_in_list(*rt.vars["ops"])  # bwd_sends_to_wait
+        rt.keep_works(rt.vars["ops"])  # bwd_sends_to_wait
     rt.end()
 
 
