@@ -18,6 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script is the real check; run it by hand")
 def test_gpu_script_runs_from_the_checkout_and_writes_its_report(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}

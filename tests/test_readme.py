@@ -126,6 +126,7 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert test_cmd in ci.splitlines()
 
 
+@pytest.mark.slow
 def test_cli_output_is_byte_identical_across_hash_seeds() -> None:
     import os
 

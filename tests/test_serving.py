@@ -198,6 +198,7 @@ def _with_sizes(acct: symacct.Accounting, values: dict[str, int]) -> symacct.Acc
     return dataclasses.replace(acct, symbols={**acct.symbols, **values})
 
 
+@pytest.mark.slow
 def test_serve_on_the_command_line(tmp_path):
     import json
     import subprocess

@@ -123,6 +123,7 @@ def _cli(*args: str, seed: str = "0", cwd: Path | None = None) -> subprocess.Com
     )
 
 
+@pytest.mark.slow
 def test_sheet_files_are_byte_identical_across_hash_seeds(tmp_path):
     cfg = [f"--config={k}={v}" for k, v in SMALL.items()]
     outs = []

@@ -276,7 +276,9 @@ def test_transformers_llama_with_a_users_plan_and_its_own() -> None:
         symacct.derive(model, optimizer="adamw", tensor_parallel="megatron-sp", tp=2)
 
 
-@pytest.mark.parametrize("family", ["Qwen3", "Mistral", "Olmo2"])
+@pytest.mark.parametrize(
+    "family", ["Qwen3", pytest.param("Mistral", marks=pytest.mark.slow), pytest.param("Olmo2", marks=pytest.mark.slow)]
+)
 def test_transformers_plans_beyond_llama(family: str) -> None:
     """transformers models whose own plans need more than Llama's: Qwen3's per-head ``q_norm`` / ``k_norm``
     (``replicated_with_grad_allreduce``: whole weights, gradients summed over the group, 2 L in-place
