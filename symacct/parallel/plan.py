@@ -27,13 +27,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import sympy
-
 from symacct.errors import SymacctError
 from symacct.parallel.layout import Layout, make_layout
-from symacct.parallel.rank import Parallel, Rank, derive_parallel, optimizer_bytes
+from symacct.parallel.rank import Parallel, Rank, compiled, derive_parallel, optimizer_bytes
 from symacct.parallel.schedule import actions, makespan
-from symacct.symbols import exact_form
 from symacct.time.hardware import Accelerator, get
 
 if TYPE_CHECKING:
@@ -414,7 +411,6 @@ class _Fast:
     def __init__(self, acct: Accounting, seq: int) -> None:
         self.acct = acct
         self.seq = seq
-        self._fns: dict[int, Any] = {}
         self._sizes: dict[tuple[int, int], dict[str, int]] = {}
         self._steady: Any = None
 
@@ -450,10 +446,7 @@ class _Fast:
     def _ev(self, e: Any, vals: dict[str, int]) -> Any:
         if isinstance(e, int):
             return e
-        fn = self._fns.get(id(e))
-        if fn is None:  # by identity first: the formulas are shared, and comparing two large ones costs
-            fn = self._fns[id(e)] = (exact_form(sympy.sympify(e)), e)  # e kept: its id stays valid
-        got = fn[0](vals)
+        got = compiled(self.acct, e)(vals)  # by identity: comparing two large formulas costs
         return got if isinstance(got, int) else round(got)
 
 

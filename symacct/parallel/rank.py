@@ -229,7 +229,7 @@ class Parallel:
         for r in ranks:
             parts = self.stages[r.stage]
             held, sent, loss, head, runtime = (
-                _compiled(run, e)(values) for e in (parts.held, parts.boundary, parts.loss, parts.head, parts.runtime)
+                compiled(run, e)(values) for e in (parts.held, parts.boundary, parts.loss, parts.head, parts.runtime)
             )
             own = _stage_own(run, r.stage, local)
             grads_b, working = int(r.grads), int(r.working)
@@ -757,7 +757,12 @@ def _stage_live(acct: Accounting, stage: str, accumulating: bool = False) -> tup
 DEGREES = frozenset({"dp", "pp", "m", "v", "tp", "cp", "dp_shard", "k", "k_first", "k_last", "g_held"})
 
 
-def _compiled(acct: Accounting, e: Expr) -> Callable[[Mapping[str, int]], Any]:
+def _sizes_key(values: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """The model's sizes among ``values`` (the degrees left out): what a per-sizes cache is keyed by."""
+    return tuple(sorted((k, v) for k, v in values.items() if k not in DEGREES))
+
+
+def compiled(acct: Accounting, e: Expr) -> Callable[[Mapping[str, int]], Any]:
     """``exact_form(e)``, kept on ``acct`` by the formula's identity (the formulas are shared; hashing and
     comparing large ones costs more than evaluating them)."""
     cache = acct.__dict__.setdefault("_compiled", {})
@@ -772,7 +777,7 @@ def _stage_own(acct: Accounting, stage: str, values: dict[str, int]) -> dict[tup
     and its backward ops ('B'), before a first backward and after (the gradients accumulating), exactly at
     ``values`` (L: the stage's blocks); kept per sizes (the planner asks again for each layout)."""
     cache = acct.__dict__.setdefault("_stage_own", {})
-    key = (stage, tuple(sorted((k, v) for k, v in values.items() if k not in DEGREES)))
+    key = (stage, _sizes_key(values))
     if key not in cache:
         if len(cache) >= 4096:
             cache.clear()
@@ -1060,7 +1065,7 @@ def _ceil_share(acct: Accounting, states: int, values: dict[str, int]) -> int:
     """The optimizer step's temporaries beyond the static bytes, scaled by the rank's share of the states (a
     model: the single device's, at every optimizer op exactly, rounded up to whole bytes)."""
     cache = acct.__dict__.setdefault("_optimizer_excess", {})
-    key = tuple(sorted((k, v) for k, v in values.items() if k not in DEGREES))
+    key = _sizes_key(values)
     if key not in cache:
         if len(cache) >= 4096:
             cache.clear()
