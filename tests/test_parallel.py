@@ -254,6 +254,32 @@ def test_gloo_pipeline_three_stages() -> None:
 
 
 @pytest.mark.slow
+def test_gloo_ddp_over_pipeline() -> None:
+    """DDP inside each stage of a pipeline, dp = 2 x pp = 2 on four gloo processes (GPipe with 3 micro-batches,
+    1F1B with 4): every rank's static bytes, its sends and its one bucket all-reduce (the stages run every
+    forward under no_sync, so DDP broadcasts no buffers after the first step), the loss, and each stage's
+    peak to the byte, at() and the formula both: the bucket copy of the stage's gradients beside the
+    schedule's points."""
+    acct = symacct.derive(GPT2(GPT2_PIPE), optimizer="adamw")
+    torch.manual_seed(0)
+    one = GPT2(GPT2_PIPE)
+    for schedule, m in (("gpipe", 3), ("1f1b", 4)):
+        loss = float(one(*Batch(m * 2, 7, 37)(one)).detach())
+        lay = make_layout(dp=2, pp=2, dp_mode="ddp", schedule=schedule, micro_batches=m)
+        par = derive_parallel(acct, lay)
+        pred = par.at(B=2, S=7)
+        got = gloo_world(Build(GPT2_PIPE), lay, Batch(m * 2, 7, 37), adamw, split=stage)
+        for g in got:  # rank = pp_rank * dp + dp_rank
+            p, f = pred.ranks[g.rank // 2], par.ranks[g.rank // 2]
+            assert (g.params, g.grads, g.optimizer) == (p.params, p.grads, p.optimizer)
+            sent = Counter((op, payload) for op, _phase, payload in g.collectives)
+            assert sent == Counter((c.op, c.payload) for c in p.collectives for _ in range(c.count))
+            assert sent[("all_reduce", p.grads)] == 1
+            assert g.peak == p.peak == evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})}), schedule
+        assert got[-1].loss == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.slow
 def test_gloo_interleaved_pipeline() -> None:
     """The interleaved schedule (v = 2 stages per rank, m = 4) on two gloo processes: every static byte, each
     send and receive, and the loss exactly; the peak on the additive model, whose runtime references

@@ -377,18 +377,32 @@ def gloo_world(
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _gloo_rank,
-            args=(layout, build, inputs, optimizer, stack, split, tmp),
-            nprocs=layout.world,
-            join=True,
-        )
+        try:
+            mp.spawn(
+                _gloo_rank,
+                args=(layout, build, inputs, optimizer, stack, split, tmp),
+                nprocs=layout.world,
+                join=True,
+            )
+        except mp.ProcessRaisedException as e:
+            raise SymacctError(
+                f"the real run of {layout.describe()} failed: {_first_error(tmp, layout.world)}",
+                hint="the ranks' tracebacks follow the cause",
+            ) from e
         out = []
         for r in range(layout.world):
             d = json.loads(Path(tmp, f"rank{r}.json").read_text())
             d["collectives"] = [tuple(c) for c in d["collectives"]]
             out.append(RankMeasure(**d))
         return out
+
+
+def _first_error(tmp: str, world: int) -> str:
+    """The ranks' errors, the one that is not a peer's hang-up first, each rank's traceback kept in full."""
+    errs = [(r, Path(tmp, f"rank{r}.err")) for r in range(world)]
+    texts = [(r, p.read_text()) for r, p in errs if p.exists()]
+    texts.sort(key=lambda rt: "Connection closed by peer" in rt[1])
+    return "\n".join(f"rank {r}:\n{t}" for r, t in texts)
 
 
 def _gloo_rank(
@@ -417,6 +431,11 @@ def _gloo_rank(
         else:
             got = _dp_step(model, layout, rank, args, optimizer, stack, counter)
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(dataclasses.asdict(got)))
+    except BaseException:  # each rank's own error: spawn reports the first to exit, often a peer's hang-up
+        import traceback
+
+        Path(tmp, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -430,11 +449,8 @@ def _dp_step(
     stack: str,
     counter: CollectiveCounter,
 ) -> RankMeasure:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     hooked: list[tuple[str, str, int]] = []
-    buckets: dict[int, torch.Tensor] = {}  # DDP's gradient buckets, by index
+    buckets: dict[tuple[int, int], torch.Tensor] = {}  # DDP's gradient buckets, by wrapper and index
     dp_mesh = None
     ring: Callable[[], Any] = contextlib.nullcontext  # context parallelism: each step in PyTorch's context_parallel
     if layout.cp > 1:  # ranks (dp_rank, cp_rank); the gradients reduced over all of them
@@ -459,18 +475,7 @@ def _dp_step(
         net: nn.Module = model
     elif layout.dp_mode == "ddp":
         # with cp, each rank's sequence tables are its own shard: rank 0's must not be broadcast over them
-        net = DDP(model, gradient_as_bucket_view=layout.bucket_view, broadcast_buffers=layout.cp == 1)
-
-        def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            buf = bucket.buffer()
-            hooked.append(("all_reduce", "backward", buf.numel() * buf.element_size()))
-            buckets[bucket.index()] = buf  # the reducer's flat bucket (the last warm-up step's: rebuilt)
-            fut = dist.all_reduce(buf, async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0].div_(layout.dp))
-
-        # DDP checks the annotations as objects, which this module's postponed annotations are not
-        hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-        net.register_comm_hook(None, hook)
+        net = _ddp(model, layout, None, hooked, buckets, broadcast_buffers=layout.cp == 1)
     elif layout.dp_mode == "fsdp":
         net = shard(model, layout, stack, dp_mesh)
     else:
@@ -491,7 +496,7 @@ def _dp_step(
     # DDP's gradient buckets, which its C++ reducer holds from step to step, as the hook saw them: held all
     # along (a gradient's copy into its bucket shows the bucket's storage, not new bytes); with
     # gradient_as_bucket_view they are the gradients' own storage, which the step allocates
-    held = tuple(buckets.values()) if isinstance(net, DDP) and not layout.bucket_view else ()
+    held = tuple(buckets.values()) if not layout.bucket_view else ()
     with ring():  # entered first: its copies of the inputs and tables to restore are not the step's
         tracker = _tracker(net, args, opt, more=held)
         with tracker:
@@ -501,11 +506,53 @@ def _dp_step(
                 loss.backward()
                 counter.phase = "optimizer"
                 opt.step()
-    # DDP: the buckets as the hook saw them, not the hook's own all-reduce call again
-    log = [c for c in counter.log if not (isinstance(net, DDP) and c[0] == "all_reduce" and c[1] == "backward")]
-    log += hooked
+    log = _without_hooked(counter.log, hooked)  # DDP: the buckets as the hook saw them
     params, grads, states = static_bytes(net, opt)
     return RankMeasure(rank, params, grads, states, log, first_loss, tracker.peak)
+
+
+def _ddp(
+    model: nn.Module,
+    layout: Layout,
+    group: Any,
+    hooked: list[tuple[str, str, int]],
+    buckets: dict[tuple[int, int], torch.Tensor],
+    broadcast_buffers: bool = True,
+) -> nn.Module:
+    """``model`` in DDP over ``group`` (None: the world), its bucket all-reduces read from a communication
+    hook: each call's payload into ``hooked``, each bucket's flat buffer into ``buckets`` (the reducer's,
+    rebuilt after the first step that synchronises)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = DDP(
+        model, process_group=group, gradient_as_bucket_view=layout.bucket_view, broadcast_buffers=broadcast_buffers
+    )
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        hooked.append(("all_reduce", "backward", buf.numel() * buf.element_size()))
+        buckets[id(net), bucket.index()] = buf
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].div_(layout.dp))
+
+    # DDP checks the annotations as objects, which this module's postponed annotations are not
+    hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    net.register_comm_hook(None, hook)
+    return net
+
+
+def _without_hooked(log: list[tuple[str, str, int]], hooked: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """The counter's log less the all-reduces DDP's hook issued (one per hooked bucket, by payload), then the
+    hooked buckets: each bucket counted once, as the hook saw it."""
+    drop = [payload for _op, _phase, payload in hooked]
+    out = []
+    for c in log:
+        if c[0] == "all_reduce" and c[2] in drop:
+            drop.remove(c[2])
+        else:
+            out.append(c)
+    return out + hooked
 
 
 def _pipeline_step(
@@ -522,14 +569,30 @@ def _pipeline_step(
 
     if split is None:
         raise SymacctError("a pipeline run needs split(model, stage, pp)")
+    # ranks (pp_rank, dp_rank), data parallelism inside each stage: DDP's replicas over the stage's module
+    pp_rank = rank // layout.dp
+    pp_group = dp_group = None
     if layout.dp > 1:
-        raise SymacctError("the real pipeline run is pp only (dp=1)")
-    # the rank's stages: rank, rank + pp, ... of pp * v (the interleaved schedule's v per rank)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if layout.dp_mode != "ddp":
+            raise SymacctError("the real run of data parallelism over a pipeline is DDP's", hint="--dp-mode ddp")
+        mesh = init_device_mesh("cpu", (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
+        pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    # the rank's stages: pp_rank, pp_rank + pp, ... of pp * v (the interleaved schedule's v per rank)
     n = layout.pp * layout.stages_per_rank
-    index = range(rank, n, layout.pp)
+    index = range(pp_rank, n, layout.pp)
     part = nn.ModuleList([split(model, s, n) for s in index])
-    stages = [PipelineStage(p, s, n, torch.device("cpu")) for p, s in zip(part, index, strict=True)]
-    last = rank == layout.pp - 1
+    hooked: list[tuple[str, str, int]] = []
+    buckets: dict[tuple[int, int], torch.Tensor] = {}
+    subs = [_ddp(p, layout, dp_group, hooked, buckets) if layout.dp > 1 else p for p in part]
+    idx, target = args
+    shapes = _stage_shapes(model, split, n, idx[: idx.shape[0] // layout.micro_batches]) if layout.dp > 1 else {}
+    stages = [
+        PipelineStage(p, s, n, torch.device("cpu"), group=pp_group, **shapes.get(s, {}))
+        for p, s in zip(subs, index, strict=True)
+    ]
+    last = pp_rank == layout.pp - 1
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
@@ -539,18 +602,41 @@ def _pipeline_step(
     one = stages[0] if layout.stages_per_rank == 1 else stages
     schedule = cls[layout.schedule](one, layout.micro_batches, loss_fn=loss_fn, scale_grads=True)
     opt = optimizer(part.parameters())
-    idx, target = args
-    first_loss = _run_schedule(schedule, rank, last, idx, target)  # the first step infers the stages' shapes
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    # the first step infers the stages' shapes; DDP rebuilds its buckets in the second
+    first_loss = None
+    for _ in range(2 if layout.dp > 1 else 1):
+        got = _run_schedule(schedule, pp_rank, last, idx, target)
+        first_loss = first_loss if first_loss is not None else got
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    hooked.clear()
     counter.phase = "step"  # a schedule interleaves forwards and backwards
-    tracker = _tracker(part, (idx, target), opt, tuple(b for st in stages for b in _runtime_buffers(st)))
+    held = tuple(b for st in stages for b in _runtime_buffers(st))
+    held += tuple(buckets.values()) if not layout.bucket_view else ()
+    tracker = _tracker(part, (idx, target), opt, held)
     with tracker, counter:
-        _run_schedule(schedule, rank, last, idx, target)
+        _run_schedule(schedule, pp_rank, last, idx, target)
         counter.phase = "optimizer"
         opt.step()
     params, grads, states = static_bytes(part, opt)
-    return RankMeasure(rank, params, grads, states, counter.log, first_loss, tracker.peak)
+    return RankMeasure(rank, params, grads, states, _without_hooked(counter.log, hooked), first_loss, tracker.peak)
+
+
+def _stage_shapes(
+    model: nn.Module, split: Callable[[nn.Module, int, int], nn.Module], n: int, micro: torch.Tensor
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Each stage's example input and output for one micro-batch, run through the stages in turn without
+    gradients: PipelineStage's static metadata. DDP needs it: the dynamic inference's real backward through
+    the DDP module records its parameters for the bucket rebuild once more than the reducer allows (torch
+    2.13: an internal assert, "rebuilt parameter indices size is not same as original model parameters size").
+    The gradients the stages run are PipelineStage's own, made at each micro-batch."""
+    out = {}
+    x = micro
+    for s in range(n):
+        y = split(model, s, n)(x).detach().requires_grad_(True)  # metadata: a float output carries gradients
+        out[s] = {"input_args": x, "output_args": y}
+        x = y
+    return out
 
 
 def _runtime_buffers(stage: Any) -> tuple[torch.Tensor, ...]:
@@ -621,7 +707,7 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     (measured); the loss is the ranks' mean."""
     from symacct.measure.verify import Row
     from symacct.options import OPTIMIZERS
-    from symacct.parallel.rank import SCHEDULE_RUNTIMES, derive_compute, derive_parallel
+    from symacct.parallel.rank import SCHEDULE_RUNTIMES, derive_compute, derive_parallel, stage_rank
     from symacct.pipeline import derive
 
     cfg = getattr(model, "config", None)
@@ -660,7 +746,9 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
         one = one.to(DTYPES[layout.param_dtype][0])
     loss = float(one(*ExampleBatch(global_batch, S)(one)).detach())
     rows = []
-    pairs = list(zip(got, par.ranks, strict=True)) if layout.pp > 1 else [(got[0], par.ranks[0])]
+    # data-parallel rank 0 of each kind of stage (rank = pp_rank * dp + dp_rank; the first middle stage)
+    stride = layout.dp * layout.cp * layout.tp
+    pairs = [(got[stage_rank(r.stage, layout.pp) * stride], r) for r in par.ranks]
     for g, p in pairs:
         who = f"rank {g.rank} ({p.stage})"
         for f in ("params", "grads", "optimizer"):

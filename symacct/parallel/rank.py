@@ -225,6 +225,7 @@ class Parallel:
             return ranks
         run = self.compute or self.acct
         local = {**values, "L": values["L"] // lay.pp}  # one stage's blocks
+        beside = evaluate(_optimizer_beside(self.acct, lay), values)
         out = []
         for r in ranks:
             parts = self.stages[r.stage]
@@ -234,7 +235,7 @@ class Parallel:
             own = _stage_own(run, r.stage, local)
             grads_b, working = int(r.grads), int(r.working)
             best = 0
-            index = _stage_index(r.stage, lay.pp)
+            index = stage_rank(r.stage, lay.pp)
             for kind, grads, others, refs, losses, outs in _points(
                 lay.schedule, lay.pp, lay.micro_batches, index, lay.return_outputs
             ):
@@ -242,7 +243,11 @@ class Parallel:
                 here += _beside(others, refs, losses, outs, grads, held, sent, loss, head, grads_b, working)
                 best = max(best, here)
             kept = lay.micro_batches * head if r.stage == "last" and lay.return_outputs else 0
-            opt = grads_b + _ceil_share(self.acct, int(r.optimizer), values) + kept
+            bucket = working if lay.dp_mode == "ddp" else 0  # DDP's bucket copy lives on; FSDP2 has resharded
+            if _loop_optimizer(run):  # the stage's own optimizer ops, exactly
+                opt = own[("O", False)] + kept + bucket
+            else:
+                opt = grads_b + _ceil_share(self.acct, int(r.optimizer), values) + kept + beside + bucket
             peak = int(r.params) + int(r.optimizer) + runtime + max(best, opt)
             out.append(dataclasses.replace(r, peak=peak))
         return out
@@ -255,9 +260,10 @@ class Parallel:
             return ranks
         ov, static = self.overlay
         steps, held = ov.evaluate(values)[0], evaluate(static, values)
+        beside = evaluate(_optimizer_beside(self.acct, self.layout), values)
         out = []
         for r in ranks:
-            opt = held + int(r.grads) + _ceil_share(self.acct, int(r.optimizer), values)
+            opt = held + int(r.grads) + _ceil_share(self.acct, int(r.optimizer), values) + beside
             out.append(dataclasses.replace(r, peak=max(steps, opt)))
         return out
 
@@ -680,15 +686,43 @@ def _part(acct: Accounting, name: str) -> Any:
 
 
 def _optimizer_excess(acct: Accounting) -> Expr:
-    """The single-device optimizer step's bytes beyond the static ones, once the states exist: ``Max`` over
-    the optimizer's points largest somewhere in a sample of the sizes (``overlay_peaks`` evaluates every
-    point exactly)."""
+    """The single-device optimizer step's own temporaries (beyond the static bytes and ``_kept_by_step``),
+    once the states exist: ``Max`` over the optimizer's points largest somewhere in a sample of the sizes
+    (``overlay_peaks`` evaluates every point exactly)."""
     steady, ops = _steady_live(acct), _part(acct, "optimizer_ops")
     if not ops:
         return ZERO
     _, points = steady.symbolic_peak(_peak_names(acct), ops=ops)
-    static = acct.memory.params + acct.memory.grads + acct.memory.optimizer
+    static = acct.memory.params + acct.memory.grads + acct.memory.optimizer + _kept_by_step(acct)
     return sympy.Max(ZERO, *(sympy.expand(steady.at_point(t) - static) for t in points), evaluate=False)
+
+
+def _loop_optimizer(acct: Accounting) -> bool:
+    """Whether every optimizer op updates one parameter (a single-tensor step: each op named after its
+    parameter's module), so that a stage's optimizer step is its own parameters' ops; a foreach or fused
+    step runs over all of them at once."""
+    live = _steady_live(acct)
+    ops = _part(acct, "optimizer_ops")
+    return bool(ops) and all(live.labels[t][2] for t in ops)
+
+
+def _kept_by_step(acct: Accounting) -> Expr:
+    """What the single-device optimizer step holds beside the static bytes and its own temporaries: the module
+    buffers, the step's inputs and its loss. A rank holds its own of these whole (``_optimizer_beside``); only
+    the temporaries scale with its share of the states."""
+    mem = acct.memory
+    return mem.buffers + mem.inputs + mem.loss
+
+
+def _optimizer_beside(acct: Accounting, layout: Layout) -> Expr:
+    """What a rank holds at its optimizer step beside its static bytes, gradients and the optimizer's
+    temporaries: without a pipeline, the buffers, the inputs and the loss (the caller's); a pipeline stage's
+    own blocks' buffers (L / pp of them, and those outside the stack) and one micro-batch's inputs (the
+    others are ``Rank.runtime``), its losses gone with ``step()``."""
+    mem = acct.memory
+    if layout.pp == 1:
+        return _kept_by_step(acct)
+    return sympy.sympify(mem.buffers).subs(sym("L"), sym("L") / sym("pp")) + mem.inputs
 
 
 def _peak_names(acct: Accounting) -> list[str]:
@@ -714,14 +748,17 @@ def _steady_liveness(acct: Accounting) -> Liveness:
 STAGE_SIDES = {"first": ("before", "stack"), "middle": ("stack",), "last": ("stack", "after")}
 
 
-def _stage_live(acct: Accounting, stage: str, accumulating: bool = False) -> tuple[Liveness, list[int], list[int]]:
+def _stage_live(
+    acct: Accounting, stage: str, accumulating: bool = False
+) -> tuple[Liveness, list[int], list[int], list[int]]:
     """A pipeline stage's own live bytes for the micro-batch in flight beside its parameters and states: the
     single-device step's liveness less the parameters and states and less every storage the other parts
     make (the first stage runs no head: the logits' gradient is the last stage's; the stage's input and its
     output's gradient arrive in the runtime's receive buffers, counted apart), its gradients as the first
     backward makes them, evaluated with L set to the stage chunk's blocks; and the forward and the backward
-    ops of the stage's parts. ``accumulating``: the stage's gradients exist from an earlier micro-batch
-    (1F1B, gradient accumulation), so each new one lives until AccumulateGrad adds it in
+    ops of the stage's parts, and its optimizer ops (a single-tensor optimizer's op belongs to the part whose
+    parameter it updates: ``_loop_optimizer``). ``accumulating``: the stage's gradients exist from an earlier
+    micro-batch (1F1B, gradient accumulation), so each new one lives until AccumulateGrad adds it in
     (``Liveness.without``)."""
     cache = acct.__dict__.setdefault("_stage_live", {})
     key = (stage, accumulating)
@@ -731,11 +768,18 @@ def _stage_live(acct: Accounting, stage: str, accumulating: bool = False) -> tup
         blocks, side = _sides(acct)
         labels = live.labels
         wanted = STAGE_SIDES[stage]
+        # a module outside the stack: the side its forward runs on (a parameter's optimizer ops name its module)
+        placed: dict[str, str] = {}
+        for t, lab in enumerate(labels):
+            if lab[3] == "forward" and blocks[t] is None:
+                placed.setdefault(lab[2], side(t, "forward"))
 
         def part(t: int) -> str:
             if blocks[t] is not None:
                 return "stack"
             phase = labels[t][3]
+            if phase == "optimizer" and labels[t][2] in placed:
+                return placed[labels[t][2]]
             return side(t, phase if phase in ("forward", "backward") else "forward")
 
         def drop(st: int, made: int, other: bool) -> bool:
@@ -748,9 +792,10 @@ def _stage_live(acct: Accounting, stage: str, accumulating: bool = False) -> tup
 
         ops = {
             phase: [t for t, lab in enumerate(labels) if lab[3] == phase and part(t) in wanted]
-            for phase in ("forward", "backward")
+            for phase in ("forward", "backward", "optimizer")
         }
-        cache[key] = (live.steady().without(drop, brief=accumulating), ops["forward"], ops["backward"])
+        steady = live.steady().without(drop, brief=accumulating)
+        cache[key] = (steady, ops["forward"], ops["backward"], ops["optimizer"])
     return cache[key]
 
 
@@ -783,8 +828,8 @@ def _stage_own(acct: Accounting, stage: str, values: dict[str, int]) -> dict[tup
             cache.clear()
         own: dict[tuple[str, bool], int] = {}
         for grads in (False, True):
-            live, fwd, bwd = _stage_live(acct, stage, grads)
-            for kind, ops in (("F", fwd), ("B", bwd)):
+            live, fwd, bwd, opt = _stage_live(acct, stage, grads)
+            for kind, ops in (("F", fwd), ("B", bwd), ("O", opt)):
                 own[(kind, grads)] = int(live.during_array(values, ops)[1].max()) if ops else 0
         cache[key] = own
     return cache[key]
@@ -801,8 +846,8 @@ def _stage_in_flight(
     cache = acct.__dict__.setdefault("_stage_in_flight", {})
     key = (stage, accumulating, chunks, phases)
     if key not in cache:
-        stage_live, fwd, bwd = _stage_live(acct, stage, accumulating)
-        ops = sorted((fwd if "F" in phases else []) + (bwd if "B" in phases else []))
+        stage_live, fwd, bwd, opt = _stage_live(acct, stage, accumulating)
+        ops = sorted((fwd if "F" in phases else []) + (bwd if "B" in phases else []) + (opt if "O" in phases else []))
         names = sorted({str(x) for x in sympy.sympify(acct.memory.peak).free_symbols} | {"L"})
         peak, _ = stage_live.symbolic_peak(names, ops=ops)
         share = {sym("L"): sym("L") / (sym("pp") * chunks)}  # each point on its own: no Max evaluated again
@@ -930,7 +975,8 @@ def _formulas(
             if overlays is not None:
                 overlays.append(overlay)
             share = states / mem.optimizer if mem.optimizer != 0 else ZERO
-            peak = sympy.Max(overlay[1], overlay[2] + grads + sympy.ceiling(excess_opt * share), evaluate=False)
+            opt = overlay[2] + grads + sympy.ceiling(excess_opt * share) + _optimizer_beside(acct, layout)
+            peak = sympy.Max(overlay[1], opt, evaluate=False)
         else:  # the optimizer's temporaries scale with the states it updates
             share = states / mem.optimizer if mem.optimizer != 0 else ZERO
             # gradients are alive at the activations' peak when a backward ran before it: g_held (0 or 1)
@@ -938,9 +984,10 @@ def _formulas(
             # (a model: rounded up to whole bytes, as the share is a fraction of the single device's)
             # the last stage's outputs kept for step()'s return live until the next step: the optimizer's too
             kept = m * head_out if piped and holds["after"] and layout.return_outputs else ZERO
+            bucket = working if mode == "ddp" else ZERO  # DDP's bucket copy lives on; FSDP2 has resharded
             during = sympy.Max(
                 activations + working + stage_transient + held_grads,
-                grads + sympy.ceiling(excess_opt * share) + kept,
+                grads + sympy.ceiling(excess_opt * share) + kept + _optimizer_beside(acct, layout) + bucket,
                 evaluate=False,
             )
             peak = params + states + runtime + during
@@ -1033,8 +1080,9 @@ def _dominant(points: tuple[Point, ...]) -> list[Point]:
     return [k for kind in sorted(by_kind) for k in by_kind[kind]]
 
 
-def _stage_index(kind: str, pp: int) -> int:
-    return {"first": 0, "middle": 1, "last": pp - 1}[kind]
+def stage_rank(kind: str, pp: int) -> int:
+    """The pipeline rank of a kind of stage (``only``: 0; ``middle``: the first of them)."""
+    return {"only": 0, "first": 0, "middle": 1, "last": pp - 1}[kind]
 
 
 def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layout, run: Accounting) -> Expr:
@@ -1046,7 +1094,7 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
 
     m = layout.micro_batches
     terms = []
-    index = _stage_index(parts.kind, layout.pp)
+    index = stage_rank(parts.kind, layout.pp)
     for kind, grads, others, sent, losses, outs in _dominant(
         _points(layout.schedule, layout.pp, m, index, layout.return_outputs)
     ):
@@ -1057,13 +1105,19 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
     excess = _part(acct, "steady")[2]
     share = rank.optimizer / mem.optimizer if mem.optimizer != 0 else ZERO
     kept_outputs = m * parts.head if parts.kind == "last" and layout.return_outputs else ZERO
-    terms.append(rank.grads + sympy.ceiling(excess * share) + kept_outputs)
+    bucket = rank.working if layout.dp_mode == "ddp" else ZERO  # DDP's bucket copy lives on
+    if _loop_optimizer(run):  # the stage's own optimizer ops
+        terms.append(_stage_in_flight(run, parts.kind, phases="O") + kept_outputs + bucket)
+    else:
+        beside = _optimizer_beside(acct, layout)
+        terms.append(rank.grads + sympy.ceiling(excess * share) + kept_outputs + beside + bucket)
     return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
 
 
 def _ceil_share(acct: Accounting, states: int, values: dict[str, int]) -> int:
-    """The optimizer step's temporaries beyond the static bytes, scaled by the rank's share of the states (a
-    model: the single device's, at every optimizer op exactly, rounded up to whole bytes)."""
+    """The optimizer step's own temporaries (beyond the static bytes and ``_kept_by_step``), scaled by the
+    rank's share of the states (a model: the single device's, at every optimizer op exactly, rounded up to
+    whole bytes)."""
     cache = acct.__dict__.setdefault("_optimizer_excess", {})
     key = _sizes_key(values)
     if key not in cache:
@@ -1073,7 +1127,8 @@ def _ceil_share(acct: Accounting, states: int, values: dict[str, int]) -> int:
         excess = 0
         if total:
             live = _steady_live(acct).during(values, _part(acct, "optimizer_ops"))
-            static = evaluate(acct.memory.params + acct.memory.grads + acct.memory.optimizer, values)
+            mem = acct.memory
+            static = evaluate(mem.params + mem.grads + mem.optimizer + _kept_by_step(acct), values)
             excess = max([0, *(b - static for b in live.values())])
         cache[key] = (total, excess)
     total, excess = cache[key]
@@ -1139,7 +1194,8 @@ def _steady(acct: Accounting) -> tuple[Expr, Expr, Expr]:
     """The single-device step once the optimizer states exist (every step after the first; the liveness's
     ``steady``): its peak, and its bytes beyond what the model keeps: at the forward and backward candidate
     points, beyond the parameters, the states, the gradients alive there and every saved activation (the
-    activations' peak is where backward starts); at the optimizer points, beyond the static bytes."""
+    activations' peak is where backward starts); at the optimizer points, the optimizer's own temporaries
+    (beyond the static bytes and ``_kept_by_step``)."""
     mem, live = acct.memory, acct.liveness
     if live is None:
         raise SymacctError("this derivation has no liveness", hint="derive the model again")
@@ -1150,7 +1206,7 @@ def _steady(acct: Accounting) -> tuple[Expr, Expr, Expr]:
     for t in points:
         point = steady.at_point(t)
         if steady.labels[t][3] == "optimizer":
-            opt.append(sympy.expand(point - static))
+            opt.append(sympy.expand(point - static - _kept_by_step(acct)))
         else:  # beyond the parameters, the states, the gradients alive there and every saved activation
             grads = steady.grads_at_point(t)
             fb.append(sympy.expand(point - mem.params - mem.optimizer - grads - mem.activations))
@@ -1201,8 +1257,13 @@ def _collectives(
                     "all_reduce", "dp", dp, sympy.expand(g), sympy.Integer(1), "backward", "gradients (DDP buckets)"
                 )
             )
-            if mem.buffers != 0 and layout.cp == 1:  # broadcast_buffers=True: rank 0's buffers at every forward
-                out.append(Collective("broadcast", "dp", dp, mem.buffers, m, "forward", "module buffers (DDP)"))
+            # broadcast_buffers=True: rank 0's buffers at a forward after a synchronising one (DDP's
+            # require_forward_param_sync): once a step, under no_sync for all but the last micro-batch; never
+            # after the first step in a pipeline, whose stages run every forward under no_sync
+            if mem.buffers != 0 and layout.cp == 1 and layout.pp == 1:
+                out.append(
+                    Collective("broadcast", "dp", dp, mem.buffers, sympy.Integer(1), "forward", "module buffers (DDP)")
+                )
         elif mode in ("zero1", "zero2"):
             out.append(
                 Collective(
