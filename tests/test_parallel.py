@@ -200,6 +200,42 @@ def test_gloo_data_parallel() -> None:
             assert got.rank or got.peak == pred.peak
 
 
+@pytest.mark.slow
+def test_gloo_ddp_accumulation_and_bucket_views() -> None:
+    """DDP on two gloo processes: gradient accumulation (no_sync for all but the last micro-batch; each
+    micro-batch's inputs handed over on its own) holds the gradients from the second micro-batch on, each new
+    one freed once added in; gradient_as_bucket_view frees each new gradient once copied into its bucket,
+    whose storage the reducer holds from step to step as without it. The peak to the byte, by at() and by
+    the formula; one bucket all-reduce and one buffer broadcast a step; the loss, the micro-batches' mean."""
+    acct = symacct.derive(GPT2(GPT2_WIDE), optimizer="adamw")
+    torch.manual_seed(0)
+    one = GPT2(GPT2_WIDE)
+    for m, view in ((2, False), (1, True), (1, False)):
+        lay = make_layout(dp=2, dp_mode="ddp", micro_batches=m, bucket_view=view)
+        par = derive_parallel(acct, lay)
+        pred = par.at(B=2, S=32)
+        got = gloo_world(Build(GPT2_WIDE), lay, Batch(m * 2, 32, 512), adamw)
+        p = pred.ranks[0]
+        assert evaluate(par.ranks[0].peak, pred.values) == p.peak
+        batch = Batch(m * 2, 32, 512)(one)
+        loss = sum(float(one(*(a[i * 2 : (i + 1) * 2] for a in batch)).detach()) for i in range(m)) / m
+        for g in got:
+            assert (g.params, g.grads, g.optimizer, g.peak) == (p.params, p.grads, p.optimizer, p.peak), (m, view)
+            assert Counter(g.collectives) == _predicted(p)
+            assert g.loss == pytest.approx(loss, rel=1e-5)
+    # the later micro-batch holds every gradient beside its activations: the accumulation's peak is higher
+    assert derive_parallel(acct, make_layout(dp=2, dp_mode="ddp", micro_batches=2)).at(B=2, S=32).ranks[0].peak > (
+        derive_parallel(acct, make_layout(dp=2, dp_mode="ddp")).at(B=2, S=32).ranks[0].peak
+    )
+
+
+def test_bucket_view_refused_where_not_derived() -> None:
+    """gradient_as_bucket_view with a pipeline or gradient accumulation: refused, naming why."""
+    for lay in ({"pp": 2, "micro_batches": 2}, {"micro_batches": 2}):
+        with pytest.raises(SymacctError, match="gradient_as_bucket_view with a pipeline or gradient accumulation"):
+            make_layout(dp=2, dp_mode="ddp", bucket_view=True, **lay)
+
+
 def test_fsdp_mixed_precision_peak_where_activations_are_small(wide_sdpa: dict[str | None, symacct.Accounting]) -> None:
     """At B = 2, S = 8 FSDP2's own buffers in backward (a block gathered and the next prefetched, unsharded
     gradients, a reduce-scatter input) decide the peak: placed at FSDP2's hooks on the traced step, to the

@@ -483,32 +483,68 @@ def _dp_step(
     opt = optimizer(net.parameters())
     # the first step makes the optimizer states, DDP rebuilds its buckets in the second (a broadcast of the
     # order); the third, measured, is every later one
+    m = layout.micro_batches
+    if m > 1 and layout.dp_mode != "ddp":
+        raise SymacctError(f"the real run of gradient accumulation is DDP's, not {layout.dp_mode}'s", hint="m=1")
     first_loss = None
+    b = args[0].shape[0] // m
+    rows = [torch.arange(i * b, (i + 1) * b) for i in range(m)]
     for _ in range(2):
         with ring():
-            warm = net(*args)
-            first_loss = first_loss if first_loss is not None else float(_local(warm.detach()))
-            warm.backward()
+            if m > 1:
+                mean, warm, _mb = _accumulate(net, args, rows, counter)
+            else:
+                warm, _mb = net(*args), args
+                mean = float(_local(warm.detach()))
+                warm.backward()
+            first_loss = first_loss if first_loss is not None else mean
         opt.step()
         opt.zero_grad(set_to_none=True)
-        del warm
+        del warm, _mb
     hooked.clear()
-    # DDP's gradient buckets, which its C++ reducer holds from step to step, as the hook saw them: held all
-    # along (a gradient's copy into its bucket shows the bucket's storage, not new bytes); with
-    # gradient_as_bucket_view they are the gradients' own storage, which the step allocates
-    held = tuple(buckets.values()) if not layout.bucket_view else ()
+    # DDP's gradient buckets, which its C++ reducer holds from step to step (with gradient_as_bucket_view too,
+    # though zero_grad(set_to_none=True) lets go of the views), as the hook saw them: held all along (a
+    # gradient's copy into its bucket shows the bucket's storage, not new bytes)
+    held = tuple(buckets.values())
     with ring():  # entered first: its copies of the inputs and tables to restore are not the step's
-        tracker = _tracker(net, args, opt, more=held)
+        # gradient accumulation: each micro-batch's inputs copied out of the batch as a loader hands them over
+        tracker = _tracker(net, args if m == 1 else (), opt, more=held)
         with tracker:
             with counter:
-                loss = net(*args)
-                counter.phase = "backward"
-                loss.backward()
+                if m > 1:
+                    _, loss, _mb = _accumulate(net, args, rows, counter)
+                else:
+                    loss = net(*args)
+                    counter.phase = "backward"
+                    loss.backward()
                 counter.phase = "optimizer"
                 opt.step()
     log = _without_hooked(counter.log, hooked)  # DDP: the buckets as the hook saw them
     params, grads, states = static_bytes(net, opt)
     return RankMeasure(rank, params, grads, states, log, first_loss, tracker.peak)
+
+
+def _accumulate(
+    net: nn.Module, args: tuple[Any, ...], rows: list[torch.Tensor], counter: CollectiveCounter
+) -> tuple[float, torch.Tensor, tuple[Any, ...]]:
+    """Gradient accumulation over the micro-batches of ``args`` (the ``rows`` of dim 0 of each), DDP's
+    ``no_sync`` for all but the last: each micro-batch's inputs copied out as a loader would hand them over
+    (``index_select``: a storage of its own, the whole batch never an op's output), dropped after its
+    backward. Returned: the micro-batches' mean loss, and the last one's loss and inputs (alive through the
+    optimizer step, as one step's are)."""
+    m = len(rows)
+    total = 0.0
+    for i in range(m):
+        mb = tuple(a.index_select(0, rows[i]) if isinstance(a, torch.Tensor) else a for a in args)
+        with net.no_sync() if i < m - 1 else contextlib.nullcontext():  # type: ignore[operator]
+            counter.phase = "forward"
+            loss = net(*mb)
+            counter.phase = "backward"
+            loss.backward()
+        total += float(_local(loss.detach()))
+        if i < m - 1:
+            del loss, mb
+    return total / m, loss, mb
 
 
 def _ddp(
@@ -737,7 +773,7 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     par = derive_parallel(acct, layout, compute).at(B=B, S=S)  # B: one micro-batch of one data-parallel rank
     build = Construct(type(model), cfg)
     opt = Optimizer(OPTIMIZERS[optimizer])
-    global_batch = B * layout.micro_batches if layout.pp > 1 else B
+    global_batch = B * layout.micro_batches  # a pipeline's or gradient accumulation's m micro-batches
     got = gloo_world(
         build, layout, ExampleBatch(global_batch, S), opt, stack=next(iter(acct.per_layer), ""), split=_stage
     )

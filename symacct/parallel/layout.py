@@ -47,7 +47,7 @@ class Layout:
     dp_mode: str = "fsdp"
     reshard_after_forward: bool = True  # FSDP2: free each block's gathered parameters after its forward
     hsdp_shard: int | None = None  # HSDP: size of the sharding group (dp = shard * replicate)
-    bucket_view: bool = False  # DDP gradient_as_bucket_view: no separate bucket copy of the gradients
+    bucket_view: bool = False  # DDP gradient_as_bucket_view: each gradient a view of its bucket once reduced
     schedule: str = "1f1b"
     micro_batches: int = 1  # m
     stages_per_rank: int = 1  # v (interleaved only)
@@ -163,6 +163,12 @@ def make_layout(
             f"{lay.dp_mode} with a pipeline is not derived yet (its gradients accumulate unsharded over the "
             "micro-batches, then reduce once)",
             hint="with pp > 1 use dp_mode='ddp' or 'zero1'",
+        )
+    if lay.bucket_view and (lay.pp > 1 or lay.micro_batches > 1):
+        raise SymacctError(
+            "gradient_as_bucket_view with a pipeline or gradient accumulation is not derived yet (the gradients "
+            "of the no_sync micro-batches are tensors of their own until the last backward copies them in)",
+            hint="drop bucket_view (--bucket-view), or use m=1 without a pipeline",
         )
     if lay.pp == 1 and (lay.schedule == "interleaved" or lay.stages_per_rank > 1):
         raise SymacctError("an interleaved schedule needs a pipeline", hint="pass pp > 1, or schedule='1f1b'")

@@ -412,19 +412,14 @@ class _Fast:
         self.acct = acct
         self.seq = seq
         self._sizes: dict[tuple[int, int], dict[str, int]] = {}
-        self._steady: Any = None
 
     def at(self, par: Parallel, B: int) -> Parallel:
         """``par.at(B=B, S=seq)``: the same figures (peaks exactly where ``Parallel.at`` evaluates them so)."""
         values = {**self.acct.symbols, "B": B, "S": self.seq, **par.degrees()}
         lay = par.layout
         ranks = par.evaluated_ranks(values, self._ev)
-        live = self.acct.liveness
-        if lay.pp == 1 and (lay.replicas == 1 or lay.dp_mode == "ddp") and live is not None:
-            if self._steady is None:
-                self._steady = live.steady()
-            steady = self._steady.evaluate(self._model_sizes(B, lay))[0]  # as Parallel.at: every op, exactly
-            ranks = [dataclasses.replace(r, peak=steady + r.working) for r in ranks]
+        if par.replicated():  # as Parallel.at: every op, exactly
+            ranks = par.replica_peaks(ranks, self._model_sizes(B, lay))
         elif par.overlay is not None:  # FSDP2: exactly, at every point (Parallel.at)
             ranks = par.overlay_peaks(ranks, {**self._model_sizes(B, lay), **par.degrees()})
         elif lay.pp > 1:  # a pipeline: exactly, at every point of the schedule (Parallel.at)

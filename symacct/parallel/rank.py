@@ -175,12 +175,8 @@ class Parallel:
 
         ranks = self.evaluated_ranks(base, ev)
         lay = self.layout
-        live = self.acct.liveness
-        if lay.pp == 1 and (lay.replicas == 1 or lay.dp_mode == "ddp") and live is not None:
-            # replicas run the single-device (or tensor-parallel rank's) step: its later-step peak exactly, at
-            # every op, not the envelope of the points sampled for the formula
-            steady = live.steady().evaluate(values)[0]
-            ranks = [dataclasses.replace(r, peak=steady + r.working) for r in ranks]
+        if self.replicated():
+            ranks = self.replica_peaks(ranks, values)
         elif self.overlay is not None:
             ranks = self.overlay_peaks(ranks, base)
         elif lay.pp > 1:
@@ -208,6 +204,28 @@ class Parallel:
             optimizer_bytes=evaluate(optimizer_bytes(self.acct), base),
             acct_optimizer=evaluate(self.acct.memory.optimizer, base),
         )
+
+    def replicated(self) -> bool:
+        """Replicas of the single-device (or tensor-parallel rank's) step: DDP, or one data-parallel rank."""
+        lay = self.layout
+        return lay.pp == 1 and (lay.replicas == 1 or lay.dp_mode == "ddp") and self.acct.liveness is not None
+
+    def replica_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
+        """Replicas (``_replicas``): the later step's peak exactly, at every op (not the envelope of the points
+        sampled for the formula), plus DDP's buckets; with ``gradient_as_bucket_view`` each gradient freed once
+        copied into its bucket; with gradient accumulation the gradients an earlier micro-batch left held
+        through the next, each new one freed once added in (``_brief_peak``); ``values``: the model's sizes."""
+        lay = self.layout
+        steady = _steady_live(self.acct).evaluate(values)[0]
+        out = []
+        for r in ranks:
+            peak = steady
+            if lay.bucket_view or lay.micro_batches > 1:
+                brief = _part(self.acct, "brief_live").evaluate(values)[0]
+                peak = max(steady, brief + int(r.grads)) if lay.micro_batches > 1 else brief
+            sync = compiled(self.acct, _buffer_broadcast(self.acct, lay))(values) if lay.replicas > 1 else 0
+            out.append(dataclasses.replace(r, peak=max(peak, sync) + int(r.working)))
+        return out
 
     def _schedule_points(self) -> bool:
         """A pipeline whose peaks ``pipeline_peaks`` evaluates at the schedule's points (gpipe, 1f1b)."""
@@ -421,7 +439,8 @@ def derive_parallel(
         layout.param_dtype,
         layout.reduce_dtype,
         id(compute),
-        layout.micro_batches > 1 and mode == "fsdp" and layout.pp == 1,  # FSDP2's overlay: accumulating
+        # gradient accumulation: FSDP2's overlay accumulating, DDP's gradients held from the second micro-batch
+        layout.micro_batches > 1 and mode in ("fsdp", "ddp") and layout.pp == 1,
     )
     cache = acct.__dict__.setdefault("_parallel_formulas", {})
     if key not in cache:
@@ -441,7 +460,11 @@ def derive_parallel(
     held: dict[str, dict[str, int]] = {"only": {"g_held": int(layout.micro_batches > 1)}}
     flight = [1]
     if layout.pp == 1 and mode == "ddp":
-        notes = ["peak per rank (a later step) = the single-device step's traced peak + the DDP bucket copy"]
+        notes = [
+            "peak per rank (a later step) = the single-device step's traced peak + DDP's buckets (held from step "
+            "to step); with gradient_as_bucket_view each gradient freed once copied into its bucket, with "
+            "gradient accumulation (no_sync) the gradients held from the second micro-batch on"
+        ]
     elif overlays:
         notes = [
             "peak per rank (a later step): the traced step with FSDP2's own buffers placed at its hooks (all-gather "
@@ -679,6 +702,8 @@ def _part(acct: Accounting, name: str) -> Any:
             "outside": _outside_flops,
             "blocks": lambda a: op_blocks(a.step.ops, list(a.per_layer)),
             "steady_live": _steady_liveness,
+            "brief": _brief_peak,
+            "brief_live": lambda a: _steady_live(a).without(lambda st, made, other: False, brief=True),
             "optimizer_ops": lambda a: [t for t, lab in enumerate(_steady_live(a).labels) if lab[3] == "optimizer"],
         }
         per_acct[name] = make[name](acct)
@@ -695,6 +720,23 @@ def _optimizer_excess(acct: Accounting) -> Expr:
     _, points = steady.symbolic_peak(_peak_names(acct), ops=ops)
     static = acct.memory.params + acct.memory.grads + acct.memory.optimizer + _kept_by_step(acct)
     return sympy.Max(ZERO, *(sympy.expand(steady.at_point(t) - static) for t in points), evaluate=False)
+
+
+def _buffer_broadcast(acct: Accounting, layout: Layout) -> Expr:
+    """DDP's buffer broadcast before a step's first forward (``broadcast_buffers``; not with context
+    parallelism, whose runs turn it off): the buffers flattened into one tensor (c10d's
+    ``broadcast_coalesced``) beside what lives before the step, the parameters, states, buffers and inputs."""
+    mem = acct.memory
+    if mem.buffers == 0 or layout.cp > 1:
+        return ZERO
+    return mem.params + mem.optimizer + 2 * mem.buffers + mem.inputs
+
+
+def _brief_peak(acct: Accounting) -> Expr:
+    """The single-device later step's peak with each gradient alive only from the op that makes it to the
+    one at which AccumulateGrad takes it (``Liveness.without(brief=True)``): a gradient DDP copies into its
+    bucket view, or one added into the gradients an earlier micro-batch left."""
+    return _part(acct, "brief_live").symbolic_peak(_peak_names(acct))[0]
 
 
 def _loop_optimizer(acct: Accounting) -> bool:
@@ -956,7 +998,7 @@ def _formulas(
             root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
             block = [(rw, sympy.Integer(1)) for rw, _c in stack_rows]
             working = _gathered(root, n, sizes=gathered) + _gathered(block, n, sizes=gathered)
-        elif mode == "ddp" and layout.replicas > 1 and not layout.bucket_view:
+        elif mode == "ddp" and layout.replicas > 1:  # the reducer's buckets, held from step to step (as views too)
             working = grads
         # model FLOPs of one step on this rank, and of one micro-batch through one stage chunk
         share = L / (pp * v) if piped else L
@@ -967,8 +1009,18 @@ def _formulas(
             f += outside["before"]["forward"] + outside["before"]["backward"]
         if holds["after"]:
             f += outside["after"]["forward"] + outside["after"]["backward"]
-        if not piped and mode == "ddp":  # replicas: the single-device step, exactly, and the bucket copy
-            peak = steady_peak + working
+        if not piped and mode == "ddp":  # replicas: the single-device step, exactly, and the buckets
+            if layout.bucket_view or layout.micro_batches > 1:
+                # each new gradient freed once taken: copied into its bucket view (gradient_as_bucket_view), or
+                # added into the gradients held from an earlier micro-batch (gradient accumulation)
+                brief = _part(acct, "brief")
+                peak = (brief + grads if layout.micro_batches > 1 else brief) + working
+                if layout.micro_batches > 1:
+                    peak = sympy.Max(steady_peak + working, peak, evaluate=False)
+            else:
+                peak = steady_peak + working
+            if layout.replicas > 1:
+                peak = sympy.Max(peak, _buffer_broadcast(acct, layout) + working, evaluate=False)
         elif piped and v == 1:  # GPipe, 1F1B: the schedule's points (derive_parallel: _pipeline_peak)
             peak = sympy.nan
         elif overlay is not None:  # FSDP2's buffers placed on the trace, point by point (symacct.parallel.fsdp)
