@@ -290,6 +290,24 @@ def test_gloo_pipeline_three_stages() -> None:
 
 
 @pytest.mark.slow
+def test_gloo_pipeline_one_block_stages() -> None:
+    """Stages of one block each (L = pp: GPipe over two stages, 1F1B over three), causal masks of S_max =
+    1024 rows beside D = 16 (the position table's AdamW step the first stage's largest point): every stage's
+    peak to the byte, at() and the formula. The probe's block 0 stands for a stage's last block too, and the
+    gradient it receives comes from the next stage's receive buffer (``_stage_live(one_block=True)``); the
+    optimizer step is the stage's own parameters' ops (before: one stage output high, and 40% high)."""
+    for L, schedule, m in ((2, "gpipe", 2), (3, "1f1b", 3)):
+        cfg = dataclasses.replace(GPT2_PIPE, n_embd=16, n_layer=L, vocab_size=64, block_size=1024)
+        acct = symacct.derive(GPT2(cfg), optimizer="adamw")
+        lay = make_layout(pp=L, schedule=schedule, micro_batches=m)
+        par = derive_parallel(acct, lay)
+        pred = par.at(B=2, S=8)
+        got = gloo_world(Build(cfg), lay, Batch(m * 2, 8, 64), adamw, split=stage)
+        for g, p, f in zip(got, pred.ranks, par.ranks, strict=True):
+            assert g.peak == p.peak == evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})}), (L, p.stage)
+
+
+@pytest.mark.slow
 def test_gloo_ddp_over_pipeline() -> None:
     """DDP inside each stage of a pipeline, dp = 2 x pp = 2 on four gloo processes (GPipe with 3 micro-batches,
     1F1B with 4): every rank's static bytes, its sends and its one bucket all-reduce (the stages run every

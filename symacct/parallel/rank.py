@@ -791,7 +791,7 @@ STAGE_SIDES = {"first": ("before", "stack"), "middle": ("stack",), "last": ("sta
 
 
 def _stage_live(
-    acct: Accounting, stage: str, accumulating: bool = False
+    acct: Accounting, stage: str, accumulating: bool = False, one_block: bool = False
 ) -> tuple[Liveness, list[int], list[int], list[int]]:
     """A pipeline stage's own live bytes for the micro-batch in flight beside its parameters and states: the
     single-device step's liveness less the parameters and states and less every storage the other parts
@@ -801,9 +801,11 @@ def _stage_live(
     ops of the stage's parts, and its optimizer ops (a single-tensor optimizer's op belongs to the part whose
     parameter it updates: ``_loop_optimizer``). ``accumulating``: the stage's gradients exist from an earlier
     micro-batch (1F1B, gradient accumulation), so each new one lives until AccumulateGrad adds it in
-    (``Liveness.without``)."""
+    (``Liveness.without``). ``one_block``: for a stage of one block (L = 1 here): the probe's block 0 then
+    stands for the stage's last block too, and the gradient it receives, made by block 1 in the probe, comes
+    from the next stage (a receive buffer) on the first and a middle stage."""
     cache = acct.__dict__.setdefault("_stage_live", {})
-    key = (stage, accumulating)
+    key = (stage, accumulating, one_block and stage != "last")
     if key not in cache:
         live = acct.liveness
         assert live is not None and acct.step is not None
@@ -824,8 +826,26 @@ def _stage_live(
                 return placed[labels[t][2]]
             return side(t, phase if phase in ("forward", "backward") else "forward")
 
+        # one block: the first op of block 0's backward, in the probe and in the probe with one block more
+        bwd0 = (t for t, b in enumerate(blocks) if b is not None and b[1] == 0 and labels[t][3] == "backward")
+        start0 = next(bwd0, 0)
+        cross = (start0, live.align[start0] if live.other is not None else start0)
+
+        def received(st: int, made: int, other: bool) -> bool:
+            """Made by block 1's backward, alive into block 0's: the gradient block 0 receives."""
+            iv = live.other if other else live.base
+            if made < 0 or blocks[made] is None or blocks[made][1] != 1 or labels[made][3] != "backward":
+                return False
+            return (
+                iv is not None
+                and iv.end.get(st, 0) > cross[int(other)]
+                and st not in (live.other_grads if other else live.grads)
+            )
+
         def drop(st: int, made: int, other: bool) -> bool:
             if made >= 0 and part(made) not in wanted:  # another stage's (its outputs: the receive buffers)
+                return True
+            if key[2] and received(st, made, other):
                 return True
             # parameters and states: the rank's own rows; its gradients as the backward makes them
             return st in (live.other_owned if other else live.owned) and st not in (
@@ -870,7 +890,7 @@ def _stage_own(acct: Accounting, stage: str, values: dict[str, int]) -> dict[tup
             cache.clear()
         own: dict[tuple[str, bool], int] = {}
         for grads in (False, True):
-            live, fwd, bwd, opt = _stage_live(acct, stage, grads)
+            live, fwd, bwd, opt = _stage_live(acct, stage, grads, one_block=values.get("L") == 1)
             for kind, ops in (("F", fwd), ("B", bwd), ("O", opt)):
                 own[(kind, grads)] = int(live.during_array(values, ops)[1].max()) if ops else 0
         cache[key] = own
