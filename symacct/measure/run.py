@@ -57,7 +57,8 @@ def _settle_collective(func: Any, out: Any, held: list[tuple[torch.Tensor, int, 
     cycle collector freed it, its Python object having outlived the program's last reference; the cause was
     not found, so the group counts as done only after three checks in a row, 0.1 ms apart, find no hold
     (no such miss in 150 runs of 400 rounds under the same load). In-place collectives (but c10d's
-    broadcast, ``_coalesced_broadcast``) and the wait itself are left alone; a group that never lets go is waited for ``timeout_s`` at most."""
+    broadcast, ``_coalesced_broadcast``) and the wait itself are left alone; a group that never lets go is
+    waited for ``timeout_s`` at most."""
     if _coalesced_broadcast(func):  # waited for here; its caller waits again, at once
         out[1].wait()
         outs: list[torch.Tensor] = []

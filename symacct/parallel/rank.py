@@ -58,7 +58,7 @@ from symacct.memory.static import ParamRow
 from symacct.options import DTYPES
 from symacct.parallel.fsdp import GroupBytes, fsdp_liveness
 from symacct.parallel.layout import Layout, check_model
-from symacct.parallel.schedule import actions, in_flight, runtime_holds
+from symacct.parallel.schedule import actions, in_flight, interleaved_holds, runtime_holds
 from symacct.symbols import evaluate, exact_form, sym
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ class Parallel:
     def _schedule_points(self) -> bool:
         """A pipeline whose peaks ``pipeline_peaks`` evaluates at the schedule's points (gpipe, 1f1b)."""
         lay = self.layout
-        return lay.pp > 1 and lay.schedule in SCHEDULE_RUNTIMES and lay.stages_per_rank == 1 and bool(self.stages)
+        return lay.pp > 1 and lay.schedule in SCHEDULE_RUNTIMES and bool(self.stages)
 
     def pipeline_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
         """A gpipe / 1f1b pipeline: each evaluated rank's peak exactly, at every op of the micro-batch in flight
@@ -242,10 +242,13 @@ class Parallel:
         if not self._schedule_points():
             return ranks
         run = self.compute or self.acct
-        local = {**values, "L": values["L"] // lay.pp}  # one stage's blocks
+        local = {**values, "L": values["L"] // (lay.pp * lay.stages_per_rank)}  # one stage chunk's blocks
         beside = evaluate(_optimizer_beside(self.acct, lay), values)
         out = []
         for r in ranks:
+            if lay.stages_per_rank > 1:
+                out.append(dataclasses.replace(r, peak=self._chunks_peak(r, values, local, beside)))
+                continue
             parts = self.stages[r.stage]
             held, sent, loss, head, runtime = (
                 compiled(run, e)(values) for e in (parts.held, parts.boundary, parts.loss, parts.head, parts.runtime)
@@ -269,6 +272,33 @@ class Parallel:
             peak = int(r.params) + int(r.optimizer) + runtime + max(best, opt)
             out.append(dataclasses.replace(r, peak=peak))
         return out
+
+    def _chunks_peak(self, r: Rank, values: dict[str, int], local: dict[str, int], beside: int) -> int:
+        """An interleaved rank's peak exactly: ``_chunk_point`` at every point of ``interleaved_holds``, each
+        chunk's micro-batch in flight at every op (``_stage_own`` of its kind, L/(pp v) blocks), and the
+        optimizer step (``_chunks_optimizer``)."""
+        lay = self.layout
+        run = self.compute or self.acct
+        kinds = chunk_kinds(lay.pp, lay.stages_per_rank, stage_rank(r.stage, lay.pp))
+        parts = self.stages[r.stage]
+        num = {k: tuple(compiled(run, e)(values) for e in ex) for k, ex in _chunk_parts(run, lay).items()}
+        boundary, loss, head, runtime = (
+            compiled(run, e)(values) for e in (parts.boundary, parts.loss, parts.head, parts.runtime)
+        )
+        own = {k: _stage_own(run, k, local) for k in set(kinds)}
+        working = int(r.working)
+        best = 0
+        index = stage_rank(r.stage, lay.pp)
+        for h in interleaved_holds(lay.pp, lay.micro_batches, lay.stages_per_rank, index, lay.return_outputs):
+            here = 0 if h.kind == "end" else own[kinds[h.chunk]][(h.kind, h.grads[h.chunk])]
+            best = max(best, here + _chunk_point(h, kinds, num, boundary, loss, head, working))
+        kept = lay.micro_batches * head if "last" in kinds and lay.return_outputs else 0
+        bucket = working if lay.dp_mode == "ddp" else 0
+        if _loop_optimizer(run):
+            opt = _chunks_optimizer(kinds, {k: own[k][("O", False)] for k in own}, num) + kept + bucket
+        else:
+            opt = int(r.grads) + _ceil_share(self.acct, int(r.optimizer), values) + kept + beside + bucket
+        return int(r.params) + int(r.optimizer) + runtime + max(best, opt)
 
     def overlay_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
         """FSDP2 without a pipeline: each evaluated rank's peak exactly at every point of the step with FSDP2's
@@ -449,7 +479,7 @@ def derive_parallel(
         # compute kept: its id stays valid
         cache[key] = (_formulas(acct, layout, mode, kinds, compute, overlays, stages), compute, overlays, stages)
     ranks, _, overlays, stages = cache[key]
-    if peak_formulas and layout.pp > 1 and layout.schedule in SCHEDULE_RUNTIMES and layout.stages_per_rank == 1:
+    if peak_formulas and layout.pp > 1 and layout.schedule in SCHEDULE_RUNTIMES:
         sched_key = (key, layout.schedule, layout.pp, layout.micro_batches)
         if sched_key not in cache:
             run = compute or acct
@@ -1006,13 +1036,7 @@ def _formulas(
             runtime = recv * m * run.memory.boundary + (m - 1) * run.memory.inputs
             if stages is not None:
                 stages[stage] = StageParts(stage, one, run.memory.boundary, head_out, run.memory.loss, runtime)
-            stage_transient = ZERO  # one stage per rank: every point evaluated (_pipeline_peak)
-            if v > 1:  # the interleaved schedule: the additive model
-                g = sym("g_held")
-                flight = (1 - g) * _stage_in_flight(run, stage, chunks=v) + g * _stage_in_flight(
-                    run, stage, accumulating=True, chunks=v
-                )
-                stage_transient = flight - one
+            stage_transient = ZERO  # every point of the schedule evaluated (_pipeline_peak)
         working = ZERO
         if mode == "fsdp" and layout.replicas > 1:
             root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
@@ -1041,7 +1065,7 @@ def _formulas(
                 peak = steady_peak + working
             if layout.replicas > 1:
                 peak = sympy.Max(peak, _buffer_broadcast(acct, layout) + working, evaluate=False)
-        elif piped and v == 1:  # GPipe, 1F1B: the schedule's points (derive_parallel: _pipeline_peak)
+        elif piped:  # the schedule's points (derive_parallel: _pipeline_peak)
             peak = sympy.nan
         elif overlay is not None:  # FSDP2's buffers placed on the trace, point by point (symacct.parallel.fsdp)
             if overlays is not None:
@@ -1104,7 +1128,7 @@ class StageParts:
     runtime: Expr
 
 
-SCHEDULE_RUNTIMES = ("gpipe", "1f1b")  # single-stage schedules whose runtime's references are modelled
+SCHEDULE_RUNTIMES = ("gpipe", "1f1b", "interleaved")  # schedules whose runtime's references are modelled
 
 
 def _beside(
@@ -1165,6 +1189,8 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
     references, and the optimizer step's."""
 
     m = layout.micro_batches
+    if layout.stages_per_rank > 1:
+        return _chunks_peak_formula(rank, parts, acct, layout, run)
     terms = []
     index = stage_rank(parts.kind, layout.pp)
     for kind, grads, others, sent, losses, outs in _dominant(
@@ -1184,6 +1210,98 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
         beside = _optimizer_beside(acct, layout)
         terms.append(rank.grads + sympy.ceiling(excess * share) + kept_outputs + beside + bucket)
     return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
+
+
+def _chunks_peak_formula(rank: Rank, parts: StageParts, acct: Accounting, layout: Layout, run: Accounting) -> Expr:
+    """An interleaved rank's peak as a formula: ``Parallel._chunks_peak``'s terms, each chunk's in flight the
+    ``Max`` over its ops largest in a sample of the sizes (``_stage_in_flight``), at the distinct points."""
+    v, m = layout.stages_per_rank, layout.micro_batches
+    kinds = chunk_kinds(layout.pp, v, stage_rank(parts.kind, layout.pp))
+    chunk = _chunk_parts(run, layout)
+    terms = []
+    seen = set()
+    for h in interleaved_holds(layout.pp, m, v, stage_rank(parts.kind, layout.pp), layout.return_outputs):
+        if h in seen:
+            continue
+        seen.add(h)
+        k = kinds[h.chunk] if h.kind != "end" else None
+        own = ZERO if k is None else _stage_in_flight(run, k, accumulating=h.grads[h.chunk], chunks=v, phases=h.kind)
+        terms.append(own + _chunk_point(h, kinds, chunk, parts.boundary, parts.loss, parts.head, rank.working))
+    kept = m * parts.head if "last" in kinds and layout.return_outputs else ZERO
+    bucket = rank.working if layout.dp_mode == "ddp" else ZERO
+    if _loop_optimizer(run):
+        own_opt = {k: _stage_in_flight(run, k, chunks=v, phases="O") for k in set(kinds)}
+        terms.append(_chunks_optimizer(kinds, own_opt, chunk) + kept + bucket)
+    else:
+        share = rank.optimizer / acct.memory.optimizer if acct.memory.optimizer != 0 else ZERO
+        excess = sympy.ceiling(_part(acct, "steady")[2] * share)
+        terms.append(rank.grads + excess + kept + _optimizer_beside(acct, layout) + bucket)
+    return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
+
+
+def chunk_kinds(pp: int, v: int, rank: int) -> list[str]:
+    """The kinds of the stage chunks pipeline rank ``rank`` holds (stages rank, rank + pp, ... of pp * v)."""
+    n = pp * v
+    return ["first" if s == 0 else "last" if s == n - 1 else "middle" for s in range(rank, n, pp)]
+
+
+def _chunk_parts(run: Accounting, layout: Layout) -> dict[str, tuple[Expr, Expr, Expr]]:
+    """Per kind of stage chunk (L / (pp v) blocks, and what runs before the stack on the first, after it on
+    the last): one held micro-batch's saved activations, the chunk's gradients, its buffers (formulas in the
+    sizes and pp; the gradients unsharded: DDP or ZeRO-1, what a pipeline is derived with)."""
+    v = layout.stages_per_rank
+    cache = run.__dict__.setdefault("_chunk_parts", {})
+    if v not in cache:
+        L = sym("L")
+        share = {L: L / (sym("pp") * v)}
+        mem = run.memory
+        before = mem.activations_outside.get("before", ZERO)
+        after = mem.activations_outside.get("after", ZERO)
+        stack = sympy.expand(mem.activations - before - after).xreplace(share)
+        out = {}
+        for kind in ("first", "middle", "last"):
+            ends = {"first": {"before"}, "middle": set(), "last": {"after"}}[kind]
+            grads = ZERO
+            for row in mem.tensors:
+                if not row.grad:
+                    continue
+                if _in_stack(row):
+                    copies = row.count.xreplace(share)
+                else:
+                    places = row.places & {"before", "after"} or {"before"}
+                    copies = row.count if places & ends else ZERO
+                grads += copies * row.grad_itemsize * row.numel
+            held = stack + (before if kind == "first" else ZERO) + (after if kind == "last" else ZERO)
+            out[kind] = (held, sympy.expand(grads), sympy.sympify(mem.buffers).xreplace(share))
+        cache[v] = out
+    return cache[v]
+
+
+def _chunk_point(
+    h: Any, kinds: list[str], parts: Mapping[str, Any], boundary: Any, loss: Any, head: Any, working: Any
+) -> Any:
+    """An interleaved rank's bytes at a point (``ChunkHeld``) beside the chunk in flight: each chunk's held
+    micro-batches, the outputs and input gradients the runtime references, the last stage's losses and
+    kept outputs, each chunk's gradients once a backward ran on it, the other chunks' buffers, and
+    ``working`` (numbers or formulas)."""
+    got = sum((n * parts[kinds[c]][0] for c, n in enumerate(h.held)), 0)
+    got += sum((parts[kinds[c]][1] for c, g in enumerate(h.grads) if g), 0)
+    # the buffers of the chunks not in flight (the one in flight: its own live bytes; at the end, every chunk)
+    got += sum((parts[kinds[c]][2] for c in range(len(kinds)) if c != h.chunk), 0)
+    return got + (h.outputs + h.input_grads) * boundary + h.losses * loss + (h.chunks + h.merged) * head + working
+
+
+def _chunks_optimizer(kinds: list[str], own_opt: Mapping[str, Any], parts: Mapping[str, Any]) -> Any:
+    """An interleaved rank's optimizer step (a single-tensor optimizer): while it updates one chunk's
+    parameters (that chunk's own optimizer ops: its gradients, buffers, one micro-batch's inputs and the
+    temporaries), the other chunks' gradients and buffers (numbers: the largest; formulas: their ``Max``)."""
+    terms = []
+    for c, k in enumerate(kinds):
+        others = sum((parts[kinds[o]][1] + parts[kinds[o]][2] for o in range(len(kinds)) if o != c), 0)
+        terms.append(own_opt[k] + others)
+    if all(isinstance(t, int) for t in terms):
+        return max(terms)
+    return sympy.Max(*terms, evaluate=False)
 
 
 def _ceil_share(acct: Accounting, states: int, values: dict[str, int]) -> int:

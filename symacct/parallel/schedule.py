@@ -391,3 +391,66 @@ def runtime_holds(schedule: str, pp: int, m: int, stage: int, keep_outputs: bool
     else:
         raise SymacctError(f"no model of the runtime's references for the {schedule} schedule", internal=True)
     return tuple(rt.points)
+
+
+class ChunkHeld(NamedTuple):
+    """``Held`` for a rank of several stage chunks (the interleaved schedule): the chunk in flight (an index
+    into the rank's chunks, ``pp_rank, pp_rank + pp, ...``; -1 at the end), per chunk the micro-batches held
+    (forwarded, not yet backwarded; the one in flight left out) and whether a backward ran (its gradients
+    exist), and what the runtime references beside them, as ``Held`` counts it."""
+
+    kind: str  # F | B | end
+    chunk: int
+    held: tuple[int, ...]
+    grads: tuple[bool, ...]
+    outputs: int = 0
+    input_grads: int = 0
+    losses: int = 0
+    chunks: int = 0
+    merged: int = 0
+
+
+@functools.lru_cache(maxsize=512)
+def interleaved_holds(pp: int, m: int, v: int, rank: int, keep_outputs: bool = True) -> tuple[ChunkHeld, ...]:
+    """Per compute action of pipeline rank ``rank`` (in the order it runs them), then the step's end, what it
+    holds beyond its micro-batch in flight, as torch 2.13's ``_PipelineScheduleRuntime._step_microbatches``
+    runs ``ScheduleInterleaved1F1B``: every send's work is kept in ``send_ops`` until the step's end (a work
+    holds its tensor), so each stage output a chunk sent (every chunk but the last stage's) and each input
+    gradient it sent (every chunk but the first stage's) lives to the end; a chunk's output is also in its
+    ``fwd_cache`` from its forward to its backward, which holds it while it runs; the last stage keeps its
+    losses (``_internal_losses``) and, with ``keep_outputs``, its outputs (``output_chunks``) to the end,
+    where ``step`` merges the outputs. The receive buffers are the stages' own (``Rank.runtime``)."""
+    n = pp * v
+    mine = list(range(rank, n, pp))
+    chunk = {s: c for c, s in enumerate(mine)}
+    held, grads = [0] * v, [False] * v
+    fwd = [0] * v  # forwards done per chunk
+    bwd = [0] * v
+    points: list[ChunkHeld] = []
+
+    def point(kind: str, c: int) -> None:
+        outs = sum(fwd[i] - held[i] for i, s in enumerate(mine) if s != n - 1)
+        igs = sum(bwd[i] for i, s in enumerate(mine) if s != 0)
+        last = chunk.get(n - 1)
+        losses = chunks = 0
+        if last is not None:  # the last stage's logits: in fwd_cache, output_chunks, a running backward
+            losses = fwd[last] - (1 if kind == "B" and c == last else 0)
+            chunks = fwd[last] if keep_outputs else held[last] + (1 if kind == "B" and c == last else 0)
+        points.append(ChunkHeld(kind, c, tuple(held), tuple(grads), outs, igs, losses, chunks))
+
+    for a in actions("interleaved", pp, m, v)[rank]:
+        c = chunk[a.stage]
+        if a.kind == "F":
+            point("F", c)
+            fwd[c] += 1
+            held[c] += 1
+        else:
+            held[c] -= 1  # popped from fwd_cache; the running backward holds it
+            point("B", c)
+            bwd[c] += 1
+            grads[c] = True
+    last = chunk.get(n - 1)
+    kept = m if last is not None and keep_outputs else 0
+    losses = m if last is not None else 0
+    points.append(ChunkHeld("end", -1, (0,) * v, (True,) * v, 0, 0, losses, kept, kept))
+    return tuple(points)
