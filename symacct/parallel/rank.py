@@ -23,21 +23,23 @@ against the real code (fake process group and real gloo runs, ``tests/test_paral
   both, its gradient all-reduced between them. Saved activations follow PyTorch's schedule
   (``symacct.parallel.schedule``): the most (stage, micro-batch) pairs a rank holds at once.
 
-Peak per rank, of a later step (the optimizer states alive from its start; ``Liveness.steady``). DDP
-without a pipeline: the single-device peak plus the bucket copy. FSDP2 and HSDP (one layer stack, no
-pipeline): the traced step with FSDP2's own buffers placed at its hooks (``symacct.parallel.fsdp``),
-every point evaluated exactly by ``at()`` and the planner, and the optimizer step. A pipeline with GPipe or
-1F1B: every point of the rank's schedule as PyTorch's runtime runs it (``schedule.runtime_holds``: the
-stage's micro-batch in flight at every op, the held micro-batches' saved activations, the runtime's
-receive buffers, the outputs and input gradients its send ops keep, the last stage's kept outputs and
-losses; ``_pipeline_peak``, ``Parallel.pipeline_peaks``), and the optimizer step. Every other layout:
-parameters and optimizer states of the rank plus the larger of (held activations + ``working`` — FSDP2's
-gathered root and one gathered block where the overlay does not apply — + ``transient``, the single-device
-peak's bytes beyond its parameters, states and saved bytes at its forward and backward points, + the rank's
-gradients when a backward ran before: 1F1B, gradient accumulation) and (the rank's gradients + the
-optimizer step's temporaries scaled by the rank's share of the states, rounded up). On a pipeline stage the
-temporaries are the stage's own micro-batch in flight (``_stage_in_flight``): the head's are the last
-stage's only. docs/distributed.md gives how far each was measured off.
+Peak per rank, of a later step (the optimizer states alive from its start; ``Liveness.steady``). DDP without a
+pipeline: the single-device peak plus the reducer's buckets, the buffer broadcast's point, and the gradients
+held through a later micro-batch of gradient accumulation (``Parallel.replica_peaks``). FSDP2 and HSDP (one
+layer stack, no pipeline): the traced step with FSDP2's own buffers placed at its hooks
+(``symacct.parallel.fsdp``), every point evaluated exactly by ``at()`` and the planner, and the optimizer
+step. A pipeline with GPipe or 1F1B: every point of the rank's schedule as PyTorch's runtime runs it
+(``schedule.runtime_holds``: the stage's micro-batch in flight at every op, the held micro-batches' saved
+activations, the runtime's receive buffers, the outputs and input gradients its send ops keep, the last
+stage's kept outputs and losses; ``_pipeline_peak``, ``Parallel.pipeline_peaks``), and the optimizer step (the
+stage's own parameters' ops); the interleaved schedule likewise, chunk by chunk
+(``schedule.interleaved_holds``: every send's work kept to the step's end; ``Parallel._chunks_peak``). Every
+other layout: parameters and optimizer states of the rank plus the larger of (held activations + ``working`` —
+FSDP2's gathered root and one gathered block where the overlay does not apply — + ``transient``, the single-
+device peak's bytes beyond its parameters, states and saved bytes at its forward and backward points, + the
+rank's gradients when a backward ran before: 1F1B, gradient accumulation) and (the rank's gradients + the
+optimizer step's temporaries scaled by the rank's share of the states, rounded up, + its buffers, inputs and
+loss). docs/distributed.md gives how far each was measured off.
 """
 
 from __future__ import annotations
@@ -265,7 +267,7 @@ class Parallel:
                 best = max(best, here)
             kept = lay.micro_batches * head if r.stage == "last" and lay.return_outputs else 0
             bucket = working if lay.dp_mode == "ddp" else 0  # DDP's bucket copy lives on; FSDP2 has resharded
-            if _loop_optimizer(run):  # the stage's own optimizer ops, exactly
+            if _own_optimizer(run, lay):  # the stage's own optimizer ops, exactly
                 opt = own[("O", False)] + kept + bucket
             else:
                 opt = grads_b + _ceil_share(self.acct, int(r.optimizer), values) + kept + beside + bucket
@@ -294,7 +296,7 @@ class Parallel:
             best = max(best, here + _chunk_point(h, kinds, num, boundary, loss, head, working))
         kept = lay.micro_batches * head if "last" in kinds and lay.return_outputs else 0
         bucket = working if lay.dp_mode == "ddp" else 0
-        if _loop_optimizer(run):
+        if _own_optimizer(run, lay):
             opt = _chunks_optimizer(kinds, {k: own[k][("O", False)] for k in own}, num) + kept + bucket
         else:
             opt = int(r.grads) + _ceil_share(self.acct, int(r.optimizer), values) + kept + beside + bucket
@@ -503,13 +505,14 @@ def derive_parallel(
             "step's; at() evaluates every point exactly, the formula is the Max over the points largest in a "
             "sample of the sizes"
         ]
-    elif layout.pp > 1 and layout.schedule in SCHEDULE_RUNTIMES and layout.stages_per_rank == 1:
+    elif layout.pp > 1 and layout.schedule in SCHEDULE_RUNTIMES:
         notes = [
             "peak per rank (a later step): every point of the rank's schedule as PyTorch's runtime runs it (the "
-            "micro-batch in flight at every op of the stage, the held ones' saved activations, the receive "
-            "buffers, the outputs and input gradients send ops keep, the last stage's kept outputs and losses, "
-            "the whole batch's inputs) and the optimizer step; at() evaluates every op exactly, the formula's "
-            "micro-batch in flight is the Max over the ops largest in a sample of the sizes"
+            "micro-batch in flight at every op of the stage chunk, each chunk's held ones' saved activations, "
+            "the receive buffers, the outputs and input gradients send ops keep, the last stage's kept outputs "
+            "and losses, the whole batch's inputs) and the optimizer step (the stage's own parameters' ops); "
+            "at() evaluates every op exactly, the formula's micro-batch in flight is the Max over the ops "
+            "largest in a sample of the sizes (one stage output high where a stage chunk is one block)"
         ]
     else:
         notes = [
@@ -517,11 +520,6 @@ def derive_parallel(
             "+ the single-device peak's temporaries (+ gradients once a backward ran) and gradients + the "
             "optimizer's temporaries: a model, measured in docs/distributed.md"
         ]
-        if layout.pp > 1:
-            notes.append(
-                f"the {layout.schedule} schedule's runtime (PyTorch's PipelineScheduleMulti) is not modelled beyond "
-                "its receive buffers and the whole batch's inputs (runtime): 0.96-1.05 of real runs measured"
-            )
         if mode == "fsdp" and layout.replicas > 1:
             notes.append(
                 "FSDP2's peak without one layer stack derive found (a model without a config, several stacks): "
@@ -767,6 +765,13 @@ def _brief_peak(acct: Accounting) -> Expr:
     one at which AccumulateGrad takes it (``Liveness.without(brief=True)``): a gradient DDP copies into its
     bucket view, or one added into the gradients an earlier micro-batch left."""
     return _part(acct, "brief_live").symbolic_peak(_peak_names(acct))[0]
+
+
+def _own_optimizer(acct: Accounting, layout: Layout) -> bool:
+    """Whether a pipeline stage's optimizer step is its own parameters' ops, exactly: a single-tensor
+    optimizer (``_loop_optimizer``) over whole states (DDP; ZeRO-1 updates only its shards: the share
+    model)."""
+    return _loop_optimizer(acct) and (layout.dp_mode == "ddp" or layout.replicas == 1)
 
 
 def _loop_optimizer(acct: Accounting) -> bool:
@@ -1204,7 +1209,7 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
     share = rank.optimizer / mem.optimizer if mem.optimizer != 0 else ZERO
     kept_outputs = m * parts.head if parts.kind == "last" and layout.return_outputs else ZERO
     bucket = rank.working if layout.dp_mode == "ddp" else ZERO  # DDP's bucket copy lives on
-    if _loop_optimizer(run):  # the stage's own optimizer ops
+    if _own_optimizer(run, layout):  # the stage's own optimizer ops
         terms.append(_stage_in_flight(run, parts.kind, phases="O") + kept_outputs + bucket)
     else:
         beside = _optimizer_beside(acct, layout)
@@ -1229,7 +1234,7 @@ def _chunks_peak_formula(rank: Rank, parts: StageParts, acct: Accounting, layout
         terms.append(own + _chunk_point(h, kinds, chunk, parts.boundary, parts.loss, parts.head, rank.working))
     kept = m * parts.head if "last" in kinds and layout.return_outputs else ZERO
     bucket = rank.working if layout.dp_mode == "ddp" else ZERO
-    if _loop_optimizer(run):
+    if _own_optimizer(run, layout):
         own_opt = {k: _stage_in_flight(run, k, chunks=v, phases="O") for k in set(kinds)}
         terms.append(_chunks_optimizer(kinds, own_opt, chunk) + kept + bucket)
     else:
