@@ -175,6 +175,31 @@ def test_gloo_context_parallel() -> None:
 
 
 @pytest.mark.slow
+def test_gloo_hsdp_over_context_parallel() -> None:
+    """HSDP over context-parallel ranks, dp = 4 (2 replicas of shard groups of 2) x cp = 2, on eight gloo
+    processes: FSDP2 over the (replicate, shard x cp) mesh, torchtitan's dp_shard_cp. Every rank's static
+    bytes and every collective exactly (all-gathers and reduce-scatters over shard x cp = 4 ranks, the
+    gradient shards all-reduced over the 2 replicas, the ring's all-to-alls); the ranks' mean loss against
+    one process; the peak of the ring's rank 0 to the byte, the other ring rank's at most it."""
+    B, S = 2, 32
+    cfg = _llama(4, 2, 8, 32, 64, 2, S)
+    acct = symacct.derive(Llama(cfg), optimizer="adamw", context_parallel=2)
+    torch.manual_seed(0)
+    one = Llama(cfg)
+    loss = float(one(*Batch(B, S, 64)(one)).detach())
+    lay = make_layout(dp=4, cp=2, dp_mode="fsdp", hsdp_shard=2)
+    pred = derive_parallel(acct, lay).at(B=B, S=S).ranks[0]
+    assert {c.group for c in pred.collectives} == {"dp_shard_cp", "dp_replicate", "cp"}
+    got = gloo_world(Build(cfg), lay, Batch(B, S, 64), adamw, stack="layers")
+    assert sum(g.loss for g in got) / len(got) == pytest.approx(loss, rel=1e-5)
+    want = Counter((c.op, c.phase, c.payload) for c in pred.collectives for _ in range(c.count))
+    for g in got:  # rank = dp_rank * cp + cp_rank
+        assert (g.params, g.grads, g.optimizer) == (pred.params, pred.grads, pred.optimizer)
+        assert Counter(g.collectives) == want
+        assert g.peak == pred.peak if g.rank % 2 == 0 else g.peak <= pred.peak
+
+
+@pytest.mark.slow
 def test_verify_context_parallel_with_data_parallel_world_four() -> None:
     """FSDP2 over dp = 2 x cp = 2 on four gloo processes, as ``symacct verify --parallel --dp 2 --cp 2``
     runs it: every judged row holds (static bytes, collectives, the ranks' mean loss)."""

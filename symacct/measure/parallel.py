@@ -458,7 +458,14 @@ def _dp_step(
 
         from symacct.trace.context_parallel import sharded
 
-        cp_mesh = init_device_mesh("cpu", (layout.dp, layout.cp), mesh_dim_names=("dp", "cp"))["cp"]
+        if layout.hsdp_shard:  # HSDP over the replicas, sharded over shard x cp ranks (torchtitan's dp_shard_cp)
+            shape, names = (layout.replicate, layout.hsdp_shard, layout.cp), ("replicate", "shard", "cp")
+            mesh3 = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            cp_mesh = mesh3["cp"]
+            mesh3["shard", "cp"]._flatten("shard_cp")
+            dp_mesh = mesh3["replicate", "shard_cp"]
+        else:
+            cp_mesh = init_device_mesh("cpu", (layout.dp, layout.cp), mesh_dim_names=("dp", "cp"))["cp"]
         ring = functools.partial(sharded, model, args, cp_mesh)
 
     if layout.tp > 1:  # tensor parallelism innermost: ranks (dp_rank, tp_rank)

@@ -14,7 +14,8 @@ Conventions (docs/distributed.md):
 - Data-parallel sharding (``dp_mode``): ``ddp`` (replicas, one all-reduce of the gradients), ``zero1``
   (optimizer states sharded), ``zero2`` (states and gradients sharded), ``fsdp`` (FSDP2 ``fully_shard`` of
   each block and then the root: parameters, gradients and states sharded; ``hsdp_shard`` set: HSDP,
-  sharded over groups of that size and replicated over ``dp / hsdp_shard`` of them).
+  sharded over groups of that size and replicated over ``dp / hsdp_shard`` of them; with ``cp > 1`` the
+  shard group spans the context-parallel ranks too, ``hsdp_shard * cp``, torchtitan's ``dp_shard_cp``).
 - Tensor parallelism (``tp > 1``): the model sharded by a plan (``parallelize_module``; the reference models'
   ``tp_plan``, Megatron's), ``sequence_parallel`` for the plan that also splits the norms and the residual
   stream along the sequence; the per-rank step is traced on PyTorch's fake process group
@@ -119,10 +120,10 @@ def make_layout(
 ) -> Layout:
     """A checked ``Layout``: degrees positive, modes known, ``world = dp * tp * pp * cp`` when given.
 
-    Context parallelism (``cp > 1``) is derived alone or with data parallelism (not with tensor parallelism,
-    a pipeline or HSDP yet: refused). Whether ``tp`` divides the model's sizes is the derivation's to check
-    (``Accounting.at`` refuses a size its constraints rule out: heads, F, V, S for sequence parallelism; S a
-    multiple of ``2 * cp``)."""
+    Context parallelism (``cp > 1``) is derived alone or with data parallelism, HSDP included (not with tensor
+    parallelism or a pipeline yet: refused). Whether ``tp`` divides the model's sizes is the derivation's to
+    check (``Accounting.at`` refuses a size its constraints rule out: heads, F, V, S for sequence parallelism; S
+    a multiple of ``2 * cp``)."""
     unknown = set(options) - {f.name for f in dataclasses.fields(Layout)}
     if unknown:
         raise SymacctError(f"unknown layout option(s): {', '.join(sorted(unknown))}")
@@ -141,10 +142,10 @@ def make_layout(
             f"not the world size {world}",
             hint="choose degrees whose product is the number of GPUs",
         )
-    if lay.cp > 1 and (lay.tp > 1 or lay.pp > 1 or lay.hsdp_shard):
+    if lay.cp > 1 and (lay.tp > 1 or lay.pp > 1):
         raise SymacctError(
-            "context parallelism with tensor parallelism, a pipeline or HSDP is not derived yet",
-            hint="cp with data parallelism (ddp, zero1, zero2, fsdp) only, or cp=1",
+            "context parallelism with tensor parallelism or a pipeline is not derived yet",
+            hint="cp with data parallelism (ddp, zero1, zero2, fsdp, HSDP) only, or cp=1",
         )
     if lay.sequence_parallel and lay.tp == 1:
         raise SymacctError("sequence parallelism splits the sequence over the tensor-parallel group", hint="tp >= 2")

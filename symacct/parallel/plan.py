@@ -65,6 +65,7 @@ def _link(hw: Accelerator, group: str, lay: Layout) -> float:
         "dp": lay.dp * stride,
         "dp_cp": lay.dp * stride,
         "dp_shard": lay.shard * stride,
+        "dp_shard_cp": lay.shard * stride,
         "dp_replicate": lay.dp * stride,
         "pp": lay.dp * stride * lay.pp,
         "tied": lay.dp * stride * lay.pp,

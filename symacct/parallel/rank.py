@@ -81,7 +81,7 @@ class Collective:
     a receive (its sender counts it)."""
 
     op: str  # all_gather | reduce_scatter | all_reduce | all_to_all | broadcast | send | recv
-    group: str  # dp | dp_shard | dp_replicate | pp | tied | tp | cp
+    group: str  # dp | dp_shard | dp_replicate | pp | tied | tp | cp | dp_cp | dp_shard_cp
     size: Expr
     payload: Expr
     count: Expr
@@ -213,7 +213,7 @@ class Parallel:
         return lay.pp == 1 and (lay.replicas == 1 or lay.dp_mode == "ddp") and self.acct.liveness is not None
 
     def replica_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
-        """Replicas (``_replicas``): the later step's peak exactly, at every op (not the envelope of the points
+        """Replicas (``replicated``): the later step's peak exactly, at every op (not the envelope of the points
         sampled for the formula), plus DDP's buckets; with ``gradient_as_bucket_view`` each gradient freed once
         copied into its bucket; with gradient accumulation the gradients an earlier micro-batch left held
         through the next, each new one freed once added in (``_brief_peak``); ``values``: the model's sizes."""
@@ -970,7 +970,8 @@ def _formulas(
     L = sym("L")
     pp, m = sym("pp"), sym("m")
     dp = sym("dp") * (sym("cp") if layout.cp > 1 else 1)  # the gradients' group: dp x cp (Layout.replicas)
-    n = sym("dp_shard") if layout.hsdp_shard else dp
+    # the shard group: dp (x cp), or HSDP's shard group (x cp: the context-parallel ranks shard too)
+    n = sym("dp_shard") * (sym("cp") if layout.cp > 1 else 1) if layout.hsdp_shard else dp
     piped = layout.pp > 1
     v = layout.stages_per_rank
     act_total = run.memory.activations
@@ -1021,7 +1022,8 @@ def _formulas(
         if layout.tp > 1:
             colls += _traced_collectives(run, holds, piped)
         if layout.cp > 1:  # the gradients' group spans the context-parallel ranks too
-            colls = [dataclasses.replace(c, group="dp_cp") if c.group == "dp" else c for c in colls]
+            cp_groups = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"}
+            colls = [dataclasses.replace(c, group=cp_groups.get(c.group, c.group)) for c in colls]
             colls += _traced_collectives(run, holds, piped, group="cp")
         overlay = _fsdp_overlay(acct, layout, mode, rows, stack_rows, n, gathered, params + states, compute)
         if overlay is None:  # the additive model's parts (the optimizer runs on the shards: acct's)
