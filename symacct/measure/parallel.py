@@ -5,8 +5,9 @@ Two ways, both running the real sharding code on a small model:
 - ``fake_rank``: one rank of FSDP2 / HSDP in this process, on PyTorch's fake process group and fake
   tensors (the model built on ``meta``, sharded, then ``to_empty``): per-rank static bytes and every
   collective's payload, in a second or two, at any world size.
-- ``gloo_world``: ``world`` real processes on the gloo backend with real CPU tensors, for DDP, FSDP2, HSDP
-  and ``torch.distributed.pipelining`` (GPipe, 1F1B): the loss of the first step; static bytes,
+- ``gloo_world``: ``world`` real processes on the gloo backend with real CPU tensors, for DDP (with gradient
+  accumulation), FSDP2, HSDP (over context-parallel ranks too) and ``torch.distributed.pipelining`` (GPipe,
+  1F1B, interleaved; DDP over the stages): the loss of the first step; static bytes,
   collectives and the peak of live storage bytes (``symacct.measure.run.StorageTracker``) of a later step
   (the optimizer states alive from its start; DDP's buckets rebuilt).
 
@@ -744,8 +745,8 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     """The layout run for real (``gloo_world``) beside its derived figures, as ``symacct.measure.verify`` rows:
     each rank's static bytes and collective payloads exactly (rank 0 of the data-parallel group, the
     worst; each pipeline stage), the loss against one process (1e-5; with FSDP2's param_dtype, one process
-    with its parameters in that dtype), the peak exactly for DDP, for FSDP2 without a pipeline and for each
-    stage of a GPipe or 1F1B pipeline.
+    with its parameters in that dtype), the peak exactly for DDP (gradient accumulation included), for FSDP2
+    without a pipeline and for each stage of a GPipe, 1F1B or interleaved pipeline (DDP over it included).
     With context parallelism the rank derived is the ring's rank 0, the other ranks' peaks at most its own
     (measured); the loss is the ranks' mean."""
     from symacct.measure.verify import Row

@@ -235,7 +235,7 @@ class Parallel:
         return lay.pp > 1 and lay.schedule in SCHEDULE_RUNTIMES and bool(self.stages)
 
     def pipeline_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
-        """A gpipe / 1f1b pipeline: each evaluated rank's peak exactly, at every op of the micro-batch in flight
+        """A pipeline (gpipe, 1f1b, interleaved: ``_chunks_peak``): each evaluated rank's peak exactly, at every op of the micro-batch in flight
         at every point of the schedule (``_pipeline_peak``'s terms; the formula's in-flight bytes are the ``Max``
         over the ops largest in a sample of the sizes); ``values``: the sizes and the degrees. Other layouts:
         ``ranks`` as they are."""
@@ -444,7 +444,7 @@ def derive_parallel(
     run on the gathered parameters: its saved activations, temporaries, FLOPs and the gathered parameters'
     and gradients' dtypes; ``acct`` (the model in its own dtype) gives the shards, their gradients, the
     optimizer and its temporaries. ``peak_formulas=False`` (the planner's, which evaluates every peak at
-    its sizes): a GPipe or 1F1B rank's peak formula is not built (the ``Max`` over the schedule's points,
+    its sizes): a pipeline rank's peak formula is not built (the ``Max`` over the schedule's points,
     built per schedule and m; ``nan`` in its place); ``at()`` gives the same figures either way."""
     if acct.values is not None:
         raise SymacctError("derive_parallel needs the formulas: pass the result of derive, not of at()")
@@ -1189,7 +1189,7 @@ def stage_rank(kind: str, pp: int) -> int:
 
 
 def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layout, run: Accounting) -> Expr:
-    """A gpipe / 1f1b stage's peak as a formula: its parameters, states and runtime bytes plus the ``Max``
+    """A pipeline stage's peak as a formula (an interleaved rank's: ``_chunks_peak_formula``): its parameters, states and runtime bytes plus the ``Max``
     over the schedule's points (``runtime_holds``; a point left out where another of the same kind holds at
     least as much of everything) of the micro-batch in flight (``_stage_in_flight``, forward or backward,
     its gradients accumulating after a first backward) + the held micro-batches + what the runtime
