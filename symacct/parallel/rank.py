@@ -235,10 +235,10 @@ class Parallel:
         return lay.pp > 1 and lay.schedule in SCHEDULE_RUNTIMES and bool(self.stages)
 
     def pipeline_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
-        """A pipeline (gpipe, 1f1b, interleaved: ``_chunks_peak``): each evaluated rank's peak exactly, at every op of the micro-batch in flight
-        at every point of the schedule (``_pipeline_peak``'s terms; the formula's in-flight bytes are the ``Max``
-        over the ops largest in a sample of the sizes); ``values``: the sizes and the degrees. Other layouts:
-        ``ranks`` as they are."""
+        """A pipeline (gpipe, 1f1b, interleaved: ``_chunks_peak``): each evaluated rank's peak exactly, at every op of
+        the micro-batch in flight at every point of the schedule (``_pipeline_peak``'s terms; the formula's in-
+        flight bytes are the ``Max`` over the ops largest in a sample of the sizes); ``values``: the sizes and the
+        degrees. Other layouts: ``ranks`` as they are."""
 
         lay = self.layout
         if not self._schedule_points():
@@ -1189,11 +1189,11 @@ def stage_rank(kind: str, pp: int) -> int:
 
 
 def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layout, run: Accounting) -> Expr:
-    """A pipeline stage's peak as a formula (an interleaved rank's: ``_chunks_peak_formula``): its parameters, states and runtime bytes plus the ``Max``
-    over the schedule's points (``runtime_holds``; a point left out where another of the same kind holds at
-    least as much of everything) of the micro-batch in flight (``_stage_in_flight``, forward or backward,
-    its gradients accumulating after a first backward) + the held micro-batches + what the runtime
-    references, and the optimizer step's."""
+    """A pipeline stage's peak as a formula (an interleaved rank's: ``_chunks_peak_formula``): its parameters, states
+    and runtime bytes plus the ``Max`` over the schedule's points (``runtime_holds``; a point left out where another
+    of the same kind holds at least as much of everything) of the micro-batch in flight (``_stage_in_flight``,
+    forward or backward, its gradients accumulating after a first backward) + the held micro-batches + what the
+    runtime references, and the optimizer step's."""
 
     m = layout.micro_batches
     if layout.stages_per_rank > 1:
