@@ -24,7 +24,7 @@ import sympy
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from parallel_cases import Batch, Build, adamw
+from parallel_cases import Batch, Build, adamw, stage
 
 import symacct
 from symacct.errors import SymacctError
@@ -33,7 +33,7 @@ from symacct.models.gpt2 import GPT2, GPT2Config
 from symacct.models.llama import Llama, LlamaConfig
 from symacct.parallel.layout import make_layout
 from symacct.parallel.rank import derive_parallel
-from symacct.symbols import sym
+from symacct.symbols import evaluate, sym
 
 
 def _llama(H: int, H_kv: int, hd: int, F: int, V: int, L: int, S: int, sdpa: bool = True) -> LlamaConfig:
@@ -142,8 +142,9 @@ def test_refusals() -> None:
         derive_parallel(acct, make_layout(cp=4))
     with pytest.raises(SymacctError, match="not derived yet"):
         make_layout(cp=2, tp=2)
-    with pytest.raises(SymacctError, match="not derived yet"):
-        make_layout(cp=2, pp=2)
+    with pytest.raises(SymacctError, match="fsdp with a pipeline is not derived yet"):
+        make_layout(cp=2, pp=2)  # FSDP2 over the ring's ranks, inside a pipeline
+    assert make_layout(cp=2, pp=2, dp_mode="ddp", micro_batches=2).replicas == 2
 
 
 @pytest.mark.slow
@@ -197,6 +198,36 @@ def test_gloo_hsdp_over_context_parallel() -> None:
         assert (g.params, g.grads, g.optimizer) == (pred.params, pred.grads, pred.optimizer)
         assert Counter(g.collectives) == want
         assert g.peak == pred.peak if g.rank % 2 == 0 else g.peak <= pred.peak
+
+
+@pytest.mark.slow
+def test_gloo_context_parallel_over_pipeline() -> None:
+    """A pipeline of context-parallel stages, pp = 2 x cp = 2 on four gloo processes (each step in PyTorch's
+    context_parallel over the cp ranks, DDP over them: the ring's ranks hold the same weights), GPipe with 2
+    micro-batches, 1F1B with 4 and the interleaved schedule (v = 2, one DDP reducer per stage chunk): every
+    rank's static bytes, sends and all-reduces exactly, the last stage's ranks' mean loss against one
+    process, and each stage's peak, its ring rank 0's to the byte by at() and the formula, the other's at
+    most it."""
+    B, S = 2, 16
+    cfg = _llama(4, 2, 8, 32, 64, 4, S)
+    acct = symacct.derive(Llama(cfg), optimizer="adamw", context_parallel=2)
+    torch.manual_seed(0)
+    one = Llama(cfg)
+    for schedule, m, v in (("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2)):
+        loss = float(one(*Batch(m * B, S, 64)(one)).detach())
+        lay = make_layout(pp=2, cp=2, dp_mode="ddp", schedule=schedule, micro_batches=m, stages_per_rank=v)
+        par = derive_parallel(acct, lay)
+        pred = par.at(B=B, S=S)
+        got = gloo_world(Build(cfg), lay, Batch(m * B, S, 64), adamw, stack="layers", split=stage)
+        shards = [g.loss for g in got if g.loss is not None]
+        assert len(shards) == 2 and sum(shards) / 2 == pytest.approx(loss, rel=1e-5)
+        for g in got:  # rank = pp_rank * cp + cp_rank
+            p, f = pred.ranks[g.rank // 2], par.ranks[g.rank // 2]
+            assert (g.params, g.grads, g.optimizer) == (p.params, p.grads, p.optimizer)
+            want = Counter((c.op, c.payload) for c in p.collectives for _ in range(c.count))
+            assert Counter((op, payload) for op, _phase, payload in g.collectives) == want, schedule
+            formula = evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})})
+            assert (g.peak == p.peak == formula) if g.rank % 2 == 0 else g.peak <= p.peak, (schedule, g.rank)
 
 
 @pytest.mark.slow

@@ -613,25 +613,38 @@ def _pipeline_step(
 
     if split is None:
         raise SymacctError("a pipeline run needs split(model, stage, pp)")
-    # ranks (pp_rank, dp_rank), data parallelism inside each stage: DDP's replicas over the stage's module
-    pp_rank = rank // layout.dp
+    # ranks (pp_rank, dp_rank, cp_rank): DDP's replicas over each stage's module, or the stages' context-parallel
+    # rings (each step in PyTorch's context_parallel over the cp ranks)
+    pp_rank = rank // (layout.dp * layout.cp)
     pp_group = dp_group = None
-    if layout.dp > 1:
+    ring: Callable[[], Any] = contextlib.nullcontext
+    if layout.replicas > 1:  # the gradients reduced over dp x cp ranks (the ring's ranks hold the same weights)
         from torch.distributed.device_mesh import init_device_mesh
 
         if layout.dp_mode != "ddp":
             raise SymacctError("the real run of data parallelism over a pipeline is DDP's", hint="--dp-mode ddp")
-        mesh = init_device_mesh("cpu", (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
-        pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.cp), mesh_dim_names=("pp", "dp", "cp"))
+        pp_group = mesh["pp"].get_group()
+        if layout.dp > 1 and layout.cp > 1:
+            dp_group = mesh["dp", "cp"]._flatten("dp_cp").get_group()
+        else:
+            dp_group = mesh["dp" if layout.dp > 1 else "cp"].get_group()
+        if layout.cp > 1:
+            from symacct.trace.context_parallel import sharded
+
+            ring = functools.partial(sharded, model, args, mesh["cp"])
     # the rank's stages: pp_rank, pp_rank + pp, ... of pp * v (the interleaved schedule's v per rank)
     n = layout.pp * layout.stages_per_rank
     index = range(pp_rank, n, layout.pp)
     part = nn.ModuleList([split(model, s, n) for s in index])
     hooked: list[tuple[str, str, int]] = []
     buckets: dict[tuple[int, int], torch.Tensor] = {}
-    subs = [_ddp(p, layout, dp_group, hooked, buckets) if layout.dp > 1 else p for p in part]
+    # a context-parallel rank's own shard of the sequence: not broadcast from rank 0 (its tables are its own)
+    subs = [_ddp(p, layout, dp_group, hooked, buckets, layout.cp == 1) if layout.replicas > 1 else p for p in part]
     idx, target = args
-    shapes = _stage_shapes(model, split, n, idx[: idx.shape[0] // layout.micro_batches]) if layout.dp > 1 else {}
+    # one micro-batch's shapes (a context-parallel rank's: S / cp of the sequence)
+    micro = idx[: idx.shape[0] // layout.micro_batches, : idx.shape[1] // layout.cp]
+    shapes = _stage_shapes(model, split, n, micro) if layout.replicas > 1 else {}
     stages = [
         PipelineStage(p, s, n, torch.device("cpu"), group=pp_group, **shapes.get(s, {}))
         for p, s in zip(subs, index, strict=True)
@@ -648,20 +661,21 @@ def _pipeline_step(
     opt = optimizer(part.parameters())
     # the first step infers the stages' shapes; DDP rebuilds its buckets in the second
     first_loss = None
-    for _ in range(2 if layout.dp > 1 else 1):
-        got = _run_schedule(schedule, pp_rank, last, idx, target)
+    for _ in range(2 if layout.replicas > 1 else 1):
+        with ring():
+            got = _run_schedule(schedule, pp_rank, last, idx, target)
         first_loss = first_loss if first_loss is not None else got
         opt.step()
         opt.zero_grad(set_to_none=True)
     hooked.clear()
     counter.phase = "step"  # a schedule interleaves forwards and backwards
-    held = tuple(b for st in stages for b in _runtime_buffers(st))
-    held += tuple(buckets.values()) if not layout.bucket_view else ()
-    tracker = _tracker(part, (idx, target), opt, held)
-    with tracker, counter:
-        _run_schedule(schedule, pp_rank, last, idx, target)
-        counter.phase = "optimizer"
-        opt.step()
+    held = tuple(b for st in stages for b in _runtime_buffers(st)) + tuple(buckets.values())
+    with ring():  # entered first: its copies of the inputs and tables to restore are not the step's
+        tracker = _tracker(part, (idx, target), opt, held)
+        with tracker, counter:
+            _run_schedule(schedule, pp_rank, last, idx, target)
+            counter.phase = "optimizer"
+            opt.step()
     params, grads, states = static_bytes(part, opt)
     return RankMeasure(rank, params, grads, states, _without_hooked(counter.log, hooked), first_loss, tracker.peak)
 
@@ -820,7 +834,8 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     random = float(getattr(cfg, "dropout", 0) or 0) > 0
     tol, note = (float("inf"), "; dropout: shown") if random else (1e-5, "")
     if layout.cp > 1:  # each rank's loss is its shard's mean: equal shards, so their mean is the batch's
-        mean = sum(g.loss for g in got) / len(got)
+        shards = [g.loss for g in got if g.loss is not None]  # a pipeline's: its last stage's ring
+        mean = sum(shards) / len(shards)
         rows.append(Row(f"loss (ranks' mean, against one process{note})", mean, loss, tol))
     elif got[-1].loss is not None:
         rows.append(Row(f"loss (against one process{note})", got[-1].loss, loss, tol))

@@ -120,8 +120,8 @@ def make_layout(
 ) -> Layout:
     """A checked ``Layout``: degrees positive, modes known, ``world = dp * tp * pp * cp`` when given.
 
-    Context parallelism (``cp > 1``) is derived alone or with data parallelism, HSDP included (not with tensor
-    parallelism or a pipeline yet: refused). Whether ``tp`` divides the model's sizes is the derivation's to
+    Context parallelism (``cp > 1``) is derived alone, with data parallelism (HSDP included) or with a pipeline
+    (not with tensor parallelism yet: refused). Whether ``tp`` divides the model's sizes is the derivation's to
     check (``Accounting.at`` refuses a size its constraints rule out: heads, F, V, S for sequence parallelism; S
     a multiple of ``2 * cp``)."""
     unknown = set(options) - {f.name for f in dataclasses.fields(Layout)}
@@ -142,10 +142,10 @@ def make_layout(
             f"not the world size {world}",
             hint="choose degrees whose product is the number of GPUs",
         )
-    if lay.cp > 1 and (lay.tp > 1 or lay.pp > 1):
+    if lay.cp > 1 and lay.tp > 1:
         raise SymacctError(
-            "context parallelism with tensor parallelism or a pipeline is not derived yet",
-            hint="cp with data parallelism (ddp, zero1, zero2, fsdp, HSDP) only, or cp=1",
+            "context parallelism with tensor parallelism is not derived yet",
+            hint="cp with data parallelism (ddp, zero1, zero2, fsdp, HSDP) or a pipeline, or cp=1",
         )
     if lay.sequence_parallel and lay.tp == 1:
         raise SymacctError("sequence parallelism splits the sequence over the tensor-parallel group", hint="tp >= 2")
@@ -159,7 +159,7 @@ def make_layout(
                 f"the HSDP shard group ({lay.hsdp_shard}) does not divide dp={lay.dp}",
                 hint="dp must be shard * replicate",
             )
-    if lay.pp > 1 and lay.dp_mode in ("zero2", "fsdp") and lay.dp > 1:
+    if lay.pp > 1 and lay.dp_mode in ("zero2", "fsdp") and lay.replicas > 1:
         raise SymacctError(
             f"{lay.dp_mode} with a pipeline is not derived yet (its gradients accumulate unsharded over the "
             "micro-batches, then reduce once)",

@@ -1016,8 +1016,22 @@ def _formulas(
         else:
             activations = act_total
         stack_rows = [(rw, c) for rw, c in rows if _in_stack(rw)]
+        chunk_grads = None
+        if piped and v > 1 and mode == "ddp":  # DDP over each stage chunk's module: one reducer each
+            chunk = _chunk_parts(run, layout)
+            chunk_grads = [chunk[k][1] for k in chunk_kinds(layout.pp, v, stage_rank(stage, layout.pp))]
         colls = _collectives(
-            layout, mode, rows, stack_rows=stack_rows, n=n, stage=stage, mem=mem, dp=dp, m=m, sizes=gathered
+            layout,
+            mode,
+            rows,
+            stack_rows=stack_rows,
+            n=n,
+            stage=stage,
+            mem=mem,
+            dp=dp,
+            m=m,
+            sizes=gathered,
+            chunk_grads=chunk_grads,
         )
         if layout.tp > 1:
             colls += _traced_collectives(run, holds, piped)
@@ -1254,8 +1268,8 @@ def chunk_kinds(pp: int, v: int, rank: int) -> list[str]:
 
 def _chunk_parts(run: Accounting, layout: Layout) -> dict[str, tuple[Expr, Expr, Expr]]:
     """Per kind of stage chunk (L / (pp v) blocks, and what runs before the stack on the first, after it on
-    the last): one held micro-batch's saved activations, the chunk's gradients, its buffers (formulas in the
-    sizes and pp; the gradients unsharded: DDP or ZeRO-1, what a pipeline is derived with)."""
+    the last): one held micro-batch's saved activations, the chunk's gradients, its blocks' buffers (formulas in
+    the sizes and pp; the gradients unsharded: DDP or ZeRO-1, what a pipeline is derived with)."""
     v = layout.stages_per_rank
     cache = run.__dict__.setdefault("_chunk_parts", {})
     if v not in cache:
@@ -1279,7 +1293,10 @@ def _chunk_parts(run: Accounting, layout: Layout) -> dict[str, tuple[Expr, Expr,
                     copies = row.count if places & ends else ZERO
                 grads += copies * row.grad_itemsize * row.numel
             held = stack + (before if kind == "first" else ZERO) + (after if kind == "last" else ZERO)
-            out[kind] = (held, sympy.expand(grads), sympy.sympify(mem.buffers).xreplace(share))
+            # the stack's buffers (the blocks' own); those outside it (a root's rotary tables, which every stage
+            # module shares) are one storage on the rank, in the live bytes of the chunk in flight
+            buffers = sympy.sympify(mem.buffers)
+            out[kind] = (held, sympy.expand(grads), sympy.expand(buffers - buffers.xreplace({L: 0})).xreplace(share))
         cache[v] = out
     return cache[v]
 
@@ -1444,16 +1461,16 @@ def _collectives(
     dp: Expr,
     m: Expr,
     sizes: Sizes | None = None,
+    chunk_grads: list[Expr] | None = None,
 ) -> list[Collective]:
     out: list[Collective] = []
     if layout.replicas > 1:
         if mode == "ddp":
             g = sum((c * rw.grad_itemsize * rw.numel for rw, c in rows if rw.grad), ZERO)
-            out.append(
-                Collective(
-                    "all_reduce", "dp", dp, sympy.expand(g), sympy.Integer(1), "backward", "gradients (DDP buckets)"
-                )
-            )
+            # an interleaved rank: DDP over each stage chunk's module, each reducing its own gradients
+            for i, part in enumerate(chunk_grads or [g]):
+                what = f"gradients of stage chunk {i} (DDP buckets)" if chunk_grads else "gradients (DDP buckets)"
+                out.append(Collective("all_reduce", "dp", dp, sympy.expand(part), sympy.Integer(1), "backward", what))
             # broadcast_buffers=True: rank 0's buffers at a forward after a synchronising one (DDP's
             # require_forward_param_sync): once a step, under no_sync for all but the last micro-batch; never
             # after the first step in a pipeline, whose stages run every forward under no_sync
