@@ -266,11 +266,10 @@ class Parallel:
                 here += _beside(others, refs, losses, outs, grads, held, sent, loss, head, grads_b, working)
                 best = max(best, here)
             kept = lay.micro_batches * head if r.stage == "last" and lay.return_outputs else 0
-            bucket = working if lay.dp_mode == "ddp" else 0  # DDP's bucket copy lives on; FSDP2 has resharded
             if _own_optimizer(run, lay):  # the stage's own optimizer ops, exactly
-                opt = own[("O", False)] + kept + bucket
+                opt = own[("O", False)] + kept + _ddp_buckets(lay, working)
             else:
-                opt = grads_b + _ceil_share(self.acct, int(r.optimizer), values) + kept + beside + bucket
+                opt = self._shared_optimizer(r, values, beside) + kept
             peak = int(r.params) + int(r.optimizer) + runtime + max(best, opt)
             out.append(dataclasses.replace(r, peak=peak))
         return out
@@ -295,12 +294,18 @@ class Parallel:
             here = 0 if h.kind == "end" else own[kinds[h.chunk]][(h.kind, h.grads[h.chunk])]
             best = max(best, here + _chunk_point(h, kinds, num, boundary, loss, head, working))
         kept = lay.micro_batches * head if "last" in kinds and lay.return_outputs else 0
-        bucket = working if lay.dp_mode == "ddp" else 0
         if _own_optimizer(run, lay):
-            opt = _chunks_optimizer(kinds, {k: own[k][("O", False)] for k in own}, num) + kept + bucket
+            own_opt = {k: own[k][("O", False)] for k in own}
+            opt = _chunks_optimizer(kinds, own_opt, num) + kept + _ddp_buckets(lay, working)
         else:
-            opt = int(r.grads) + _ceil_share(self.acct, int(r.optimizer), values) + kept + beside + bucket
+            opt = self._shared_optimizer(r, values, beside) + kept
         return int(r.params) + int(r.optimizer) + runtime + max(best, opt)
+
+    def _shared_optimizer(self, r: Rank, values: dict[str, int], beside: int) -> int:
+        """A pipeline rank's optimizer step on the share model (a foreach step, ZeRO-1): its gradients, the
+        single device's temporaries scaled by its share of the states, ``beside`` and DDP's buckets."""
+        share = _ceil_share(self.acct, int(r.optimizer), values)
+        return int(r.grads) + share + beside + _ddp_buckets(self.layout, int(r.working))
 
     def overlay_peaks(self, ranks: list[Rank], values: dict[str, int]) -> list[Rank]:
         """FSDP2 without a pipeline: each evaluated rank's peak exactly at every point of the step with FSDP2's
@@ -1075,13 +1080,12 @@ def _formulas(
         if holds["after"]:
             f += outside["after"]["forward"] + outside["after"]["backward"]
         if not piped and mode == "ddp":  # replicas: the single-device step, exactly, and the buckets
-            if layout.bucket_view or layout.micro_batches > 1:
-                # each new gradient freed once taken: copied into its bucket view (gradient_as_bucket_view), or
-                # added into the gradients held from an earlier micro-batch (gradient accumulation)
-                brief = _part(acct, "brief")
-                peak = (brief + grads if layout.micro_batches > 1 else brief) + working
-                if layout.micro_batches > 1:
-                    peak = sympy.Max(steady_peak + working, peak, evaluate=False)
+            # each new gradient freed once taken: added into the gradients held from an earlier micro-batch
+            # (gradient accumulation), or copied into its bucket view (gradient_as_bucket_view)
+            if layout.micro_batches > 1:
+                peak = sympy.Max(steady_peak, _part(acct, "brief") + grads, evaluate=False) + working
+            elif layout.bucket_view:
+                peak = _part(acct, "brief") + working
             else:
                 peak = steady_peak + working
             if layout.replicas > 1:
@@ -1101,7 +1105,7 @@ def _formulas(
             # (a model: rounded up to whole bytes, as the share is a fraction of the single device's)
             # the last stage's outputs kept for step()'s return live until the next step: the optimizer's too
             kept = m * head_out if piped and holds["after"] and layout.return_outputs else ZERO
-            bucket = working if mode == "ddp" else ZERO  # DDP's bucket copy lives on; FSDP2 has resharded
+            bucket = _ddp_buckets(layout, working)
             during = sympy.Max(
                 activations + working + stage_transient + held_grads,
                 grads + sympy.ceiling(excess_opt * share) + kept + _optimizer_beside(acct, layout) + bucket,
@@ -1220,17 +1224,25 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
         own = ZERO if kind == "end" else _stage_in_flight(run, parts.kind, accumulating=grads, phases=kind)
         sizes = (parts.held, parts.boundary, parts.loss, parts.head, rank.grads, rank.working)
         terms.append(own + _beside(others, sent, losses, outs, grads, *sizes))
-    mem = acct.memory
-    excess = _part(acct, "steady")[2]
-    share = rank.optimizer / mem.optimizer if mem.optimizer != 0 else ZERO
     kept_outputs = m * parts.head if parts.kind == "last" and layout.return_outputs else ZERO
-    bucket = rank.working if layout.dp_mode == "ddp" else ZERO  # DDP's bucket copy lives on
     if _own_optimizer(run, layout):  # the stage's own optimizer ops
-        terms.append(_stage_in_flight(run, parts.kind, phases="O") + kept_outputs + bucket)
+        terms.append(_stage_in_flight(run, parts.kind, phases="O") + kept_outputs + _ddp_buckets(layout, rank.working))
     else:
-        beside = _optimizer_beside(acct, layout)
-        terms.append(rank.grads + sympy.ceiling(excess * share) + kept_outputs + beside + bucket)
+        terms.append(_shared_optimizer_formula(rank, acct, layout) + kept_outputs)
     return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
+
+
+def _ddp_buckets(layout: Layout, working: Any) -> Any:
+    """DDP's buckets at a pipeline rank's optimizer step (the reducer holds them from step to step); FSDP2's
+    gathered buffers (the other ``working``) are freed by then."""
+    return working if layout.dp_mode == "ddp" else 0
+
+
+def _shared_optimizer_formula(rank: Rank, acct: Accounting, layout: Layout) -> Expr:
+    """``Parallel._shared_optimizer`` as a formula."""
+    share = rank.optimizer / acct.memory.optimizer if acct.memory.optimizer != 0 else ZERO
+    excess = sympy.ceiling(_part(acct, "steady")[2] * share)
+    return rank.grads + excess + _optimizer_beside(acct, layout) + _ddp_buckets(layout, rank.working)
 
 
 def _chunks_peak_formula(rank: Rank, parts: StageParts, acct: Accounting, layout: Layout, run: Accounting) -> Expr:
@@ -1249,14 +1261,11 @@ def _chunks_peak_formula(rank: Rank, parts: StageParts, acct: Accounting, layout
         own = ZERO if k is None else _stage_in_flight(run, k, accumulating=h.grads[h.chunk], chunks=v, phases=h.kind)
         terms.append(own + _chunk_point(h, kinds, chunk, parts.boundary, parts.loss, parts.head, rank.working))
     kept = m * parts.head if "last" in kinds and layout.return_outputs else ZERO
-    bucket = rank.working if layout.dp_mode == "ddp" else ZERO
     if _own_optimizer(run, layout):
         own_opt = {k: _stage_in_flight(run, k, chunks=v, phases="O") for k in set(kinds)}
-        terms.append(_chunks_optimizer(kinds, own_opt, chunk) + kept + bucket)
+        terms.append(_chunks_optimizer(kinds, own_opt, chunk) + kept + _ddp_buckets(layout, rank.working))
     else:
-        share = rank.optimizer / acct.memory.optimizer if acct.memory.optimizer != 0 else ZERO
-        excess = sympy.ceiling(_part(acct, "steady")[2] * share)
-        terms.append(rank.grads + excess + kept + _optimizer_beside(acct, layout) + bucket)
+        terms.append(_shared_optimizer_formula(rank, acct, layout) + kept)
     return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
 
 
