@@ -79,6 +79,10 @@ def main() -> None:
     pipe.at(B=1, S=8192)
     second = time.perf_counter() - t
     t = _clock()
+    acct3 = derive70b()
+    derive_parallel(acct3, make_layout(dp=8, pp=8, dp_mode="fsdp", micro_batches=16)).at(B=1, S=8192)
+    fsdp_pipe = time.perf_counter() - t
+    t = _clock()
     tp_acct = derive70b(tensor_parallel="megatron-sp", tp=8)
     lay = make_layout(dp=4, tp=8, pp=2, dp_mode="zero1", micro_batches=8, sequence_parallel=True)
     derive_parallel(tp_acct, lay).at(B=1, S=8192)
@@ -93,6 +97,7 @@ def main() -> None:
     print(f"   derive alone:                           {single:.2f} s")
     print(f"   derive + FSDP2 dp=64 per-rank figures:  {with_layout:.2f} s  ({with_layout / single:.2f}x; target 3x)")
     print(f"   then dp=8 x pp=8 ZeRO-1 1F1B (m=128):   {second:.2f} s")
+    print(f"   derive + FSDP2 dp=8 x pp=8 1F1B (m=16): {fsdp_pipe:.2f} s  ({fsdp_pipe / single:.2f}x; target 3x)")
     print(f"   derive a tp=8 sp rank + dp=4 x pp=2:    {with_tp:.2f} s  ({with_tp / single:.2f}x; target 3x)")
     for cp, sec in with_cp.items():
         what = f"derive a cp={cp} rank + FSDP2 dp={64 // cp}:"

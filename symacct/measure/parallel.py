@@ -428,7 +428,7 @@ def _gloo_rank(
         args = inputs(model)  # the same batch on every rank: the loss is comparable with one process
         counter = CollectiveCounter()
         if layout.pp > 1:
-            got = _pipeline_step(model, layout, rank, args, optimizer, split, counter)
+            got = _pipeline_step(model, layout, rank, args, optimizer, split, counter, stack)
         else:
             got = _dp_step(model, layout, rank, args, optimizer, stack, counter)
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(dataclasses.asdict(got)))
@@ -607,6 +607,7 @@ def _pipeline_step(
     optimizer: Callable[[Any], torch.optim.Optimizer],
     split: Callable[[nn.Module, int, int], nn.Module] | None,
     counter: CollectiveCounter,
+    stack: str = "blocks",
 ) -> RankMeasure:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as sch
@@ -616,19 +617,22 @@ def _pipeline_step(
     # ranks (pp_rank, dp_rank, cp_rank): DDP's replicas over each stage's module, or the stages' context-parallel
     # rings (each step in PyTorch's context_parallel over the cp ranks)
     pp_rank = rank // (layout.dp * layout.cp)
-    pp_group = dp_group = None
+    pp_group = dp_group = dp_mesh = None
     ring: Callable[[], Any] = contextlib.nullcontext
     if layout.replicas > 1:  # the gradients reduced over dp x cp ranks (the ring's ranks hold the same weights)
         from torch.distributed.device_mesh import init_device_mesh
 
-        if layout.dp_mode != "ddp":
-            raise SymacctError("the real run of data parallelism over a pipeline is DDP's", hint="--dp-mode ddp")
+        if layout.dp_mode not in ("ddp", "fsdp"):
+            raise SymacctError(
+                "the real run of data parallelism over a pipeline is DDP's or FSDP2's", hint="--dp-mode ddp"
+            )
         mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.cp), mesh_dim_names=("pp", "dp", "cp"))
         pp_group = mesh["pp"].get_group()
         if layout.dp > 1 and layout.cp > 1:
-            dp_group = mesh["dp", "cp"]._flatten("dp_cp").get_group()
+            dp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
         else:
-            dp_group = mesh["dp" if layout.dp > 1 else "cp"].get_group()
+            dp_mesh = mesh["dp" if layout.dp > 1 else "cp"]
+        dp_group = dp_mesh.get_group()
         if layout.cp > 1:
             from symacct.trace.context_parallel import sharded
 
@@ -639,12 +643,14 @@ def _pipeline_step(
     part = nn.ModuleList([split(model, s, n) for s in index])
     hooked: list[tuple[str, str, int]] = []
     buckets: dict[tuple[int, int], torch.Tensor] = {}
-    # a context-parallel rank's own shard of the sequence: not broadcast from rank 0 (its tables are its own)
-    subs = [_ddp(p, layout, dp_group, hooked, buckets, layout.cp == 1) if layout.replicas > 1 else p for p in part]
     idx, target = args
     # one micro-batch's shapes (a context-parallel rank's: S / cp of the sequence)
     micro = idx[: idx.shape[0] // layout.micro_batches, : idx.shape[1] // layout.cp]
     shapes = _stage_shapes(model, split, n, micro) if layout.replicas > 1 else {}
+    if layout.replicas > 1 and layout.dp_mode == "fsdp":  # each stage module FSDP2's root, its blocks sharded
+        subs = [shard(p, layout, stack, dp_mesh) for p in part]
+    else:  # a context-parallel rank's own shard of the sequence: not broadcast from rank 0 (its tables its own)
+        subs = [_ddp(p, layout, dp_group, hooked, buckets, layout.cp == 1) if layout.replicas > 1 else p for p in part]
     stages = [
         PipelineStage(p, s, n, torch.device("cpu"), group=pp_group, **shapes.get(s, {}))
         for p, s in zip(subs, index, strict=True)

@@ -209,3 +209,179 @@ def fsdp_liveness(
         other_marks={},
         point_block=blocks,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FSDP2 inside a pipeline stage (torch 2.13's PipelineStage over a fully_shard'ed stage module)
+#
+# Every backward runs with ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)``;
+# the schedule's last action (``perform_reduce_grad``) reshards and reduce-scatters every group once. So a
+# block's parameters, once gathered for a backward, stay unsharded until the next forward's post-forward
+# frees them (``reshard_after_forward``) or to the step's end, its gradients accumulate unsharded over the
+# micro-batches, and the root (the stage module) never reshards within the step. Each compute action is one
+# of five kinds, by what is unsharded when it starts:
+#
+# - ``F0``: the step's first forward: the root's pre-forward gathers the root (``AG`` until block 0's copy-
+#   out, ``UN`` to the step's end); each block as FSDP2's forward does (``AG`` until the next block's copy-
+#   out, the last block's until the root's post-forward: before the loss, which the schedule's ``loss_fn``
+#   computes outside the stage module; ``UN`` until the block's post-forward, or kept without
+#   ``reshard_after_forward``);
+# - ``F``: a later forward before any backward: the same, the root already unsharded;
+# - ``Fw``: a forward after a backward: every block unsharded at its start (no all-gather), each freed at its
+#   post-forward (``reshard_after_forward``) or kept;
+# - ``B``: a backward after a forward (every block resharded): the root's pre-backward (on the last stage,
+#   once the loss's backward has made the logits' gradient) prefetches the last block's ``AG``; each block's
+#   pre-backward copies it out (``UN``, kept), frees it and prefetches the block before;
+# - ``Bw``: a backward after a backward: everything unsharded already, no all-gather.
+STAGE_KINDS = ("F0", "F", "Fw", "B", "Bw")
+
+
+def stage_kinds(kinds: list[str], reshard: bool) -> list[str]:
+    """The FSDP2 kind (``STAGE_KINDS``) of each of a stage's compute actions in order ('F' or 'B'; anything
+    else passed through)."""
+    out: list[str] = []
+    prev = ""
+    forwarded = backward = False
+    for k in kinds:
+        if k == "F":
+            out.append("Fw" if backward or (forwarded and not reshard) else ("F" if forwarded else "F0"))
+            forwarded = True
+        elif k == "B":
+            out.append("B" if reshard and prev == "F" else "Bw")
+            backward = True
+        else:
+            out.append(k)
+        prev = k if k in ("F", "B") else prev
+    return out
+
+
+def _stage_overlay(
+    iv: Intervals,
+    ops: list[int],
+    blocks: list[int | None],
+    n_blocks: int,
+    kind: str,
+    edge: int,
+    reshard: bool,
+    root: GroupBytes,
+    block: GroupBytes,
+) -> tuple[Intervals, list[tuple[str, Any]]]:
+    """One trace's storages over the points of one compute action of ``kind`` (its ``ops`` and FSDP2's hooks
+    between them; ``edge``: the root's post-forward's last op (F kinds) or the op before which its pre-backward
+    runs (B)), with the unsharded parameters and all-gather outputs as the module comment above says."""
+    if kind not in STAGE_KINDS:
+        raise ValueError(f"no FSDP2 stage kind {kind!r}")
+    first = {b: next(t for t in ops if blocks[t] == b) for b in range(n_blocks)}
+    last = {b: max(t for t in ops if blocks[t] == b) for b in range(n_blocks)}
+    before: dict[int, list[Any]] = {}
+    if kind in ("F0", "F"):
+        if kind == "F0":
+            before.setdefault(ops[0], []).append(("fwd.pre", "root"))
+        for b in range(n_blocks):
+            before.setdefault(first[b], []).append(("fwd.pre", b))
+    elif kind == "B":
+        before.setdefault(edge, []).append(("bwd.prefetch", "root"))
+        for b in reversed(range(n_blocks)):
+            before.setdefault(first[b], []).extend([("bwd.copy", b), ("bwd.prefetch", b)])
+    seq: list[tuple[str, Any]] = []
+    for t in ops:
+        seq += [("hook", h) for h in before.get(t, [])]
+        seq.append(("op", t))
+    at = {item: i for i, item in enumerate(seq)}
+    op_at = {t: at[("op", t)] for t in ops}
+    n = len(seq)
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    nbytes: dict[int, Expr] = {}
+
+    def place(t: float) -> int:
+        """The last point at or before op t (-1: before the action; past it: the last point)."""
+        i = bisect.bisect_right(ops, t)
+        return op_at[ops[i - 1]] if i else -1
+
+    for st, s0 in iv.start.items():
+        if s0 > ops[-1]:  # made after this action (the next phase, the optimizer)
+            continue
+        s = place(s0)
+        e = FOREVER if iv.end[st] >= iv.n else place(iv.end[st])
+        if e >= s and e >= 0:
+            start[st], end[st], nbytes[st] = float(s), float(e), iv.nbytes[st]
+    ids = iter(range(-1, -(10**6), -1))
+
+    def add(first_at: int, final: int, size: Expr) -> None:
+        if size != 0:
+            k = next(ids)
+            start[k], end[k], nbytes[k] = float(first_at), float(final), size
+
+    def hook(name: str, g: Any) -> int:
+        return at[("hook", (name, g))]
+
+    if kind == "F0":
+        add(hook("fwd.pre", "root"), hook("fwd.pre", 0), root.gathered)  # AG
+        add(hook("fwd.pre", "root"), FOREVER, root.gathered)  # UN, to the step's end
+    else:
+        add(-1, FOREVER, root.gathered)
+    for b in range(n_blocks):
+        post_forward = op_at[last[b]] if reshard else FOREVER
+        if kind in ("F0", "F"):
+            ag_end = hook("fwd.pre", b + 1) if b + 1 < n_blocks else op_at[edge]
+            add(hook("fwd.pre", b), ag_end, block.gathered)
+            add(hook("fwd.pre", b), post_forward, block.gathered)
+        elif kind == "Fw":
+            add(-1, post_forward, block.gathered)
+        elif kind == "B":
+            issued = hook("bwd.prefetch", "root" if b == n_blocks - 1 else b + 1)
+            add(issued, hook("bwd.copy", b), block.gathered)
+            add(hook("bwd.copy", b), FOREVER, block.gathered)
+        else:
+            add(-1, FOREVER, block.gathered)
+    return Intervals(n, start, end, nbytes), seq
+
+
+def stage_fsdp_liveness(
+    live: Liveness,
+    kind: str,
+    ops: list[int],
+    edge: int,
+    other_ops: list[int],
+    other_edge: int,
+    root: GroupBytes,
+    block: GroupBytes,
+    reshard: bool,
+) -> Liveness:
+    """A pipeline stage's live bytes beside its sharded parameters and states over one compute action of
+    ``kind`` (``STAGE_KINDS``): the stage's own liveness (``symacct.parallel.rank._stage_live``) over its
+    ``ops`` of that phase, FSDP2's hooks placed between them; ``other_ops``, ``other_edge``: the same in
+    the trace with one block more, so that the result is factored by L as the trace's is."""
+    if live.other is None or not live.other_point_block:
+        raise ValueError("the FSDP2 overlay needs a layer stack traced at two depths")
+    n_blocks = live.layers
+    iv, seq = _stage_overlay(live.base, ops, live.point_block, n_blocks, kind, edge, reshard, root, block)
+    iv2, seq2 = _stage_overlay(
+        live.other, other_ops, live.other_point_block, n_blocks + 1, kind, other_edge, reshard, root, block
+    )
+    where = {item: i for i, item in enumerate(seq2)}
+
+    def counterpart(k: str, v: Any) -> tuple[str, Any]:
+        if k == "op":
+            return ("op", live.align[v])
+        g = v[1]
+        return ("hook", (v[0], g if g == "root" or g < DROP else g + 1))
+
+    phase = "forward" if kind.startswith("F") else "backward"
+    return dataclasses.replace(
+        live,
+        base=iv,
+        other=iv2,
+        align=[where[counterpart(k, v)] for k, v in seq],
+        labels=[
+            (i, *(live.labels[v][1:] if k == "op" else (f"FSDP2 {v[0]}", f"group {v[1]}", phase)))
+            for i, (k, v) in enumerate(seq)
+        ],
+        marks={},
+        other_marks={},
+        point_block=[live.point_block[v] if k == "op" else (v[1] if isinstance(v[1], int) else None) for k, v in seq],
+        other_point_block=[
+            live.other_point_block[v] if k == "op" else (v[1] if isinstance(v[1], int) else None) for k, v in seq2
+        ],
+    )

@@ -159,12 +159,27 @@ def make_layout(
                 f"the HSDP shard group ({lay.hsdp_shard}) does not divide dp={lay.dp}",
                 hint="dp must be shard * replicate",
             )
-    if lay.pp > 1 and lay.dp_mode in ("zero2", "fsdp") and lay.replicas > 1:
+    if lay.pp > 1 and lay.dp_mode == "zero2" and lay.replicas > 1:
         raise SymacctError(
-            f"{lay.dp_mode} with a pipeline is not derived yet (its gradients accumulate unsharded over the "
-            "micro-batches, then reduce once)",
-            hint="with pp > 1 use dp_mode='ddp' or 'zero1'",
+            "zero2 with a pipeline is not derived (PyTorch's pipeline accumulates the gradients unsharded over "
+            "the micro-batches and reduces them once: FSDP2's way)",
+            hint="with pp > 1 use dp_mode='ddp', 'zero1' or 'fsdp'",
         )
+    if lay.pp > 1 and lay.dp_mode == "fsdp" and lay.replicas > 1:
+        unsupported = [
+            (lay.stages_per_rank > 1, "the interleaved schedule (v > 1)"),
+            (lay.hsdp_shard is not None, "HSDP"),
+            (lay.cp > 1, "context parallelism"),
+            (lay.tp > 1, "tensor parallelism"),
+            (bool(lay.param_dtype or lay.reduce_dtype), "a MixedPrecisionPolicy"),
+        ]
+        for bad, what in unsupported:
+            if bad:
+                raise SymacctError(
+                    f"FSDP2 over a pipeline is derived for one stage per rank (GPipe, 1F1B) in the model's dtype; "
+                    f"not yet with {what}",
+                    hint="drop that option, or use dp_mode='ddp' over the pipeline",
+                )
     if lay.bucket_view and (lay.pp > 1 or lay.micro_batches > 1):
         raise SymacctError(
             "gradient_as_bucket_view with a pipeline or gradient accumulation is not derived yet (the gradients "

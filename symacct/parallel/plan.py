@@ -13,7 +13,9 @@ Step time of the slowest rank (docs/distributed.md):
   forward's compute and backward ones behind the backward's; what is longer than the compute is exposed;
   the optimizer phase's all-gather (ZeRO-1/2) and a tied weight's all-reduce are never hidden, nor are
   tensor parallelism's collectives (each sits between two matmuls that wait for it). With a pipeline, the
-  data-parallel reduction overlaps the last micro-batch's backward only;
+  data-parallel reduction overlaps the last micro-batch's backward only; FSDP2 over a pipeline: its
+  all-gathers hide behind the forwards and backwards that issue them, its reduce-scatters (once every
+  backward is done, ``perform_reduce_grad``) behind nothing;
 - the optimizer: its bytes (read and written in the single-device step) scaled by the rank's share of the
   optimizer states, at the memory bandwidth.
 
@@ -96,8 +98,11 @@ def step_time(
     slowest: tuple[float, float, float, float, dict[str, float], float] | None = None  # ..., total
     single_opt = float(par.optimizer_bytes)
     spans: dict[Any, tuple[float, list[float]]] = {}
+    fsdp_pipe = lay.pp > 1 and lay.dp_mode == "fsdp" and lay.replicas > 1
+    blocks = par.values.get("L", 1) // (lay.pp * lay.stages_per_rank)
     for r in par.ranks:
         ch = r.chunk
+        gathers = {"forward": 0.0, "backward": 0.0}
         comm: dict[str, float] = {}
         by_phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         in_line = 0.0  # tensor parallelism's collectives: between a layer's matmuls, never hidden
@@ -112,7 +117,12 @@ def step_time(
             if c.group in ("tp", "cp"):  # between a layer's kernels (the ring waits for its keys and values)
                 in_line += t
                 continue
-            by_phase["optimizer" if c.group == "tied" else c.phase] += t
+            # never hidden: a tied weight's all-reduce; FSDP2's reduce-scatters over a pipeline, which
+            # perform_reduce_grad issues once every backward is done
+            after = c.group == "tied" or (fsdp_pipe and c.op == "reduce_scatter")
+            by_phase["optimizer" if after else c.phase] += t
+            if fsdp_pipe and c.op == "all_gather" and c.what == "block parameters":
+                gathers[c.phase] = c.count / blocks  # the actions that gather the stage's blocks
         if lay.pp > 1:
             last = lay.pp * lay.stages_per_rank - 1
 
@@ -133,6 +143,9 @@ def step_time(
             bubble = span - max(busy)
             fwd_hide = 0.0
             bwd_hide = ch["backward"] / peak if overlap else 0.0  # the last micro-batch's backward of a chunk
+            if fsdp_pipe and overlap:  # FSDP2's all-gathers behind the forwards and backwards that issue them
+                fwd_hide = gathers["forward"] * ch["forward"] / peak
+                bwd_hide = gathers["backward"] * ch["backward"] / peak
         else:
             fwd = m * (ch["forward"] + ch["before_forward"] + ch["after_forward"]) / peak
             bwd = m * (ch["backward"] + ch["before_backward"] + ch["after_backward"]) / peak
@@ -321,7 +334,11 @@ def _layouts_at(
         for b in _divisors(global_batch // dp):
             m = global_batch // (dp * b)
             for mode in modes:
-                if dp * cp == 1 and mode != "ddp" or pp > 1 and mode in ("zero2", "fsdp") and dp > 1:
+                # FSDP2 over a pipeline: one stage per rank, in the model's dtype, without tp (layout.py)
+                piped_fsdp = pp > 1 and dp > 1 and mode == "fsdp"
+                if dp * cp == 1 and mode != "ddp" or pp > 1 and mode == "zero2" and dp > 1:
+                    continue
+                if piped_fsdp and (tp > 1 or policy):
                     continue
                 if pp == 1:
                     own = mixed if mode == "fsdp" else {}
@@ -335,7 +352,7 @@ def _layouts_at(
                 out.append((make_layout(schedule="gpipe", **kw, **deg), b))
                 if m >= pp:
                     out.append((make_layout(schedule="1f1b", **kw, **deg), b))
-                if L and L % (2 * pp) == 0 and m % pp == 0:
+                if L and L % (2 * pp) == 0 and m % pp == 0 and not piped_fsdp:
                     out.append((make_layout(schedule="interleaved", stages_per_rank=2, **kw, **deg), b))
     return out
 

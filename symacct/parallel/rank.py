@@ -53,12 +53,12 @@ import sympy
 import torch
 
 from symacct.cost.graph import records
-from symacct.cost.layers import op_blocks
+from symacct.cost.layers import DROP, op_blocks
 from symacct.errors import SymacctError
 from symacct.memory.liveness import Liveness
 from symacct.memory.static import ParamRow
 from symacct.options import DTYPES
-from symacct.parallel.fsdp import GroupBytes, fsdp_liveness
+from symacct.parallel.fsdp import GroupBytes, fsdp_liveness, stage_fsdp_liveness, stage_kinds
 from symacct.parallel.layout import Layout, check_model
 from symacct.parallel.schedule import actions, in_flight, interleaved_holds, runtime_holds
 from symacct.symbols import evaluate, exact_form, sym
@@ -252,6 +252,9 @@ class Parallel:
                 out.append(dataclasses.replace(r, peak=self._chunks_peak(r, values, local, beside)))
                 continue
             parts = self.stages[r.stage]
+            if parts.fsdp is not None:
+                out.append(dataclasses.replace(r, peak=self._fsdp_stage_peak(r, parts, values, local, beside)))
+                continue
             held, sent, loss, head, runtime = (
                 compiled(run, e)(values) for e in (parts.held, parts.boundary, parts.loss, parts.head, parts.runtime)
             )
@@ -273,6 +276,43 @@ class Parallel:
             peak = int(r.params) + int(r.optimizer) + runtime + max(best, opt)
             out.append(dataclasses.replace(r, peak=peak))
         return out
+
+    def _fsdp_stage_peak(
+        self, r: Rank, parts: StageParts, values: dict[str, int], local: dict[str, int], beside: int
+    ) -> int:
+        """FSDP2 over a pipeline stage: its peak exactly, at every op and hook of each compute action as its
+        kind (``stage_kinds``) has FSDP2's buffers, the gradients accumulating unsharded, then at every group's
+        reduce-scatter (``_reduce_phase``) and the optimizer step (the share model, on the shards)."""
+        lay = self.layout
+        run = self.compute or self.acct
+        fs = parts.fsdp
+        assert fs is not None
+        held, sent, loss, head, runtime = (
+            compiled(run, e)(values) for e in (parts.held, parts.boundary, parts.loss, parts.head, parts.runtime)
+        )
+        blocks = local["L"]
+        unsharded = compiled(run, fs.root_grads)(values) + blocks * compiled(run, fs.block_grads)(values)
+        points = _points(
+            lay.schedule, lay.pp, lay.micro_batches, stage_rank(r.stage, lay.pp), lay.return_outputs, fs.reshard
+        )
+        sizes = {**local, "dp": values["dp"]}
+        own: dict[tuple[str, bool], int] = {}
+        best = 0
+        for kind, grads, others, refs, losses, outs in points:
+            if kind == "R":  # every unsharded gradient still held: in the reduce phase's own bytes
+                here = _reduce_phase(run, fs, values, blocks)
+                here += _beside(others, refs, losses, outs, False, held, sent, loss, head, 0, 0)
+            elif kind == "end":  # reduced: the sharded gradients
+                here = _beside(others, refs, losses, outs, True, held, sent, loss, head, int(r.grads), 0)
+            else:
+                if (kind, grads) not in own:
+                    own[kind, grads] = _fsdp_stage_own(run, r.stage, kind, grads, fs, sizes)
+                here = own[kind, grads]
+                here += _beside(others, refs, losses, outs, grads, held, sent, loss, head, unsharded, 0)
+            best = max(best, here)
+        kept = lay.micro_batches * head if r.stage == "last" and lay.return_outputs else 0
+        opt = self._shared_optimizer(r, values, beside) + kept
+        return int(r.params) + int(r.optimizer) + runtime + max(best, opt)
 
     def _chunks_peak(self, r: Rank, values: dict[str, int], local: dict[str, int], beside: int) -> int:
         """An interleaved rank's peak exactly: ``_chunk_point`` at every point of ``interleaved_holds``, each
@@ -478,6 +518,8 @@ def derive_parallel(
         id(compute),
         # gradient accumulation: FSDP2's overlay accumulating, DDP's gradients held from the second micro-batch
         layout.micro_batches > 1 and mode in ("fsdp", "ddp") and layout.pp == 1,
+        # FSDP2 over a pipeline: its all-gathers per step follow the schedule
+        layout.schedule if mode == "fsdp" and layout.pp > 1 else None,
     )
     cache = acct.__dict__.setdefault("_parallel_formulas", {})
     if key not in cache:
@@ -937,6 +979,62 @@ def _stage_own(acct: Accounting, stage: str, values: dict[str, int]) -> dict[tup
     return cache[key]
 
 
+def _fsdp_stage_live(acct: Accounting, stage: str, kind: str, grads: bool, fs: FsdpStage, one_block: bool) -> Liveness:
+    """A pipeline stage's own live bytes (``_stage_live``) over one compute action of FSDP2 ``kind`` with
+    FSDP2's buffers at its hooks (``stage_fsdp_liveness``); the root's edge: the stage module's last forward op
+    (the loss ops after it are the schedule's ``loss_fn``'s, ops of no module) or its first backward op after
+    the loss's."""
+    cache = acct.__dict__.setdefault("_fsdp_stage_live", {})
+    key = (stage, kind, grads, one_block, id(fs))  # fs: kept with the formulas on acct (its id stays valid)
+    if key not in cache:
+        live, fwd, bwd, _opt = _stage_live(acct, stage, grads, one_block=one_block)
+        forward = kind.startswith("F")
+        ops = fwd if forward else bwd
+        phase = "forward" if forward else "backward"
+        named = [t for t in ops if live.labels[t][2]]
+        edge = named[-1] if forward else named[0]
+        extra = {u for u, b in enumerate(live.other_point_block) if b == DROP and live.other_phases[u] == phase}
+        other_ops = sorted({live.align[t] for t in ops} | extra)
+        cache[key] = stage_fsdp_liveness(
+            live, kind, ops, edge, other_ops, live.align[edge], fs.root, fs.block, fs.reshard
+        )
+    got: Liveness = cache[key]
+    return got
+
+
+def _fsdp_stage_own(acct: Accounting, stage: str, kind: str, grads: bool, fs: FsdpStage, values: dict[str, int]) -> int:
+    """The most a stage holds beside its shards over one compute action of FSDP2 ``kind`` (every op and hook
+    of ``_fsdp_stage_live``), exactly at ``values`` (L: the stage's blocks; dp)."""
+    cache = acct.__dict__.setdefault("_fsdp_stage_own", {})
+    key = (stage, kind, grads, id(fs), _sizes_key(values), values["dp"])  # the model's sizes and dp only
+    if key not in cache:
+        if len(cache) >= 4096:
+            cache.clear()
+        live = _fsdp_stage_live(acct, stage, kind, grads, fs, one_block=values.get("L") == 1)
+        cache[key] = int(live.during_array(values, list(range(live.base.n)))[1].max())
+    got: int = cache[key]
+    return got
+
+
+def _reduce_terms(fs: FsdpStage, blocks: Any, ev: Callable[[Expr], Any]) -> list[Any]:
+    """``perform_reduce_grad``: each group's post-backward in the order ``fully_shard``'s states were made
+    (the root, then blocks 0, 1, ...): its unsharded parameters freed, the previous group's reduce-scatter
+    input freed, its own allocated beside its unsharded gradients, then its sharded gradients; what is live
+    there beyond the shards and the runtime, at the root's and at the first and the last block's (the bytes
+    are linear in the block's index). ``ev``: a formula's value (or the formula)."""
+    un, g, sg, rs = (ev(e) for e in (fs.block.gathered, fs.block_grads, fs.block.sharded_grads, fs.block.reduce_input))
+    root_g, root_sg = ev(fs.root_grads), ev(fs.root.sharded_grads)
+    terms = [blocks * un + root_g + blocks * g + root_sg + ev(fs.root.reduce_input)] if fs.root.gathered != 0 else []
+    for j in (0, blocks - 1):
+        terms.append((blocks - 1 - j) * un + (blocks - j) * g + root_sg + (j + 1) * sg + rs)
+    return terms
+
+
+def _reduce_phase(acct: Accounting, fs: FsdpStage, values: dict[str, int], blocks: int) -> int:
+    """``_reduce_terms``' largest at ``values``."""
+    return max(_reduce_terms(fs, blocks, lambda e: compiled(acct, e)(values)))
+
+
 def _stage_in_flight(
     acct: Accounting, stage: str, accumulating: bool = False, chunks: int = 1, phases: str = "FB"
 ) -> Expr:
@@ -1061,10 +1159,13 @@ def _formulas(
             recv = 2 * v - int(holds["before"]) - int(holds["after"])
             runtime = recv * m * run.memory.boundary + (m - 1) * run.memory.inputs
             if stages is not None:
-                stages[stage] = StageParts(stage, one, run.memory.boundary, head_out, run.memory.loss, runtime)
+                fs = _fsdp_stage(layout, mode, rows, stack_rows, n, gathered)
+                stages[stage] = StageParts(stage, one, run.memory.boundary, head_out, run.memory.loss, runtime, fs)
             stage_transient = ZERO  # every point of the schedule evaluated (_pipeline_peak)
         working = ZERO
-        if mode == "fsdp" and layout.replicas > 1:
+        if mode == "fsdp" and layout.replicas > 1 and piped:  # the buffers are in each point's own bytes
+            pass
+        elif mode == "fsdp" and layout.replicas > 1:
             root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
             block = [(rw, sympy.Integer(1)) for rw, _c in stack_rows]
             working = _gathered(root, n, sizes=gathered) + _gathered(block, n, sizes=gathered)
@@ -1151,6 +1252,20 @@ class StageParts:
     head: Expr
     loss: Expr
     runtime: Expr
+    fsdp: FsdpStage | None = None  # FSDP2 over the stage module
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpStage:
+    """FSDP2 over a pipeline stage's module (formulas): the root group's and one block's buffers (the root:
+    what the stage runs outside the stack), and the unsharded gradients the micro-batches accumulate into,
+    the root's and one block's (``symacct.parallel.fsdp``'s stage kinds)."""
+
+    root: GroupBytes
+    block: GroupBytes
+    root_grads: Expr
+    block_grads: Expr
+    reshard: bool
 
 
 SCHEDULE_RUNTIMES = ("gpipe", "1f1b", "interleaved")  # schedules whose runtime's references are modelled
@@ -1180,12 +1295,18 @@ Point = tuple[str, bool, int, int, int, int]
 
 
 @functools.lru_cache(maxsize=512)
-def _points(schedule: str, pp: int, m: int, stage: int, keep_outputs: bool) -> tuple[Point, ...]:
+def _points(
+    schedule: str, pp: int, m: int, stage: int, keep_outputs: bool, fsdp: bool | None = None
+) -> tuple[Point, ...]:
     """The stage's schedule points (``runtime_holds``) as (kind, gradients exist, held micro-batches, outputs
-    and input gradients referenced, losses, last-stage outputs), each once."""
+    and input gradients referenced, losses, last-stage outputs), each once. ``fsdp`` (FSDP2 over the stage,
+    its ``reshard_after_forward``): the compute actions' kinds are FSDP2's (``stage_kinds``), and the point
+    'R' of ``perform_reduce_grad`` is among them."""
+    holds = runtime_holds(schedule, pp, m, stage, keep_outputs, reduce=fsdp is not None)
+    kinds = [h.kind for h in holds] if fsdp is None else stage_kinds([h.kind for h in holds], fsdp)
     keys = {
-        (h.kind, h.grads, h.others, h.outputs + h.input_grads, h.losses, h.chunks + h.merged)
-        for h in runtime_holds(schedule, pp, m, stage, keep_outputs)
+        (k, h.grads, h.others, h.outputs + h.input_grads, h.losses, h.chunks + h.merged)
+        for k, h in zip(kinds, holds, strict=True)
     }
     return tuple(sorted(keys))
 
@@ -1216,6 +1337,8 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
     m = layout.micro_batches
     if layout.stages_per_rank > 1:
         return _chunks_peak_formula(rank, parts, acct, layout, run)
+    if parts.fsdp is not None:
+        return _fsdp_stage_peak_formula(rank, parts, acct, layout, run)
     terms = []
     index = stage_rank(parts.kind, layout.pp)
     for kind, grads, others, sent, losses, outs in _dominant(
@@ -1229,6 +1352,34 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
         terms.append(_stage_in_flight(run, parts.kind, phases="O") + kept_outputs + _ddp_buckets(layout, rank.working))
     else:
         terms.append(_shared_optimizer_formula(rank, acct, layout) + kept_outputs)
+    return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
+
+
+def _fsdp_stage_peak_formula(rank: Rank, parts: StageParts, acct: Accounting, layout: Layout, run: Accounting) -> Expr:
+    """``Parallel._fsdp_stage_peak`` as a formula: each compute action's in-flight bytes the ``Max`` over its
+    points largest in a sample of the sizes (``Liveness.symbolic_peak``, L the stage's blocks, then L/pp)."""
+    fs = parts.fsdp
+    assert fs is not None
+    blocks = sym("L") / sym("pp")
+    unsharded = fs.root_grads + blocks * fs.block_grads
+    sizes = (parts.held, parts.boundary, parts.loss, parts.head)
+    terms = []
+    index = stage_rank(parts.kind, layout.pp)
+    points = _points(layout.schedule, layout.pp, layout.micro_batches, index, layout.return_outputs, fs.reshard)
+    for kind, grads, others, sent, losses, outs in _dominant(points):
+        if kind == "R":
+            own = sympy.Max(*_reduce_terms(fs, blocks, lambda e: e), evaluate=False)
+            terms.append(own + _beside(others, sent, losses, outs, False, *sizes, ZERO, ZERO))
+        elif kind == "end":
+            terms.append(_beside(others, sent, losses, outs, True, *sizes, rank.grads, ZERO))
+        else:
+            live = _fsdp_stage_live(run, parts.kind, kind, grads, fs, one_block=False)
+            free = sympy.sympify(run.memory.peak).free_symbols | sympy.sympify(fs.block.gathered).free_symbols
+            peak, _ = live.symbolic_peak(sorted({str(x) for x in free} | {"L", "dp"}), samples=16)
+            own = sympy.sympify(peak).xreplace({sym("L"): blocks})
+            terms.append(own + _beside(others, sent, losses, outs, grads, *sizes, unsharded, ZERO))
+    kept_outputs = layout.micro_batches * parts.head if parts.kind == "last" and layout.return_outputs else ZERO
+    terms.append(_shared_optimizer_formula(rank, acct, layout) + kept_outputs)
     return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
 
 
@@ -1401,6 +1552,31 @@ def _fsdp_overlay(
     return ov, ov.symbolic_peak(names, samples=16)[0], static
 
 
+def _fsdp_stage(
+    layout: Layout,
+    mode: str,
+    rows: list[tuple[ParamRow, Expr]],
+    stack_rows: list[tuple[ParamRow, Expr]],
+    n: Expr,
+    sizes: Sizes | None,
+) -> FsdpStage | None:
+    """FSDP2 over a pipeline stage's module (``fully_shard`` each block, then the stage): its groups' bytes;
+    None for every other layout."""
+    if not (mode == "fsdp" and layout.replicas > 1 and layout.pp > 1):
+        return None
+
+    def group(part: list[tuple[ParamRow, Expr]]) -> GroupBytes:
+        one = [(rw, sympy.Integer(1)) for rw, _c in part]
+        sharded = _rows_bytes(one, n, shard_params=True, shard_grads=True, shard_states=True)[1]
+        return GroupBytes(_gathered(one, n, sizes=sizes), _gathered(one, n, grad=True, sizes=sizes), sharded)
+
+    def grads(part: list[tuple[ParamRow, Expr]]) -> Expr:
+        return sympy.expand(sum((rw.grad_itemsize * rw.numel for rw, _c in part if rw.grad), ZERO))
+
+    root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
+    return FsdpStage(group(root), group(stack_rows), grads(root), grads(stack_rows), layout.reshard_after_forward)
+
+
 def _head_output(acct: Accounting) -> Expr:
     """Bytes of the last forward output of the head (the logits): what a pipeline's last stage returns."""
     last = None
@@ -1456,6 +1632,19 @@ def _held_micro(acts: Any, rank: int, stage: int) -> int:
         held += 1 if a.kind == "F" else -1
         peak = max(peak, held)
     return peak
+
+
+def _stage_gathers(layout: Layout, stage: str) -> tuple[Expr, Expr, Expr]:
+    """FSDP2 over a pipeline stage: each block's all-gathers per step in forward and in backward, and its
+    reduce-scatters (one, at ``perform_reduce_grad``). With ``reshard_after_forward``: every forward before
+    the stage's first backward gathers (GPipe: m; 1F1B: its warm-up, pp - stage), and every backward after a
+    forward (the rest, and the first: m - that + 1); without: the first forward only."""
+    m = sym("m")
+    if not layout.reshard_after_forward:
+        return sympy.Integer(1), ZERO, sympy.Integer(1)
+    pp = sym("pp")
+    warmup = m if layout.schedule == "gpipe" else {"first": pp, "middle": pp - 1, "last": sympy.Integer(1)}[stage]
+    return warmup, m - warmup + 1, sympy.Integer(1)
 
 
 def _collectives(
@@ -1515,15 +1704,20 @@ def _collectives(
             root = [(rw, c) for rw, c in rows if (rw, c) not in stack_rows]
             n_blocks = stack_rows[0][1] if stack_rows else ZERO
             group = "dp_shard" if layout.hsdp_shard else "dp"
+            # per group: (forward all-gathers, backward all-gathers, reduce-scatters) per step
+            calls = {"root": (m, ZERO, m), "block": (m, m if layout.reshard_after_forward else ZERO, m)}
+            if layout.pp > 1:  # FSDP2 over a stage (symacct.parallel.fsdp): the stage kinds' all-gathers
+                calls = {"root": (sympy.Integer(1), ZERO, sympy.Integer(1)), "block": _stage_gathers(layout, stage)}
             for what, part, count in (("root", root, sympy.Integer(1)), ("block", block, n_blocks)):
                 if not part or count == 0:
                     continue
                 ag = sympy.expand(_gathered(part, n, sizes=sizes))
                 rs = sympy.expand(_gathered(part, n, grad=True, sizes=sizes))
-                out.append(Collective("all_gather", group, n, ag, m * count, "forward", f"{what} parameters"))
-                if what == "block" and layout.reshard_after_forward:
-                    out.append(Collective("all_gather", group, n, ag, m * count, "backward", f"{what} parameters"))
-                out.append(Collective("reduce_scatter", group, n, rs, m * count, "backward", f"{what} gradients"))
+                fwd, bwd, red = calls[what]
+                out.append(Collective("all_gather", group, n, ag, fwd * count, "forward", f"{what} parameters"))
+                if bwd != 0:
+                    out.append(Collective("all_gather", group, n, ag, bwd * count, "backward", f"{what} parameters"))
+                out.append(Collective("reduce_scatter", group, n, rs, red * count, "backward", f"{what} gradients"))
                 if layout.hsdp_shard and layout.replicate > 1:
                     out.append(
                         Collective(

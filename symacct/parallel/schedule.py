@@ -218,7 +218,7 @@ class Held(NamedTuple):
     while ``step`` merges the last stage's outputs (``merged`` of them, a new tensor). A tuple: a long
     schedule's points cost the garbage collector nothing once kept."""
 
-    kind: str  # F | B | end
+    kind: str  # F | B | R (FSDP2: perform_reduce_grad) | end
     micro: int
     others: int
     outputs: int = 0
@@ -246,6 +246,7 @@ class _Runtime:
         self.output_chunks = self.losses = 0  # the last stage's lists: kept after _step_microbatches returns
         self.points: list[Held] = []
         self.backwards = 0
+        self.reduce_point = False
 
     def _hold(self, *objs: tuple[str, int]) -> None:
         for o in objs:
@@ -324,6 +325,12 @@ class _Runtime:
         self._drop(ig)
         return (ig,)
 
+    def reduce(self) -> None:
+        """``perform_reduce_grad``, the last thing ``_step_microbatches`` runs (FSDP2's reduce-scatters, with
+        the step's variables and works still referenced): a point 'R' when asked for (``runtime_holds``)."""
+        if self.reduce_point:
+            self._point("R", -1)
+
     def end(self) -> None:
         """``_step_microbatches`` returned (its variables and works let go); ``step`` merges the kept outputs."""
         for name in list(self.vars):
@@ -346,6 +353,7 @@ def _gpipe(rt: _Runtime, m: int) -> None:
         rt.backward(i)
         rt.assign("ops", rt.bwd_sends(i))
         rt.keep_works(rt.vars["ops"])  # bwd_sends_to_wait
+    rt.reduce()
     rt.end()
 
 
@@ -375,15 +383,20 @@ def _one_f_one_b(rt: _Runtime, m: int, warmup: int) -> None:
         rt.assign("bwd_sends", rt.bwd_sends(b))
         rt.assign("send_work", rt.vars["bwd_sends"])
         b += 1
+    rt.reduce()
     rt.end()
 
 
 @functools.lru_cache(maxsize=512)
-def runtime_holds(schedule: str, pp: int, m: int, stage: int, keep_outputs: bool = True) -> tuple[Held, ...]:
+def runtime_holds(
+    schedule: str, pp: int, m: int, stage: int, keep_outputs: bool = True, reduce: bool = False
+) -> tuple[Held, ...]:
     """Per compute action of ``stage`` (in the order it runs them), then the step's end: what it holds
     beyond its micro-batch in flight (``Held``), as PyTorch's runtime runs ``schedule`` (gpipe or 1f1b, one
-    stage per rank). ``keep_outputs``: ``step(return_outputs=True)``, PyTorch's default."""
+    stage per rank). ``keep_outputs``: ``step(return_outputs=True)``, PyTorch's default. ``reduce``: a point
+    'R' before the end, where ``perform_reduce_grad`` runs (FSDP2's reduce-scatters)."""
     rt = _Runtime(stage == 0, stage == pp - 1, keep_outputs)
+    rt.reduce_point = reduce
     if schedule == "gpipe":
         _gpipe(rt, m)
     elif schedule == "1f1b":
