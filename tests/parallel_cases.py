@@ -86,3 +86,24 @@ def released_collective_buffers(rank: int, store: str, rounds: int) -> None:
                 del z
     finally:
         dist.destroy_process_group()
+
+
+def reduce_scatter_peak(rank: int, store: str) -> None:
+    """A gloo rank reduce-scattering 1 KiB into 512 B under a ``StorageTracker``, as FSDP2 does (c10d's
+    ``reduce_scatter_tensor``): the peak is the input and the output, as on NCCL; gloo's own flat copy of the
+    input (an all-reduce's buffer it splits afterwards) is left out."""
+    import torch.distributed as dist
+
+    from symacct.measure.run import StorageTracker
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        x = torch.ones(256)
+        with StorageTracker([x]) as tracker:
+            out = torch.empty(128)
+            dist.reduce_scatter_tensor(out, x)
+            peak = tracker.peak
+        assert peak == 1024 + 512, peak  # gloo's copy counted: 1024 more
+        assert out.eq(2).all()
+    finally:
+        dist.destroy_process_group()

@@ -338,31 +338,38 @@ def test_gloo_fsdp_over_pipeline() -> None:
     """FSDP2 over each stage's module (fully_shard each block, then the stage), dp = 2 x pp on real gloo
     processes: GPT-2 with three blocks a stage (1F1B, where a backward after a backward finds every block
     unsharded and one after a forward gathers them again: the two differ by a block there), GPipe without
-    reshard_after_forward, three stages (a middle one with no root parameters), and a Llama of one block a
-    stage. Every rank's static bytes (its shards), each all-gather and reduce-scatter with its count (the
-    blocks gathered again by each forward before a backward and each backward after a forward; every group
-    reduce-scattered once, at perform_reduce_grad), the sends, the loss, and the peak to the byte by at();
-    the formula the same, and never below it where a stage is one block."""
+    reshard_after_forward, three stages (a middle one with no root parameters), a Llama of one block a
+    stage, and a wide GPT-2 at a small micro-batch, where the parameters' buffers dominate (the peak: the
+    second backward, every block and every gradient unsharded; gloo's own copy of a reduce-scatter's input,
+    which NCCL does not make, left out by the tracker). Every rank's static bytes (its shards), each
+    all-gather and reduce-scatter with its count (the blocks gathered again by each forward before a
+    backward and each backward after a forward; every group reduce-scattered once, at perform_reduce_grad),
+    the sends, the loss, and the peak to the byte by at(); the formula the same where a stage has more than
+    one block and the activations dominate, never below it where a stage is one block, and within 2% below
+    it for the wide model (a sampled envelope: its largest point is one no sample made largest)."""
     six = dataclasses.replace(GPT2_PIPE, n_layer=6)
     llama = dataclasses.replace(LLAMA_SMALL, n_layers=2)
-    for cfg, pp, schedule, m, reshard in (
-        (six, 2, "1f1b", 4, True),
-        (GPT2_PIPE, 2, "gpipe", 3, False),
-        (six, 3, "gpipe", 2, True),
-        (llama, 2, "gpipe", 2, True),
+    wide = dataclasses.replace(GPT2_WIDE, tie_weights=False)
+    for cfg, pp, schedule, m, reshard, (B, S) in (
+        (six, 2, "1f1b", 4, True, (2, 7)),
+        (GPT2_PIPE, 2, "gpipe", 3, False, (2, 7)),
+        (six, 3, "gpipe", 2, True, (2, 7)),
+        (llama, 2, "gpipe", 2, True, (2, 7)),
+        # the parameters' buffers dominate: the first stage's peak is at its first reduce-scatter
+        (wide, 2, "gpipe", 2, True, (1, 4)),
     ):
         build = Build(cfg)
         acct = symacct.derive(build(), optimizer="adamw")
         torch.manual_seed(0)
         one = build()
-        loss = float(one(*Batch(m * 2, 7, cfg.vocab_size)(one)).detach())
+        loss = float(one(*Batch(m * B, S, cfg.vocab_size)(one)).detach())
         lay = make_layout(
             dp=2, pp=pp, dp_mode="fsdp", schedule=schedule, micro_batches=m, reshard_after_forward=reshard
         )
         par = derive_parallel(acct, lay)
-        pred = par.at(B=2, S=7)
+        pred = par.at(B=B, S=S)
         stack = next(iter(acct.per_layer))
-        got = gloo_world(build, lay, Batch(m * 2, 7, cfg.vocab_size), adamw, stack=stack, split=stage)
+        got = gloo_world(build, lay, Batch(m * B, S, cfg.vocab_size), adamw, stack=stack, split=stage)
         blocks = pred.values["L"] // pp
         for g in got[::2]:  # data-parallel rank 0 of each stage (rank = pp_rank * dp + dp_rank): padded chunks
             p, f = pred.ranks[g.rank // 2], par.ranks[g.rank // 2]  # first, (middle,) last
@@ -373,7 +380,10 @@ def test_gloo_fsdp_over_pipeline() -> None:
             assert gathers == blocks * (m + 1 if reshard else 1)  # torch 2.13's unshard state, read off its code
             formula = evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})})
             assert g.peak == p.peak, (cfg, schedule, p.stage)
-            assert formula == p.peak if blocks > 1 else formula >= p.peak
+            if cfg is wide:  # the sampled envelope misses the first stage's largest point there (1.4%)
+                assert 0.98 * p.peak <= formula <= p.peak
+            else:
+                assert formula == p.peak if blocks > 1 else formula >= p.peak
         assert got[-1].loss == pytest.approx(loss, rel=1e-5)
 
 
@@ -404,6 +414,9 @@ def test_fsdp_over_pipeline_formulas(gpt2_acct: symacct.Accounting) -> None:
             pred = par.at(**sizes)
             for p, f in zip(pred.ranks, par.ranks, strict=True):
                 assert evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})}) == p.peak
+                gathers = sum(c.count for c in p.collectives if c.what == "block parameters")
+                assert gathers == sizes["L"] // 2 * (m + 1 if reshard else 1)
+                assert sum(c.count for c in p.collectives if c.op == "reduce_scatter") == sizes["L"] // 2 + 1
     for bad, what in (
         ({"schedule": "interleaved", "stages_per_rank": 2, "micro_batches": 2}, "interleaved"),
         ({"hsdp_shard": 1, "dp": 2}, "HSDP"),

@@ -93,6 +93,16 @@ def _coalesced_broadcast(func: Any) -> bool:
     return func.namespace == "c10d" and func.overloadpacket.__name__ == "broadcast_"
 
 
+def _gloo_reduce_scatter(func: Any) -> bool:
+    """c10d's reduce-scatter of one tensor. Gloo runs it as an all-reduce of a flat copy of the input that the
+    backend makes out of a dispatch mode's sight, then splits that copy (an ``aten.split`` seen right after
+    the collective) and copies the rank's chunk out: the storage first seen through that split is the
+    backend's buffer, which NCCL (reducing in place into the output) does not have, and is not counted (it
+    was the peak of a pipeline stage under FSDP2, whose reduce-scatters come at the step's end)."""
+    names = ("_reduce_scatter_base_", "reduce_scatter_tensor_")
+    return func.namespace == "c10d" and func.overloadpacket.__name__ in names
+
+
 def _holds(func: Any, args: Any, kwargs: Any) -> list[tuple[torch.Tensor, int, int]]:
     """A functional collective's input tensors with the holds on them before the call (``_settle_collective``
     waits until the process group has dropped the ones it took); c10d's broadcast's likewise."""
@@ -277,6 +287,7 @@ class StorageTracker(TorchDispatchMode):
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self._ref = StorageWeakRef
+        self._reduced = False  # the last op was c10d's reduce-scatter (``_gloo_reduce_scatter``)
         self.live: dict[int, tuple[Any, int]] = {}
         for t in initial:
             self._add(t)
@@ -309,8 +320,12 @@ class StorageTracker(TorchDispatchMode):
         held = _holds(func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         _settle_collective(func, out, held)
+        backend = self._reduced and func is torch.ops.aten.split.Tensor  # gloo's split of its own flat copy
+        self._reduced = _gloo_reduce_scatter(func) or (self._reduced and func is torch.ops.aten.split.Tensor)
         for t in torch.utils._pytree.tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not _no_storage(t):
+                if backend and t.untyped_storage()._cdata not in self.live:
+                    continue
                 self._add(t)
         self.peak = max(self.peak, self.current())
         return out

@@ -561,6 +561,15 @@ def derive_parallel(
             "at() evaluates every op exactly, the formula's micro-batch in flight is the Max over the ops "
             "largest in a sample of the sizes (one stage output high where a stage chunk is one block)"
         ]
+        if mode == "fsdp" and layout.replicas > 1:
+            notes.append(
+                "FSDP2 over the pipeline (torch 2.13's PipelineStage): each compute action as its kind has FSDP2's "
+                "buffers (the first forward gathers the root; a forward before any backward gathers each block "
+                "and frees it after; one after a backward finds every block unsharded; a backward after a forward "
+                "gathers each block and keeps it; one after a backward gathers nothing), the gradients held "
+                "unsharded from the first backward, one reduce-scatter of each group at perform_reduce_grad, the "
+                "optimizer step on the shards (its temporaries the single device's scaled by the share)"
+            )
     else:
         notes = [
             "peak per rank (a later step) = parameters + states + the larger of held activations + working set "
@@ -1357,7 +1366,8 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
 
 def _fsdp_stage_peak_formula(rank: Rank, parts: StageParts, acct: Accounting, layout: Layout, run: Accounting) -> Expr:
     """``Parallel._fsdp_stage_peak`` as a formula: each compute action's in-flight bytes the ``Max`` over its
-    points largest in a sample of the sizes (``Liveness.symbolic_peak``, L the stage's blocks, then L/pp)."""
+    points largest in a sample of the sizes (``Liveness.symbolic_peak``, L the stage's blocks, then L/pp): at
+    sizes where a point no sample made largest is (a wide model's small micro-batch) it is below at()'s."""
     fs = parts.fsdp
     assert fs is not None
     blocks = sym("L") / sym("pp")
@@ -1375,12 +1385,19 @@ def _fsdp_stage_peak_formula(rank: Rank, parts: StageParts, acct: Accounting, la
         else:
             live = _fsdp_stage_live(run, parts.kind, kind, grads, fs, one_block=False)
             free = sympy.sympify(run.memory.peak).free_symbols | sympy.sympify(fs.block.gathered).free_symbols
-            peak, _ = live.symbolic_peak(sorted({str(x) for x in free} | {"L", "dp"}), samples=16)
-            own = sympy.sympify(peak).xreplace({sym("L"): blocks})
+            peak, _ = live.symbolic_peak(sorted({str(x) for x in free} | {"L", "dp"}))
+            points = [sympy.sympify(e).xreplace({sym("L"): blocks}) for e in _max_args(peak)]  # no Max again
+            own = points[0] if len(points) == 1 else sympy.Max(*points, evaluate=False)
             terms.append(own + _beside(others, sent, losses, outs, grads, *sizes, unsharded, ZERO))
     kept_outputs = layout.micro_batches * parts.head if parts.kind == "last" and layout.return_outputs else ZERO
     terms.append(_shared_optimizer_formula(rank, acct, layout) + kept_outputs)
     return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
+
+
+def _max_args(e: Expr) -> tuple[Expr, ...]:
+    """The terms of a ``Max`` (or the expression alone): substituted one by one, as a ``Max`` built again
+    would compare them all (seconds on a large model)."""
+    return e.args if isinstance(e, sympy.Max) else (e,)
 
 
 def _ddp_buckets(layout: Layout, working: Any) -> Any:
@@ -1749,12 +1766,14 @@ def _collectives(
         if stage in ("first", "last"):
             for rw, c in rows:
                 if {"before", "after"} <= rw.places and rw.grad:
+                    # FSDP2: the gradient is reduced to its shard by then
+                    grad = _rows_bytes([(rw, c)], n, shard_params=True, shard_grads=True, shard_states=True)[1]
                     out.append(
                         Collective(
                             "all_reduce",
                             "tied",
                             sympy.Integer(2),
-                            c * rw.grad_itemsize * rw.numel,
+                            grad if mode == "fsdp" and layout.replicas > 1 else c * rw.grad_itemsize * rw.numel,
                             sympy.Integer(1),
                             "backward",
                             f"tied weight {rw.name}",
