@@ -628,11 +628,15 @@ def _pipeline_step(
             )
         mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.cp), mesh_dim_names=("pp", "dp", "cp"))
         pp_group = mesh["pp"].get_group()
-        if layout.dp > 1 and layout.cp > 1:
+        if layout.hsdp_shard:  # HSDP over each stage: (replicate, shard) inside the dp ranks
+            shape = (layout.pp, layout.replicate, layout.hsdp_shard)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "replicate", "shard"))
+            dp_mesh = mesh["replicate", "shard"]
+        elif layout.dp > 1 and layout.cp > 1:
             dp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
         else:
             dp_mesh = mesh["dp" if layout.dp > 1 else "cp"]
-        dp_group = dp_mesh.get_group()
+        dp_group = None if layout.hsdp_shard else dp_mesh.get_group()
         if layout.cp > 1:
             from symacct.trace.context_parallel import sharded
 

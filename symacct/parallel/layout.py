@@ -168,7 +168,6 @@ def make_layout(
     if lay.pp > 1 and lay.dp_mode == "fsdp" and lay.replicas > 1:
         unsupported = [
             (lay.stages_per_rank > 1, "the interleaved schedule (v > 1)"),
-            (lay.hsdp_shard is not None, "HSDP"),
             (lay.cp > 1, "context parallelism"),
             (lay.tp > 1, "tensor parallelism"),
             (bool(lay.param_dtype or lay.reduce_dtype), "a MixedPrecisionPolicy"),

@@ -295,7 +295,7 @@ class Parallel:
         points = _points(
             lay.schedule, lay.pp, lay.micro_batches, stage_rank(r.stage, lay.pp), lay.return_outputs, fs.reshard
         )
-        sizes = {**local, "dp": values["dp"]}
+        sizes = {**local, "dp": values["dp"], **({"dp_shard": values["dp_shard"]} if "dp_shard" in values else {})}
         own: dict[tuple[str, bool], int] = {}
         best = 0
         for kind, grads, others, refs, losses, outs in points:
@@ -1015,7 +1015,8 @@ def _fsdp_stage_own(acct: Accounting, stage: str, kind: str, grads: bool, fs: Fs
     """The most a stage holds beside its shards over one compute action of FSDP2 ``kind`` (every op and hook
     of ``_fsdp_stage_live``), exactly at ``values`` (L: the stage's blocks; dp)."""
     cache = acct.__dict__.setdefault("_fsdp_stage_own", {})
-    key = (stage, kind, grads, id(fs), _sizes_key(values), values["dp"])  # the model's sizes and dp only
+    # the model's sizes and the sharding group's degrees only
+    key = (stage, kind, grads, id(fs), _sizes_key(values), values["dp"], values.get("dp_shard"))
     if key not in cache:
         if len(cache) >= 4096:
             cache.clear()
@@ -1742,7 +1743,7 @@ def _collectives(
                             "dp_replicate",
                             dp / n,
                             sympy.expand(rs / n),
-                            m * count,
+                            red * count,
                             "backward",
                             f"{what} gradient shards",
                         )
