@@ -162,6 +162,21 @@ def _overlay(
     return Intervals(n, start, end, nbytes), seq, blocks
 
 
+def _aligned(live: Liveness, seq: list[tuple[str, Any]], seq2: list[tuple[str, Any]]) -> list[int]:
+    """Each point of an overlay on the probe's trace (``seq``: ops and hooks) in the overlay on the trace with
+    one block more (``seq2``): an op by the traces' alignment, a hook by its group (blocks from ``DROP`` on
+    one further)."""
+    where = {item: i for i, item in enumerate(seq2)}
+
+    def counterpart(kind: str, v: Any) -> tuple[str, Any]:
+        if kind == "op":
+            return ("op", live.align[v])
+        g = v[1]
+        return ("hook", (v[0], g if g == "root" or g < DROP else g + 1))
+
+    return [where[counterpart(k, v)] for k, v in seq]
+
+
 def fsdp_liveness(
     live: Liveness, root: GroupBytes, block: GroupBytes, static: Expr, reshard: bool = True, accumulating: bool = False
 ) -> Liveness:
@@ -179,15 +194,7 @@ def fsdp_liveness(
     )
     iv, seq, blocks = _overlay(base, n_blocks, reshard, root, block, static, accumulating)
     iv2, seq2, _ = _overlay(other, n_blocks + 1, reshard, root, block, static, accumulating)
-    where = {item: i for i, item in enumerate(seq2)}
-
-    def counterpart(kind: str, v: Any) -> tuple[str, Any]:
-        if kind == "op":
-            return ("op", live.align[v])
-        g = v[1]
-        return ("hook", (v[0], g if g == "root" or g < DROP else g + 1))
-
-    align = [where[counterpart(k, v)] for k, v in seq]
+    align = _aligned(live, seq, seq2)
     labels = [
         (
             i,
@@ -360,20 +367,12 @@ def stage_fsdp_liveness(
     iv2, seq2 = _stage_overlay(
         live.other, other_ops, live.other_point_block, n_blocks + 1, kind, other_edge, reshard, root, block
     )
-    where = {item: i for i, item in enumerate(seq2)}
-
-    def counterpart(k: str, v: Any) -> tuple[str, Any]:
-        if k == "op":
-            return ("op", live.align[v])
-        g = v[1]
-        return ("hook", (v[0], g if g == "root" or g < DROP else g + 1))
-
     phase = "forward" if kind.startswith("F") else "backward"
     return dataclasses.replace(
         live,
         base=iv,
         other=iv2,
-        align=[where[counterpart(k, v)] for k, v in seq],
+        align=_aligned(live, seq, seq2),
         labels=[
             (i, *(live.labels[v][1:] if k == "op" else (f"FSDP2 {v[0]}", f"group {v[1]}", phase)))
             for i, (k, v) in enumerate(seq)

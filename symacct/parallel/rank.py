@@ -1555,15 +1555,9 @@ def _fsdp_overlay(
     ):
         return None
 
-    def group(part: list[tuple[ParamRow, Expr]]) -> GroupBytes:
-        one = [(rw, sympy.Integer(1)) for rw, _c in part]
-        sharded = _rows_bytes(one, n, shard_params=True, shard_grads=True, shard_states=True)[1]
-        return GroupBytes(_gathered(one, n, sizes=sizes), _gathered(one, n, grad=True, sizes=sizes), sharded)
-
-    root = group([(rw, c) for rw, c in rows if not _in_stack(rw)])
-    ov = fsdp_liveness(
-        live.steady(), root, group(stack_rows), static, layout.reshard_after_forward, layout.micro_batches > 1
-    )
+    root = _group_bytes([(rw, c) for rw, c in rows if not _in_stack(rw)], n, sizes)
+    block = _group_bytes(stack_rows, n, sizes)
+    ov = fsdp_liveness(live.steady(), root, block, static, layout.reshard_after_forward, layout.micro_batches > 1)
     free = sympy.sympify(run.memory.peak).free_symbols | sympy.sympify(static).free_symbols
     names = sorted({str(x) for x in free} | {"L"})
     # the formula only (at(), fit and the planner evaluate every point): a smaller sample than derive's
@@ -1583,16 +1577,24 @@ def _fsdp_stage(
     if not (mode == "fsdp" and layout.replicas > 1 and layout.pp > 1):
         return None
 
-    def group(part: list[tuple[ParamRow, Expr]]) -> GroupBytes:
-        one = [(rw, sympy.Integer(1)) for rw, _c in part]
-        sharded = _rows_bytes(one, n, shard_params=True, shard_grads=True, shard_states=True)[1]
-        return GroupBytes(_gathered(one, n, sizes=sizes), _gathered(one, n, grad=True, sizes=sizes), sharded)
-
     def grads(part: list[tuple[ParamRow, Expr]]) -> Expr:
         return sympy.expand(sum((rw.grad_itemsize * rw.numel for rw, _c in part if rw.grad), ZERO))
 
     root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
-    return FsdpStage(group(root), group(stack_rows), grads(root), grads(stack_rows), layout.reshard_after_forward)
+    return FsdpStage(
+        _group_bytes(root, n, sizes),
+        _group_bytes(stack_rows, n, sizes),
+        grads(root),
+        grads(stack_rows),
+        layout.reshard_after_forward,
+    )
+
+
+def _group_bytes(part: list[tuple[ParamRow, Expr]], n: Expr, sizes: Sizes | None) -> GroupBytes:
+    """One FSDP2 group's buffers (each row once: a block's, or the root's)."""
+    one = [(rw, sympy.Integer(1)) for rw, _c in part]
+    sharded = _rows_bytes(one, n, shard_params=True, shard_grads=True, shard_states=True)[1]
+    return GroupBytes(_gathered(one, n, sizes=sizes), _gathered(one, n, grad=True, sizes=sizes), sharded)
 
 
 def _head_output(acct: Accounting) -> Expr:
