@@ -276,11 +276,15 @@ class GPT2Stage(nn.Module):
         self.blocks = nn.ModuleList(model.blocks[stage * n : (stage + 1) * n])
         if self.last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        self.checkpoint = model.config.checkpoint  # as the whole model: each block recomputed in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:  # x: (B, S) token ids
             pos = torch.arange(x.size(1), device=x.device)  # (S,)
             x = self.drop(self.wte(x) + self.wpe(pos))  # (B, S, D)
         for block in self.blocks:
-            x = block(x)  # (B, S, D)
+            if self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)  # (B, S, D)
+            else:
+                x = block(x)  # (B, S, D)
         return self.lm_head(self.ln_f(x)) if self.last else x  # (B, S, V) or (B, S, D)

@@ -294,11 +294,16 @@ class LlamaStage(nn.Module):
             self.norm, self.output = model.norm, model.output
         self.register_buffer("cos", model.cos, persistent=False)  # (S_max, Dh)
         self.register_buffer("sin", model.sin, persistent=False)  # (S_max, Dh)
+        self.checkpoint = model.config.checkpoint  # as the whole model: each layer recomputed in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:  # x: (B, S) token ids
             x = self.tok_embeddings(x)  # (B, S, D)
         S = x.size(1)
+        cos, sin = self.cos[:S], self.sin[:S]
         for layer in self.layers:
-            x = layer(x, self.cos[:S], self.sin[:S])  # (B, S, D)
+            if self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)  # (B, S, D)
+            else:
+                x = layer(x, cos, sin)  # (B, S, D)
         return self.output(self.norm(x)) if self.last else x  # (B, S, V) or (B, S, D)

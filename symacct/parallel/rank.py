@@ -582,13 +582,6 @@ def derive_parallel(
                 "the additive model (the root and one block gathered), not FSDP2's buffers placed at its hooks; "
                 "0.97-1.06 of a real run measured on a hand-written model without a config (docs/distributed.md)"
             )
-    live = (compute or acct).liveness
-    if layout.pp > 1 and live is not None and any(lab[3] == "recompute" for lab in live.labels):
-        notes.append(
-            "NOT EXACT: activation checkpointing inside a pipeline stage; the stage peaks measured 12-19% below "
-            "real gloo runs (a Llama, D = 24, L = 4, pp = 2, GPipe and 1F1B; the single device exact), cause not "
-            "found yet: treat these peaks as lower bounds (docs/distributed.md)"
-        )
     if layout.cp > 1:
         notes.append(
             f"context parallelism over {layout.cp} ranks: the ring's rank 0 traced (the others hold at most its "
