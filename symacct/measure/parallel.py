@@ -626,11 +626,13 @@ def _pipeline_step(
             raise SymacctError(
                 "the real run of data parallelism over a pipeline is DDP's or FSDP2's", hint="--dp-mode ddp"
             )
-        mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.cp), mesh_dim_names=("pp", "dp", "cp"))
-        pp_group = mesh["pp"].get_group()
         if layout.hsdp_shard:  # HSDP over each stage: (replicate, shard) inside the dp ranks
-            shape = (layout.pp, layout.replicate, layout.hsdp_shard)
-            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "replicate", "shard"))
+            shape, names = (layout.pp, layout.replicate, layout.hsdp_shard), ("pp", "replicate", "shard")
+        else:
+            shape, names = (layout.pp, layout.dp, layout.cp), ("pp", "dp", "cp")
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        pp_group = mesh["pp"].get_group()
+        if layout.hsdp_shard:
             dp_mesh = mesh["replicate", "shard"]
         elif layout.dp > 1 and layout.cp > 1:
             dp_mesh = mesh["dp", "cp"]._flatten("dp_cp")

@@ -235,8 +235,9 @@ class _Runtime:
     the last stage, its logits), 'ig' an input gradient, 'loss'. Each holder (a variable, a cache, a list)
     counts its references, so a point costs the same at any m."""
 
-    def __init__(self, first: bool, last: bool, keep_outputs: bool) -> None:
+    def __init__(self, first: bool, last: bool, keep_outputs: bool, reduce_point: bool = False) -> None:
         self.first, self.last, self.keep = first, last, keep_outputs
+        self.reduce_point = reduce_point  # a point 'R' at perform_reduce_grad (``reduce``)
         self.refs: dict[tuple[str, int], int] = defaultdict(int)
         self.alive: dict[str, int] = defaultdict(int)  # per kind: objects referenced at all
         self.vars: dict[str, tuple[tuple[str, int], ...]] = {}
@@ -246,7 +247,6 @@ class _Runtime:
         self.output_chunks = self.losses = 0  # the last stage's lists: kept after _step_microbatches returns
         self.points: list[Held] = []
         self.backwards = 0
-        self.reduce_point = False
 
     def _hold(self, *objs: tuple[str, int]) -> None:
         for o in objs:
@@ -395,8 +395,7 @@ def runtime_holds(
     beyond its micro-batch in flight (``Held``), as PyTorch's runtime runs ``schedule`` (gpipe or 1f1b, one
     stage per rank). ``keep_outputs``: ``step(return_outputs=True)``, PyTorch's default. ``reduce``: a point
     'R' before the end, where ``perform_reduce_grad`` runs (FSDP2's reduce-scatters)."""
-    rt = _Runtime(stage == 0, stage == pp - 1, keep_outputs)
-    rt.reduce_point = reduce
+    rt = _Runtime(stage == 0, stage == pp - 1, keep_outputs, reduce)
     if schedule == "gpipe":
         _gpipe(rt, m)
     elif schedule == "1f1b":
