@@ -111,7 +111,7 @@ def test_formula_and_planner() -> None:
 
 
 def test_planner_with_the_policy() -> None:
-    """``plan(fsdp_policy=...)`` ranks FSDP2 and HSDP with the policy, each row the figures of
+    """``plan(fsdp_policy=...)`` ranks FSDP2 and HSDP with the policy (over a pipeline too), each row the figures of
     ``derive_parallel(acct, layout, compute).at()`` and ``step_time``; the CLI's ``--fsdp-param-dtype`` the
     same; other modes, a degree without its compute trace, and a compute trace without a policy refused."""
     import json
@@ -125,6 +125,7 @@ def test_planner_with_the_policy() -> None:
     rows = plan(own, **kw, fsdp_policy=("bf16", "fp32"), compute={(1, 1): low})
     assert {(r.layout.dp_mode, r.layout.param_dtype, r.layout.reduce_dtype) for r in rows} == {("fsdp", "bf16", "fp32")}
     assert any(r.layout.hsdp_shard for r in rows)
+    assert any(r.layout.pp > 1 for r in rows)  # FSDP2 with the policy over a pipeline
     for r in rows:
         exact = derive_parallel(own, r.layout, low).at(B=r.micro_batch, S=16)
         assert r.peak == max(k.peak for k in exact.ranks)

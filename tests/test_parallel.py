@@ -33,7 +33,7 @@ from symacct.models.gpt2 import GPT2
 from symacct.models.llama import Llama
 from symacct.parallel.layout import make_layout
 from symacct.parallel.plan import layouts, plan, step_time
-from symacct.parallel.rank import derive_parallel
+from symacct.parallel.rank import derive_compute, derive_parallel
 from symacct.parallel.schedule import actions, in_flight, makespan, runtime_holds
 from symacct.symbols import evaluate
 
@@ -415,6 +415,59 @@ def test_gloo_hsdp_over_pipeline() -> None:
 
 
 @pytest.mark.slow
+def test_gloo_fsdp_mixed_precision_over_pipeline() -> None:
+    """FSDP2 with a MixedPrecisionPolicy over each stage's module, dp = 2 x pp = 2 on real gloo processes:
+    bf16 parameters with fp32 reduction (torchtitan's default: each group's post-backward moves its new bf16
+    gradients into fp32 accumulators, made by the first backward, added into by each later one) and with bf16
+    reduction (the bf16 gradients accumulate in place); 1F1B and GPipe, with and without reshard_after_forward,
+    a Llama of one block a stage, a wide GPT-2 at a small micro-batch. Every rank's static bytes (fp32 shards),
+    each collective with its count (bf16 all-gathers and sends, reduce-scatters in reduce_dtype), the loss
+    against one process running the bf16 model micro-batch by micro-batch (the schedule's mean of bf16
+    losses), and the peak to the byte by at() and by the formula where a stage has more than one block."""
+    six = dataclasses.replace(GPT2_PIPE, n_layer=6)
+    wide = dataclasses.replace(GPT2_WIDE, tie_weights=False)
+    for cfg, schedule, m, reshard, reduce, (B, S) in (
+        (six, "1f1b", 4, True, "fp32", (2, 7)),
+        (six, "1f1b", 4, True, None, (2, 7)),
+        (GPT2_PIPE, "gpipe", 3, False, "fp32", (2, 7)),
+        (dataclasses.replace(LLAMA_SMALL, n_layers=2), "gpipe", 2, True, "fp32", (2, 7)),
+        (wide, "gpipe", 2, True, "fp32", (1, 4)),
+    ):
+        build = Build(cfg)
+        lay = make_layout(
+            dp=2,
+            pp=2,
+            dp_mode="fsdp",
+            schedule=schedule,
+            micro_batches=m,
+            reshard_after_forward=reshard,
+            param_dtype="bf16",
+            reduce_dtype=reduce,
+        )
+        acct = symacct.derive(build(), optimizer="adamw")
+        par = derive_parallel(acct, lay, derive_compute(build(), lay, optimizer="adamw"))
+        pred = par.at(B=B, S=S)
+        torch.manual_seed(0)
+        one = build().to(torch.bfloat16)
+        ids, target = Batch(m * B, S, cfg.vocab_size)(one)
+        losses = [one(ids[i * B : (i + 1) * B], target[i * B : (i + 1) * B]).detach() for i in range(m)]
+        stack = next(iter(acct.per_layer))
+        got = gloo_world(build, lay, Batch(m * B, S, cfg.vocab_size), adamw, stack=stack, split=stage)
+        for g in got[::2]:  # data-parallel rank 0 of each stage: the padded chunks
+            p, f = pred.ranks[g.rank // 2], par.ranks[g.rank // 2]
+            assert (g.params, g.grads, g.optimizer) == (p.params, p.grads, p.optimizer)
+            calls = Counter((op, payload) for op, _phase, payload in g.collectives)
+            assert calls == Counter((c.op, c.payload) for c in p.collectives for _ in range(c.count))
+            assert g.peak == p.peak, (cfg, schedule, reduce, p.stage)
+            formula = evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})})
+            if cfg is wide:  # a sampled envelope (see test_gloo_fsdp_over_pipeline)
+                assert 0.98 * p.peak <= formula <= p.peak
+            else:
+                assert formula == p.peak if pred.values["L"] // 2 > 1 else formula >= p.peak
+        assert got[-1].loss == float(torch.stack(losses).mean())
+
+
+@pytest.mark.slow
 def test_gloo_checkpointed_pipeline() -> None:
     """A pipeline of checkpointed Llama layers on real gloo processes (each stage recomputes its layers as the
     whole model does): GPipe over two ranks and FSDP2 dp = 2 over 1F1B, each stage's peak to the byte by at()
@@ -447,20 +500,40 @@ def test_fsdp_stage_kinds_follow_the_unshard_state() -> None:
 
 def test_fsdp_over_pipeline_formulas(gpt2_acct: symacct.Accounting) -> None:
     """FSDP2 over a pipeline: the peak formula equals at() where a stage has more than one block (every op and
-    hook of the five kinds of action evaluated two ways: the symbolic Max and the numbers), its refusals."""
-    for schedule, m, reshard in (("gpipe", 3, True), ("1f1b", 2, True), ("1f1b", 3, False)):
-        lay = make_layout(dp=4, pp=2, dp_mode="fsdp", schedule=schedule, micro_batches=m, reshard_after_forward=reshard)
-        par = derive_parallel(gpt2_acct, lay)
+    hook of the five kinds of action evaluated two ways: the symbolic Max and the numbers), with and without a
+    MixedPrecisionPolicy (bf16 parameters; fp32 accumulators, or bf16 gradients accumulated in place, whose
+    peak is then lower; with the accumulators the formula, a sampled envelope, misses a point of the first
+    stage's at the larger sizes: within 2% below there); its refusals."""
+    low = derive_compute(GPT2(GPT2_SMALL), make_layout(dp=4, dp_mode="fsdp", param_dtype="bf16"), optimizer="adamw")
+    for schedule, m, reshard, policy in (
+        ("gpipe", 3, True, None),
+        ("1f1b", 2, True, None),
+        ("1f1b", 3, False, None),
+        ("1f1b", 2, True, "fp32"),
+        ("gpipe", 2, False, "bf16"),
+    ):
+        mixed = {"param_dtype": "bf16", "reduce_dtype": policy} if policy else {}
+        lay = make_layout(
+            dp=4, pp=2, dp_mode="fsdp", schedule=schedule, micro_batches=m, reshard_after_forward=reshard, **mixed
+        )
+        par = derive_parallel(gpt2_acct, lay, low if policy else None)
+        if policy == "fp32":  # the accumulators are twice the bf16 gradients
+            in_place = derive_parallel(gpt2_acct, dataclasses.replace(lay, reduce_dtype=None), low).at(B=2, S=8)
+            assert all(a.peak > b.peak for a, b in zip(par.at(B=2, S=8).ranks, in_place.ranks, strict=True))
         for sizes in ({"B": 2, "S": 8, "L": 4}, {"B": 3, "S": 16, "L": 8, "D": 24}):
             pred = par.at(**sizes)
             for p, f in zip(pred.ranks, par.ranks, strict=True):
-                assert evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})}) == p.peak
+                formula = evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})})
+                if policy == "fp32" and sizes["L"] == 8:  # a sampled envelope: 1.6% below on the first stage
+                    assert 0.98 * p.peak <= formula <= p.peak
+                else:
+                    assert formula == p.peak
                 gathers = sum(c.count for c in p.collectives if c.what == "block parameters")
                 assert gathers == sizes["L"] // 2 * (m + 1 if reshard else 1)
                 assert sum(c.count for c in p.collectives if c.op == "reduce_scatter") == sizes["L"] // 2 + 1
     for bad, what in (
         ({"schedule": "interleaved", "stages_per_rank": 2, "micro_batches": 2}, "interleaved"),
-        ({"param_dtype": "bf16"}, "MixedPrecisionPolicy"),
+        ({"reduce_dtype": "fp32"}, "reduce_dtype alone"),
         ({"tp": 2}, "tensor parallelism"),
     ):
         with pytest.raises(SymacctError, match=f"FSDP2 over a pipeline .*{what}"):

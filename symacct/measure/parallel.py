@@ -21,6 +21,7 @@ pipeline's sends from ``c10d.send``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -652,7 +653,7 @@ def _pipeline_step(
     idx, target = args
     # one micro-batch's shapes (a context-parallel rank's: S / cp of the sequence)
     micro = idx[: idx.shape[0] // layout.micro_batches, : idx.shape[1] // layout.cp]
-    shapes = _stage_shapes(model, split, n, micro) if layout.replicas > 1 else {}
+    shapes = _stage_shapes(model, split, n, micro, layout.param_dtype) if layout.replicas > 1 else {}
     if layout.replicas > 1 and layout.dp_mode == "fsdp":  # each stage module FSDP2's root, its blocks sharded
         subs = [shard(p, layout, stack, dp_mesh) for p in part]
     else:  # a context-parallel rank's own shard of the sequence: not broadcast from rank 0 (its tables its own)
@@ -693,13 +694,21 @@ def _pipeline_step(
 
 
 def _stage_shapes(
-    model: nn.Module, split: Callable[[nn.Module, int, int], nn.Module], n: int, micro: torch.Tensor
+    model: nn.Module,
+    split: Callable[[nn.Module, int, int], nn.Module],
+    n: int,
+    micro: torch.Tensor,
+    param_dtype: str | None = None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Each stage's example input and output for one micro-batch, run through the stages in turn without
-    gradients: PipelineStage's static metadata. DDP needs it: the dynamic inference's real backward through
-    the DDP module records its parameters for the bucket rebuild once more than the reducer allows (torch
-    2.13: an internal assert, "rebuilt parameter indices size is not same as original model parameters size").
+    gradients: PipelineStage's static metadata (with FSDP2's ``param_dtype``, a copy of the model in that
+    dtype: the stages then send and receive activations in it). DDP needs it: the dynamic inference's real
+    backward through the DDP module records its parameters for the bucket rebuild once more than the reducer
+    allows (torch 2.13: an internal assert, "rebuilt parameter indices size is not same as original model
+    parameters size").
     The gradients the stages run are PipelineStage's own, made at each micro-batch."""
+    if param_dtype is not None:
+        model = copy.deepcopy(model).to(DTYPES[param_dtype][0])
     out = {}
     x = micro
     for s in range(n):

@@ -240,7 +240,26 @@ def fsdp_liveness(
 #   once the loss's backward has made the logits' gradient) prefetches the last block's ``AG``; each block's
 #   pre-backward copies it out (``UN``, kept), frees it and prefetches the block before;
 # - ``Bw``: a backward after a backward: everything unsharded already, no all-gather.
+#
+# With a ``MixedPrecisionPolicy`` whose reduce_dtype is not param_dtype (bf16 parameters, fp32 reduction:
+# torchtitan's default), each group's post-backward (a block's after its last backward op, the root's at the
+# backward's end) moves the gradients backward made in param_dtype into unsharded accumulators of reduce_dtype:
+# the first backward allocates them (``to_accumulated_grad_if_needed``: the copy beside the gradient it copies),
+# each later one adds its new gradients in and frees them (``accumulate_unsharded_grad_if_needed``); the
+# accumulators are what ``perform_reduce_grad`` reduce-scatters.
 STAGE_KINDS = ("F0", "F", "Fw", "B", "Bw")
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulators:
+    """FSDP2's reduce_dtype accumulators in a pipeline stage's backward: the root's and one block's bytes, the
+    trace's gradient storages (each freed at its group's post-backward), and whether this backward is the
+    first (``fresh``: it allocates them; later ones find them held, counted beside)."""
+
+    root: Expr
+    block: Expr
+    grads: frozenset[int]
+    fresh: bool
 
 
 def stage_kinds(kinds: list[str], reshard: bool) -> list[str]:
@@ -272,14 +291,22 @@ def _stage_overlay(
     reshard: bool,
     root: GroupBytes,
     block: GroupBytes,
+    accumulators: Accumulators | None = None,
 ) -> tuple[Intervals, list[tuple[str, Any]]]:
     """One trace's storages over the points of one compute action of ``kind`` (its ``ops`` and FSDP2's hooks
     between them; ``edge``: the root's post-forward's last op (F kinds) or the op before which its pre-backward
-    runs (B)), with the unsharded parameters and all-gather outputs as the module comment above says."""
+    runs (B)), with the unsharded parameters and all-gather outputs as the module comment above says;
+    ``accumulators``: a backward's new gradients moved into them at each group's post-backward."""
     if kind not in STAGE_KINDS:
         raise ValueError(f"no FSDP2 stage kind {kind!r}")
     first = {b: next(t for t in ops if blocks[t] == b) for b in range(n_blocks)}
     last = {b: max(t for t in ops if blocks[t] == b) for b in range(n_blocks)}
+    moved = accumulators is not None and kind in ("B", "Bw")
+    after: dict[int, list[Any]] = {}
+    if moved:  # each block's post-backward after its last op; the root's at the backward's end
+        for b in range(n_blocks):
+            after.setdefault(last[b], []).append(("bwd.post", b))
+        after.setdefault(ops[-1], []).append(("bwd.post", "root"))
     before: dict[int, list[Any]] = {}
     if kind in ("F0", "F"):
         if kind == "F0":
@@ -294,6 +321,7 @@ def _stage_overlay(
     for t in ops:
         seq += [("hook", h) for h in before.get(t, [])]
         seq.append(("op", t))
+        seq += [("hook", h) for h in after.get(t, [])]
     at = {item: i for i, item in enumerate(seq)}
     op_at = {t: at[("op", t)] for t in ops}
     n = len(seq)
@@ -306,11 +334,17 @@ def _stage_overlay(
         i = bisect.bisect_right(ops, t)
         return op_at[ops[i - 1]] if i else -1
 
+    def hook(name: str, g: Any) -> int:
+        return at[("hook", (name, g))]
+
     for st, s0 in iv.start.items():
         if s0 > ops[-1]:  # made after this action (the next phase, the optimizer)
             continue
         s = place(s0)
         e = FOREVER if iv.end[st] >= iv.n else place(iv.end[st])
+        if moved and accumulators is not None and st in accumulators.grads and s0 >= 0:
+            made_by = blocks[int(s0)]
+            e = hook("bwd.post", "root" if made_by is None else made_by)  # added in (or moved), freed
         if e >= s and e >= 0:
             start[st], end[st], nbytes[st] = float(s), float(e), iv.nbytes[st]
     ids = iter(range(-1, -(10**6), -1))
@@ -320,9 +354,10 @@ def _stage_overlay(
             k = next(ids)
             start[k], end[k], nbytes[k] = float(first_at), float(final), size
 
-    def hook(name: str, g: Any) -> int:
-        return at[("hook", (name, g))]
-
+    if moved and accumulators is not None and accumulators.fresh:  # the first backward makes them
+        add(hook("bwd.post", "root"), FOREVER, accumulators.root)
+        for b in range(n_blocks):
+            add(hook("bwd.post", b), FOREVER, accumulators.block)
     if kind == "F0":
         add(hook("fwd.pre", "root"), hook("fwd.pre", 0), root.gathered)  # AG
         add(hook("fwd.pre", "root"), FOREVER, root.gathered)  # UN, to the step's end
@@ -355,17 +390,24 @@ def stage_fsdp_liveness(
     root: GroupBytes,
     block: GroupBytes,
     reshard: bool,
+    accumulators: tuple[Expr, Expr, bool] | None = None,
 ) -> Liveness:
     """A pipeline stage's live bytes beside its sharded parameters and states over one compute action of
     ``kind`` (``STAGE_KINDS``): the stage's own liveness (``symacct.parallel.rank._stage_live``) over its
     ``ops`` of that phase, FSDP2's hooks placed between them; ``other_ops``, ``other_edge``: the same in
-    the trace with one block more, so that the result is factored by L as the trace's is."""
+    the trace with one block more, so that the result is factored by L as the trace's is. ``accumulators``:
+    the root's and one block's reduce_dtype accumulators and whether this is the stage's first backward (see
+    ``Accumulators``)."""
     if live.other is None or not live.other_point_block:
         raise ValueError("the FSDP2 overlay needs a layer stack traced at two depths")
     n_blocks = live.layers
-    iv, seq = _stage_overlay(live.base, ops, live.point_block, n_blocks, kind, edge, reshard, root, block)
+    acc = acc2 = None
+    if accumulators is not None:
+        acc = Accumulators(accumulators[0], accumulators[1], live.grads, accumulators[2])
+        acc2 = dataclasses.replace(acc, grads=live.other_grads)
+    iv, seq = _stage_overlay(live.base, ops, live.point_block, n_blocks, kind, edge, reshard, root, block, acc)
     iv2, seq2 = _stage_overlay(
-        live.other, other_ops, live.other_point_block, n_blocks + 1, kind, other_edge, reshard, root, block
+        live.other, other_ops, live.other_point_block, n_blocks + 1, kind, other_edge, reshard, root, block, acc2
     )
     phase = "forward" if kind.startswith("F") else "backward"
     return dataclasses.replace(

@@ -170,13 +170,13 @@ def make_layout(
             (lay.stages_per_rank > 1, "the interleaved schedule (v > 1)"),
             (lay.cp > 1, "context parallelism"),
             (lay.tp > 1, "tensor parallelism"),
-            (bool(lay.param_dtype or lay.reduce_dtype), "a MixedPrecisionPolicy"),
+            (bool(lay.reduce_dtype and not lay.param_dtype), "a MixedPrecisionPolicy's reduce_dtype alone"),
         ]
         for bad, what in unsupported:
             if bad:
                 raise SymacctError(
-                    f"FSDP2 over a pipeline is derived for one stage per rank (GPipe, 1F1B) in the model's dtype; "
-                    f"not yet with {what}",
+                    f"FSDP2 over a pipeline is derived for one stage per rank (GPipe, 1F1B), with param_dtype "
+                    f"if any; not yet with {what}",
                     hint="drop that option, or use dp_mode='ddp' over the pipeline",
                 )
     if lay.bucket_view and (lay.pp > 1 or lay.micro_batches > 1):

@@ -334,21 +334,21 @@ def _layouts_at(
         for b in _divisors(global_batch // dp):
             m = global_batch // (dp * b)
             for mode in modes:
-                # FSDP2 over a pipeline: one stage per rank, in the model's dtype, without tp (layout.py)
+                # FSDP2 over a pipeline: one stage per rank, without tp (layout.py)
                 piped_fsdp = pp > 1 and dp > 1 and mode == "fsdp"
                 if dp * cp == 1 and mode != "ddp" or pp > 1 and mode == "zero2" and dp > 1:
                     continue
-                if piped_fsdp and (tp > 1 or policy):
+                if piped_fsdp and tp > 1:
                     continue
+                own = mixed if mode == "fsdp" else {}
                 if pp == 1:
-                    own = mixed if mode == "fsdp" else {}
                     out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m, **deg, **own), b))
                     if mode == "fsdp" and cp == 1:  # HSDP: sharded over each proper divisor of dp, replicated
                         for shard in _divisors(dp)[1:-1]:
                             lay = make_layout(dp=dp, dp_mode=mode, micro_batches=m, hsdp_shard=shard, **deg, **own)
                             out.append((lay, b))
                     continue
-                kw = {"dp": dp, "pp": pp, "dp_mode": mode, "micro_batches": m, "return_outputs": return_outputs}
+                kw = {"dp": dp, "pp": pp, "dp_mode": mode, "micro_batches": m, "return_outputs": return_outputs, **own}
                 out.append((make_layout(schedule="gpipe", **kw, **deg), b))
                 if m >= pp:
                     out.append((make_layout(schedule="1f1b", **kw, **deg), b))

@@ -998,7 +998,8 @@ def _fsdp_stage_live(acct: Accounting, stage: str, kind: str, grads: bool, fs: F
     cache = acct.__dict__.setdefault("_fsdp_stage_live", {})
     key = (stage, kind, grads, one_block, id(fs))  # fs: kept with the formulas on acct (its id stays valid)
     if key not in cache:
-        live, fwd, bwd, _opt = _stage_live(acct, stage, grads, one_block=one_block)
+        # with accumulators every backward's gradients are new tensors, freed at their post-backward
+        live, fwd, bwd, _opt = _stage_live(acct, stage, grads and not fs.accumulator, one_block=one_block)
         forward = kind.startswith("F")
         ops = fwd if forward else bwd
         phases = ("forward",) if forward else ("backward", "recompute")
@@ -1006,8 +1007,9 @@ def _fsdp_stage_live(acct: Accounting, stage: str, kind: str, grads: bool, fs: F
         edge = named[-1] if forward else named[0]
         extra = {u for u, b in enumerate(live.other_point_block) if b == DROP and live.other_phases[u] in phases}
         other_ops = sorted({live.align[t] for t in ops} | extra)
+        acc = (fs.root_grads, fs.block_grads, not grads) if fs.accumulator else None
         cache[key] = stage_fsdp_liveness(
-            live, kind, ops, edge, other_ops, live.align[edge], fs.root, fs.block, fs.reshard
+            live, kind, ops, edge, other_ops, live.align[edge], fs.root, fs.block, fs.reshard, acc
         )
     got: Liveness = cache[key]
     return got
@@ -1031,14 +1033,18 @@ def _fsdp_stage_own(acct: Accounting, stage: str, kind: str, grads: bool, fs: Fs
 def _reduce_terms(fs: FsdpStage, blocks: Any, ev: Callable[[Expr], Any]) -> list[Any]:
     """``perform_reduce_grad``: each group's post-backward in the order ``fully_shard``'s states were made
     (the root, then blocks 0, 1, ...): its unsharded parameters freed, the previous group's reduce-scatter
-    input freed, its own allocated beside its unsharded gradients, then its sharded gradients; what is live
-    there beyond the shards and the runtime, at the root's and at the first and the last block's (the bytes
-    are linear in the block's index). ``ev``: a formula's value (or the formula)."""
+    input freed, its own allocated beside its unsharded gradients (``foreach_reduce``'s copy-in), the
+    unsharded gradients freed, then its sharded gradients (the reduce-scatter's output) allocated; what is
+    live there beyond the shards and the runtime, at both moments of the root's and of the first and the last
+    block's (the bytes are linear in the block's index). ``ev``: a formula's value (or the formula)."""
     un, g, sg, rs = (ev(e) for e in (fs.block.gathered, fs.block_grads, fs.block.sharded_grads, fs.block.reduce_input))
-    root_g, root_sg = ev(fs.root_grads), ev(fs.root.sharded_grads)
-    terms = [blocks * un + root_g + blocks * g + root_sg + ev(fs.root.reduce_input)] if fs.root.gathered != 0 else []
+    root_g, root_sg, root_rs = ev(fs.root_grads), ev(fs.root.sharded_grads), ev(fs.root.reduce_input)
+    terms = []
+    if fs.root.gathered != 0:
+        terms += [blocks * (un + g) + root_rs + root_g, blocks * (un + g) + root_rs + root_sg]
     for j in (0, blocks - 1):
-        terms.append((blocks - 1 - j) * un + (blocks - j) * g + root_sg + (j + 1) * sg + rs)
+        held = (blocks - 1 - j) * (un + g) + root_sg + j * sg + rs  # the later blocks', the earlier shards
+        terms += [held + g, held + sg]
     return terms
 
 
@@ -1143,6 +1149,7 @@ def _formulas(
             n=n,
             stage=stage,
             mem=mem,
+            boundary=run.memory.boundary,  # the stages send what forward runs in (param_dtype)
             dp=dp,
             m=m,
             sizes=gathered,
@@ -1278,6 +1285,10 @@ class FsdpStage:
     root_grads: Expr
     block_grads: Expr
     reshard: bool
+    # a MixedPrecisionPolicy whose reduce_dtype is not the gradients' (param_dtype bf16, reduce_dtype fp32):
+    # each group's post-backward moves its new gradients into unsharded accumulators of reduce_dtype
+    # (``root_grads``, ``block_grads``: theirs), made at the first backward, added into at each later one
+    accumulator: bool = False
 
 
 SCHEDULE_RUNTIMES = ("gpipe", "1f1b", "interleaved")  # schedules whose runtime's references are modelled
@@ -1578,9 +1589,15 @@ def _fsdp_stage(
     None for every other layout."""
     if not (mode == "fsdp" and layout.replicas > 1 and layout.pp > 1):
         return None
+    accumulator = _accumulates(layout)
+    reduce = DTYPES[layout.reduce_dtype][0].itemsize if accumulator and layout.reduce_dtype else None
+
+    def itemsize(rw: ParamRow) -> int:
+        """An unsharded gradient's: the accumulators', else what backward makes (``param_dtype``'s)."""
+        return reduce or (sizes[rw.name][0] if sizes else rw.grad_itemsize)
 
     def grads(part: list[tuple[ParamRow, Expr]]) -> Expr:
-        return sympy.expand(sum((rw.grad_itemsize * rw.numel for rw, _c in part if rw.grad), ZERO))
+        return sympy.expand(sum((itemsize(rw) * rw.numel for rw, _c in part if rw.grad), ZERO))
 
     root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
     return FsdpStage(
@@ -1589,7 +1606,16 @@ def _fsdp_stage(
         grads(root),
         grads(stack_rows),
         layout.reshard_after_forward,
+        accumulator,
     )
+
+
+def _accumulates(layout: Layout) -> bool:
+    """FSDP2's policy moves the unsharded gradients into accumulators when its reduce_dtype is not the
+    param_dtype backward makes them in: torch 2.13's ``FSDPParam.to_accumulated_grad_if_needed``, run at each
+    post-backward without a gradient sync (over a pipeline, a reduce_dtype comes with a param_dtype:
+    ``symacct.parallel.layout``)."""
+    return bool(layout.reduce_dtype and layout.param_dtype and layout.reduce_dtype != layout.param_dtype)
 
 
 def _group_bytes(part: list[tuple[ParamRow, Expr]], n: Expr, sizes: Sizes | None) -> GroupBytes:
@@ -1678,6 +1704,7 @@ def _collectives(
     n: Expr,
     stage: str,
     mem: Any,
+    boundary: Expr,
     dp: Expr,
     m: Expr,
     sizes: Sizes | None = None,
@@ -1758,7 +1785,7 @@ def _collectives(
         # stage's input and the last stage's output stay on the rank)
         fwd = v if stage != "last" else v - 1
         bwd = v if stage != "first" else v - 1
-        b = mem.boundary
+        b = boundary
         two = sympy.Integer(2)
         for op, count, phase, what in (
             ("send", fwd, "forward", "activations to the next stage"),
