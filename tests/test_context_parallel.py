@@ -265,6 +265,7 @@ def test_planner_over_context_parallel_degrees() -> None:
         layouts(one, 4, 8, seq=16, context_parallel={4: _derived(2)})
 
 
+@pytest.mark.slow  # subprocesses and the planner: tens of seconds (CI's slow pass)
 def test_cli() -> None:
     """``symacct derive llama --cp 2`` prints the rank the API derives (its bytes and the ring's collectives);
     a layout it cannot derive is one line and exit 2."""

@@ -110,6 +110,7 @@ def test_formula_and_planner() -> None:
             assert evaluate(par.ranks[0].peak, values) <= exact.ranks[0].peak
 
 
+@pytest.mark.slow  # subprocesses and the planner: tens of seconds (CI's slow pass)
 def test_planner_with_the_policy() -> None:
     """``plan(fsdp_policy=...)`` ranks FSDP2 and HSDP with the policy (over a pipeline too), each row the figures of
     ``derive_parallel(acct, layout, compute).at()`` and ``step_time``; the CLI's ``--fsdp-param-dtype`` the

@@ -745,6 +745,7 @@ _CLI_SMALL = [f"--config={k}={getattr(GPT2_SMALL, k)}" for k in _FIELDS]
 _CLI_SMALL.append("--config=dropout=0.0")
 
 
+@pytest.mark.slow  # subprocesses and the planner: tens of seconds (CI's slow pass)
 def test_cli_fsdp_mixed_precision(gpt2_acct: symacct.Accounting, gpt2_low: dict[str, symacct.Accounting]) -> None:
     """--fsdp-param-dtype / --fsdp-reduce-dtype: the CLI derives the compute trace itself; its per-rank figures
     are derive_parallel's; the policy outside FSDP2 exits 2 with one line."""
@@ -763,6 +764,7 @@ def test_cli_fsdp_mixed_precision(gpt2_acct: symacct.Accounting, gpt2_low: dict[
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "MixedPrecisionPolicy" in bad.stderr
 
 
+@pytest.mark.slow  # subprocesses and the planner: tens of seconds (CI's slow pass)
 def test_cli_plan_tries_checkpointing() -> None:
     """``plan --try-checkpointing`` ranks the model derived with and without activation checkpointing together:
     each row is the planner's for that derivation (parameters in bf16, the CLI's default); the checkpointed

@@ -81,7 +81,14 @@ def test_readme_result_comments_are_all_checked() -> None:
     assert not _same("143.9", "144.0") and _same("143.99", "144.0") and not _same("17", "16")
 
 
-@pytest.mark.parametrize("line", CLI_LINES)
+# the planner over 64 GPUs and the rules-of-thumb page run half a minute each: out of the default run (CI's
+# slow pass runs them)
+SLOW_LINES = ("symacct plan ", "symacct check")
+
+
+@pytest.mark.parametrize(
+    "line", [pytest.param(x, marks=pytest.mark.slow) if x.startswith(SLOW_LINES) else x for x in CLI_LINES]
+)
 def test_cli_example_runs(line: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Each line through the command's entry point (``symacct.cli:main``) in this process: a new interpreter
     importing torch costs seconds a line; the installed command itself is run below."""
