@@ -570,6 +570,12 @@ def derive_parallel(
                 "unsharded from the first backward, one reduce-scatter of each group at perform_reduce_grad, the "
                 "optimizer step on the shards (its temporaries the single device's scaled by the share)"
             )
+            if _accumulates(layout):
+                notes.append(
+                    f"the policy's reduce_dtype ({layout.reduce_dtype}) is not its param_dtype: each group's "
+                    "post-backward moves its new gradients into unsharded accumulators of reduce_dtype, held to "
+                    "perform_reduce_grad (the first backward copies them in, each later one adds and frees them)"
+                )
     else:
         notes = [
             "peak per rank (a later step) = parameters + states + the larger of held activations + working set "
