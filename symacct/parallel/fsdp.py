@@ -301,9 +301,9 @@ def _stage_overlay(
         raise ValueError(f"no FSDP2 stage kind {kind!r}")
     first = {b: next(t for t in ops if blocks[t] == b) for b in range(n_blocks)}
     last = {b: max(t for t in ops if blocks[t] == b) for b in range(n_blocks)}
-    moved = accumulators is not None and kind in ("B", "Bw")
+    moved = accumulators if kind in ("B", "Bw") else None  # a backward's gradients moved at post-backward
     after: dict[int, list[Any]] = {}
-    if moved:  # each block's post-backward after its last op; the root's at the backward's end
+    if moved is not None:  # each block's post-backward after its last op; the root's at the backward's end
         for b in range(n_blocks):
             after.setdefault(last[b], []).append(("bwd.post", b))
         after.setdefault(ops[-1], []).append(("bwd.post", "root"))
@@ -342,7 +342,7 @@ def _stage_overlay(
             continue
         s = place(s0)
         e = FOREVER if iv.end[st] >= iv.n else place(iv.end[st])
-        if moved and accumulators is not None and st in accumulators.grads and s0 >= 0:
+        if moved is not None and st in moved.grads and s0 >= 0:
             made_by = blocks[int(s0)]
             e = hook("bwd.post", "root" if made_by is None else made_by)  # added in (or moved), freed
         if e >= s and e >= 0:
@@ -354,10 +354,10 @@ def _stage_overlay(
             k = next(ids)
             start[k], end[k], nbytes[k] = float(first_at), float(final), size
 
-    if moved and accumulators is not None and accumulators.fresh:  # the first backward makes them
-        add(hook("bwd.post", "root"), FOREVER, accumulators.root)
+    if moved is not None and moved.fresh:  # the first backward makes them
+        add(hook("bwd.post", "root"), FOREVER, moved.root)
         for b in range(n_blocks):
-            add(hook("bwd.post", b), FOREVER, accumulators.block)
+            add(hook("bwd.post", b), FOREVER, moved.block)
     if kind == "F0":
         add(hook("fwd.pre", "root"), hook("fwd.pre", 0), root.gathered)  # AG
         add(hook("fwd.pre", "root"), FOREVER, root.gathered)  # UN, to the step's end
