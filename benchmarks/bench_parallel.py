@@ -12,7 +12,9 @@
    estimator does: one number per size and rank) against derive_parallel, whose formulas then give any
    size and rank count; both are checked equal at the run's size (rank 0's static bytes, every payload).
 
-Every ratio is measured in one run on one machine; machines differ 3-4x in speed. The garbage collector
+Every ratio is measured in one run on one machine; machines differ 3-4x in speed, and one derivation's time
+varies by 10-40% from run to run on the same machine: each time of section 1 is the median of three runs
+(each on a fresh derivation), the planner's is one run. The garbage collector
 runs before each timed section (``_clock``), not inside it: a full collection of this process's million
 objects takes about 0.5 s, and lands in whichever section crosses its threshold (as ``timeit`` keeps it out).
 """
@@ -21,8 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,6 +38,8 @@ from symacct.models.presets import PRESETS
 from symacct.parallel.layout import make_layout
 from symacct.parallel.plan import plan
 from symacct.parallel.rank import derive_parallel
+
+REPEATS = 3
 
 
 def llama70b() -> torch.nn.Module:
@@ -63,36 +70,55 @@ def _clock() -> float:
     return time.perf_counter()
 
 
+def _median(run: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, Any]:
+    """``run()``'s median time over ``repeats`` runs (a garbage collection before each, see ``_clock``) and the
+    last run's result: one run of a derivation varies by 10-40% on these machines from run to run."""
+    times, got = [], None
+    for _ in range(repeats):
+        t = _clock()
+        got = run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), got
+
+
+def _then(first: Callable[[], Any], second: Callable[[Any], Any]) -> tuple[float, float]:
+    """Median times of ``first()`` and of ``second`` on its result, each pair on a fresh result."""
+    a, b = [], []
+    for _ in range(REPEATS):
+        t = _clock()
+        got = first()
+        a.append(time.perf_counter() - t)
+        t = _clock()
+        second(got)
+        b.append(time.perf_counter() - t)
+    return statistics.median(a), statistics.median(b)
+
+
+def _with(layout: Any, **rank: object) -> Callable[[], symacct.Accounting]:
+    """A derivation of the 70B (``rank``: its tensor- or context-parallel rank) and ``layout``'s figures."""
+
+    def run() -> symacct.Accounting:
+        acct = derive70b(**rank)
+        derive_parallel(acct, layout).at(B=1, S=8192)
+        return acct
+
+    return run
+
+
 def main() -> None:
-    print(f"torch {torch.__version__}, symacct {symacct.__version__}")
+    print(f"torch {torch.__version__}, symacct {symacct.__version__}; each time the median of {REPEATS} runs")
     derive70b()  # warm-up: imports, caches
-    t = _clock()
-    acct = derive70b()
-    single = time.perf_counter() - t
-    t = _clock()
-    acct2 = derive70b()
-    fsdp = derive_parallel(acct2, make_layout(dp=64, dp_mode="fsdp"))
-    fsdp.at(B=1, S=8192)
-    with_layout = time.perf_counter() - t
-    t = _clock()
-    pipe = derive_parallel(acct2, make_layout(dp=8, pp=8, dp_mode="zero1", micro_batches=128))
-    pipe.at(B=1, S=8192)
-    second = time.perf_counter() - t
-    t = _clock()
-    acct3 = derive70b()
-    derive_parallel(acct3, make_layout(dp=8, pp=8, dp_mode="fsdp", micro_batches=16)).at(B=1, S=8192)
-    fsdp_pipe = time.perf_counter() - t
-    t = _clock()
-    tp_acct = derive70b(tensor_parallel="megatron-sp", tp=8)
-    lay = make_layout(dp=4, tp=8, pp=2, dp_mode="zero1", micro_batches=8, sequence_parallel=True)
-    derive_parallel(tp_acct, lay).at(B=1, S=8192)
-    with_tp = time.perf_counter() - t
+    single, acct = _median(derive70b)
+    with_layout, second = _then(
+        _with(make_layout(dp=64, dp_mode="fsdp")),
+        lambda a: derive_parallel(a, make_layout(dp=8, pp=8, dp_mode="zero1", micro_batches=128)).at(B=1, S=8192),
+    )
+    fsdp_pipe, _ = _median(_with(make_layout(dp=8, pp=8, dp_mode="fsdp", micro_batches=16)))
+    tp_lay = make_layout(dp=4, tp=8, pp=2, dp_mode="zero1", micro_batches=8, sequence_parallel=True)
+    with_tp, tp_acct = _median(_with(tp_lay, tensor_parallel="megatron-sp", tp=8))
     with_cp, cp_accts = {}, {}
     for cp in (2, 8):
-        t = _clock()
-        cp_accts[cp] = derive70b(context_parallel=cp)
-        derive_parallel(cp_accts[cp], make_layout(dp=64 // cp, cp=cp, dp_mode="fsdp")).at(B=1, S=8192)
-        with_cp[cp] = time.perf_counter() - t
+        with_cp[cp], cp_accts[cp] = _median(_with(make_layout(dp=64 // cp, cp=cp, dp_mode="fsdp"), context_parallel=cp))
     print("1. Llama-3-70B (bf16, AdamW, SDPA, checkpointing, meta)")
     print(f"   derive alone:                           {single:.2f} s")
     print(f"   derive + FSDP2 dp=64 per-rank figures:  {with_layout:.2f} s  ({with_layout / single:.2f}x; target 3x)")

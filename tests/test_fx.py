@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import sympy
 import torch
 import torch.fx
@@ -338,6 +339,7 @@ def test_core_aten_keeps_the_matmul_flops():
     assert "aten.native_dropout" in core.by_op() and "aten.native_dropout" not in eager.by_op()
 
 
+@pytest.mark.slow  # export, save and the CLI in a subprocess: tens of seconds (CI's slow pass)
 def test_cli_annotates_a_saved_program(tmp_path):
     import json
     import subprocess

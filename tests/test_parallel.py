@@ -723,6 +723,7 @@ def test_plan_ranks_fitting_layouts_first(gpt2_acct: symacct.Accounting) -> None
         assert r.peak == max(k.peak for k in exact.ranks)  # the planner's compiled path agrees with at()
 
 
+@pytest.mark.slow  # subprocesses and the planner: tens of seconds (CI's slow pass)
 def test_cli_derive_with_a_layout_and_plan(tmp_path: object) -> None:
     run = [sys.executable, "-m", "symacct.cli"]
     got = subprocess.run(
@@ -795,6 +796,7 @@ def test_cli_plan_tries_checkpointing() -> None:
     assert bad.returncode == 2 and "drop --config checkpoint" in bad.stderr
 
 
+@pytest.mark.slow  # subprocesses and the planner: tens of seconds (CI's slow pass)
 def test_docs_formulas_are_derived() -> None:
     """The formulas docs/distributed.md quotes are what derive_parallel gives today (GPT-2 small, AdamW)."""
     import re
