@@ -824,10 +824,11 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     if layout.param_dtype:  # FSDP2 runs forward on the parameters cast to param_dtype
         one = one.to(DTYPES[layout.param_dtype][0])
     batch = ExampleBatch(global_batch, S)(one)
-    loss = float(one(*batch).detach())
     if layout.param_dtype and layout.pp > 1:  # the schedule's: the mean of the micro-batches' bf16 losses
         micro = [one(*(t[i * B : (i + 1) * B] for t in batch)).detach() for i in range(layout.micro_batches)]
         loss = float(torch.stack(micro).mean())
+    else:
+        loss = float(one(*batch).detach())
     rows = []
     # data-parallel rank 0 of each kind of stage (rank = pp_rank * dp + dp_rank; the first middle stage)
     stride = layout.dp * layout.cp * layout.tp
