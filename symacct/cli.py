@@ -271,7 +271,8 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
     from torch.utils._pytree import tree_map
 
-    from symacct.measure.verify import _step_of, profile_match, render, verify
+    from symacct.measure.capacity import RUN_SMALLER, require
+    from symacct.measure.verify import _step_of, profile_match, render, step_need, verify
     from symacct.options import optimizer_factory
     from symacct.pipeline import derive
 
@@ -291,6 +292,11 @@ def _verify(args: argparse.Namespace) -> int:
         route = {"hardware": get(args.hardware or device_hardware()).name, "without_gpu": True}
     acct = derive(meta, optimizer=args.optimizer, autocast=_dtype(args.autocast), device=args.device, **route)
     S = args.seq if args.seq is not None else acct.symbols.get("S_max", 1)
+    at = acct.at(B=args.batch, S=S)
+    what = f"the real run of {args.model} at B={args.batch}, S={S}"
+    if args.device.startswith("cuda"):  # built on the host, then moved
+        require(int(at.memory.params + at.memory.buffers), "cpu", f"{what} (its model built on the host)", RUN_SMALLER)
+    require(step_need(acct, at, args.steps, {"B": args.batch, "S": S}), args.device, what, RUN_SMALLER)
     torch.manual_seed(0)
     model = type(meta)(meta.config)
     rows = verify(
@@ -304,7 +310,7 @@ def _verify(args: argparse.Namespace) -> int:
         steps=args.steps,
         hardware=args.hardware,
     )
-    at = acct.at(B=args.batch, S=S)
+    del model  # --profile builds its own
     notes = at.notes
     prof_rows, unmatched = [], {}
     if args.profile:

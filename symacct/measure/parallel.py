@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from symacct.errors import SymacctError
+from symacct.measure.capacity import RUN_SMALLER, require
 from symacct.measure.run import StorageTracker, _distinct_nbytes, _state_tensors, dtensor_op
 from symacct.options import DTYPES
 from symacct.parallel.layout import Layout
@@ -390,6 +391,14 @@ def gloo_world(
             raise SymacctError(
                 f"the real run of {layout.describe()} failed: {_first_error(tmp, layout.world)}",
                 hint="the ranks' tracebacks follow the cause",
+            ) from e
+        except mp.ProcessExitedException as e:  # a rank ended by a signal (no traceback of its own)
+            killed = e.signal_name == "SIGKILL"
+            raise SymacctError(
+                f"the real run of {layout.describe()} failed: rank {e.error_index} ended by "
+                f"{e.signal_name or f'exit code {e.exit_code}'}"
+                + (" (on Linux most often the out-of-memory killer: see dmesg)" if killed else ""),
+                hint=RUN_SMALLER if killed else "the cause follows",
             ) from e
         out = []
         for r in range(layout.world):
@@ -776,6 +785,16 @@ def _stage(model: nn.Module, s: int, pp: int) -> nn.Module:
     return model.pipeline_stage(s, pp)
 
 
+def _peak_exact(par: Any, layout: Layout) -> bool:
+    """Whether the derived peaks of ``par`` are exact for the gloo runner's step (else an estimate)."""
+    from symacct.parallel.rank import SCHEDULE_RUNTIMES
+
+    # DDP: the traced step; FSDP2 without a pipeline: its buffers placed on it (symacct.parallel.fsdp)
+    overlay = par.overlay is not None and layout.micro_batches == 1  # the gloo runner runs one micro-batch
+    exact = layout.pp == 1 and (layout.replicas == 1 or layout.dp_mode == "ddp" or overlay)
+    return exact or (layout.pp > 1 and layout.schedule in SCHEDULE_RUNTIMES)  # the runner: pp alone
+
+
 def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer: str = "adamw") -> list[Any]:
     """The layout run for real (``gloo_world``) beside its derived figures, as ``symacct.measure.verify`` rows:
     each rank's static bytes and collective payloads exactly (rank 0 of the data-parallel group, the
@@ -786,7 +805,7 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     (measured); the loss is the ranks' mean."""
     from symacct.measure.verify import Row
     from symacct.options import OPTIMIZERS
-    from symacct.parallel.rank import SCHEDULE_RUNTIMES, derive_compute, derive_parallel, stage_rank
+    from symacct.parallel.rank import derive_compute, derive_parallel, stage_rank
     from symacct.pipeline import derive
 
     cfg = getattr(model, "config", None)
@@ -814,6 +833,12 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
             hint=f"run at S = {acct.symbols.get('S')} (--seq), or build the model with its tables of S rows",
         )
     par = derive_parallel(acct, layout, compute).at(B=B, S=S)  # B: one micro-batch of one data-parallel rank
+    exact = _peak_exact(par, layout)
+    # every process builds the whole model (then keeps its stage, its shards): at least that each, at once
+    whole = acct.at(B=B, S=S).memory
+    need = max(layout.world * int(whole.params + whole.buffers), sum(int(r.peak) for r in par.ranks) if exact else 0)
+    what = f"the real run of {layout.describe()} ({type(model).__name__} at B={B}, S={S}, {layout.world} processes)"
+    require(need, "cpu", what, RUN_SMALLER)
     build = Construct(type(model), cfg)
     opt = Optimizer(OPTIMIZERS[optimizer])
     global_batch = B * layout.micro_batches  # a pipeline's or gradient accumulation's m micro-batches
@@ -851,10 +876,6 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
             w, s = want.get(op, [0, 0]), seen.get(op, [0, 0])
             rows.append(Row(f"{who} {op} bytes", w[0], s[0], 0.0))
             rows.append(Row(f"{who} {op} calls", w[1], s[1], 0.0))
-        # DDP: the traced step; FSDP2 without a pipeline: its buffers placed on it (symacct.parallel.fsdp)
-        overlay = par.overlay is not None and layout.micro_batches == 1  # the gloo runner runs one micro-batch
-        exact = layout.pp == 1 and (layout.replicas == 1 or layout.dp_mode == "ddp" or overlay)
-        exact = exact or (layout.pp > 1 and layout.schedule in SCHEDULE_RUNTIMES)  # the runner: pp alone
         rows.append(Row(f"{who} peak bytes", p.peak, g.peak or 0, 0.0 if exact else float("inf")))
     # dropout draws its masks per process and per micro-batch: the loss of one process is then another sample
     random = float(getattr(cfg, "dropout", 0) or 0) > 0

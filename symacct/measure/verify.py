@@ -49,6 +49,7 @@ from symacct.accounting import Accounting
 from symacct.cost.experts import GROUPED_MM
 from symacct.cost.graph import records
 from symacct.errors import SymacctError
+from symacct.measure.capacity import RUN_SMALLER, require
 from symacct.measure.run import measure_cuda_steps, measure_memory_steps, measure_step
 from symacct.trace.record import call_inputs
 
@@ -144,6 +145,7 @@ def verify(
         hardware = get(hardware or device_hardware()).name
     sizes = {"B": B, "S": S, **(sizes or {})}
     at = acct.at(**sizes)
+    fits_here(acct, at, model, device, steps, sizes)
     inputs, loss = _step_of(model, inputs, loss)
     cpu_args = inputs(model, B, S)
     tolerance = 0.0 if device == "cpu" else 0.03
@@ -244,6 +246,34 @@ def _cuda_rows(acct: Accounting, at: Accounting, cuda: Any, sizes: dict[str, int
         )
     )
     return rows
+
+
+def step_need(acct: Accounting, at: Accounting, steps: int, sizes: dict[str, int]) -> int:
+    """The bytes a real run of ``steps`` steps holds at its peak, derived: the first step's, or a later
+    one's when larger (the optimizer states alive from its start)."""
+    need = int(at.memory.peak)
+    if steps > 1 and acct.liveness is not None:
+        need = max(need, int(acct.steady(**sizes)["peak"]))
+    return need
+
+
+def fits_here(
+    acct: Accounting, at: Accounting, model: nn.Module, device: str, steps: int, sizes: dict[str, int]
+) -> None:
+    """Refuse a run this machine cannot hold (``symacct.measure.capacity``): the derived peak less what the
+    model already holds on ``device`` (its parameters and buffers, built before the call)."""
+    held = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == torch.device(device).type and t.device.type != "meta":
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    need = step_need(acct, at, steps, sizes) - sum(held.values())
+    shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    require(
+        need,
+        device,
+        f"the real run of {type(model).__name__} at {shown} ({steps} step{'s' if steps > 1 else ''})",
+        hint=RUN_SMALLER,
+    )
 
 
 def device_hardware() -> str:
