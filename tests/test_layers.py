@@ -54,6 +54,7 @@ ORDER = [
     "parallel.fsdp",
     "parallel.rank",
     "parallel.plan",
+    "measure.capacity",
     "measure.run",
     "measure.verify",
     "measure.track",
