@@ -21,7 +21,9 @@
    experts, the notes (``symacct.accounting``).
 
 A pass that finds the layer stack cannot be factored raises ``_FixLayers``:
-derive starts again with L fixed at its value. Transformers models get their
+derive starts again with L fixed at its value. A failure with size fields of
+the model's own as symbols (no known name) is tried once more with each
+following the known width it equals, or kept at its value (``_tie_or_keep_own``). Transformers models get their
 task's step (``symacct.models.hf``); models with strided convolutions or pooling an
 image side S that halves (S = 64 * prime).
 """
@@ -843,6 +845,7 @@ def _derive(
     tp: int = 2,
     context_parallel: int | None = None,
     _degenerate: bool = False,
+    _own_fields: bool = False,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
 
@@ -956,8 +959,10 @@ def _derive(
         tp=tp,
         context_parallel=context_parallel,
         _degenerate=_degenerate,
+        _own_fields=_own_fields,
     )
     req = _request(**kwargs)
+    src: _Source | None = None
     try:
         src = read_source(model, req)
         probes = choose_probes(model, src, req)
@@ -977,6 +982,22 @@ def _derive(
             if again.what.startswith(NOT_THE_SAME):
                 raise first_difference.error from None  # still another model: the first difference is the one
             raise
+    except SymacctError as failed:  # sizes of the model's own (rotary_dim, word_embed_proj_dim): tied or kept
+        own = _own_size_fields(src) if src is not None and not req.own_fields and not failed.internal else []
+        if not own:
+            raise
+        try:
+            acct = _derive(model, **{**kwargs, "_own_fields": True})
+        except SymacctError:
+            acct = None
+        if acct is None:
+            raise  # the first failure, with its cause: the fields were not what stopped the step
+        acct.notes.insert(
+            0,
+            f"with symbols of their own, {', '.join(own)} did not let the step run at probe sizes "
+            f"({failed.what}): derived again with them following an equal size or kept at their values",
+        )
+        return acct
     return account(model, src, probes, first, memory, live, req)
 
 
@@ -1000,6 +1021,7 @@ class Request:
     causal_discount: bool
     routing: Sequence[Any] | None
     degenerate: bool
+    own_fields: bool = False  # derive's last try: the fields with symbols of their own tied or kept
     cache_dtype: torch.dtype | None = None  # the KV cache's dtype (serving steps; None: the compute dtype)
 
 
@@ -1037,6 +1059,7 @@ def _request(
     routing: Sequence[Any] | None,
     cache_dtype: torch.dtype | str | None,
     _degenerate: bool,
+    _own_fields: bool = False,
     tensor_parallel: Any = None,
     tp: int = 2,
     sdpa_backend: str | None = None,
@@ -1128,6 +1151,7 @@ def _request(
         causal_discount=causal_discount,
         routing=routing,
         degenerate=_degenerate,
+        own_fields=_own_fields,
         cache_dtype=kv_dtype,
     )
 
@@ -1268,12 +1292,43 @@ def read_source(model: Any, req: Request) -> _Source:
     src.constants = _not_sizes(src)
     for f in src.constants:
         del src.fields[f]
+    if req.own_fields:
+        src.notes += _tie_or_keep_own(src)
     if src.constants:
         src.notes.append(
             f"{', '.join(src.constants)} set no tensor size (ids, flags, chunk sizes) or switch which modules are "
             "built: kept at their values"
         )
     return src
+
+
+# the widths a field of the model's own may follow when equal, in the order preferred when several are (not
+# the head or expert counts: small numbers a rotary width or a group size equals by chance)
+_TIE_ORDER = ("D", "F", "V", "S_max")
+
+
+def _own_size_fields(src: _Source) -> list[str]:
+    """The size fields with a symbol of their own (no known name): derive's last try ties or keeps them."""
+    return sorted(f for f, letter in src.fields.items() if letter == f)
+
+
+def _tie_or_keep_own(src: _Source) -> list[str]:
+    """derive's last try, after a failure at probe sizes with the model's own size fields as symbols (a
+    rotary width that must stay below the head width, a projection built only when its width differs from
+    D): each that equals a known size at the model's values follows it (OPT's ``word_embed_proj_dim`` =
+    ``hidden_size``), the others keep their values. Exact at the model's values; the formulas hold these
+    fields as the model has them."""
+    known = {letter: f for f, letter in src.fields.items() if letter in _TIE_ORDER}
+    notes = []
+    for f in _own_size_fields(src):
+        equal = next((known[x] for x in _TIE_ORDER if x in known and src.values[known[x]] == src.values[f]), None)
+        del src.fields[f]
+        if equal is not None:
+            src.follow[f] = (equal, None)
+            notes.append(f"{f} = {equal} ({src.values[f]}): it follows {letter_for_field(equal)}")
+        else:
+            notes.append(f"{f} kept at {src.values[f]}")
+    return notes
 
 
 def _tie_tables(src: _Source) -> None:

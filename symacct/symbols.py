@@ -32,6 +32,7 @@ ALIASES: dict[str, str] = {
     "num_heads": "H",
     "n_kv_heads": "H_kv",
     "num_key_value_heads": "H_kv",
+    "num_kv_heads": "H_kv",  # Falcon
     "n_layer": "L",
     "n_layers": "L",
     "num_hidden_layers": "L",
@@ -40,6 +41,7 @@ ALIASES: dict[str, str] = {
     "ffn_dim": "F",
     "hidden_dim": "F",
     "d_ff": "F",
+    "ffn_hidden_size": "F",  # Falcon, Megatron
     "block_size": "S_max",
     "max_seq_len": "S_max",
     "max_position_embeddings": "S_max",

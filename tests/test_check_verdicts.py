@@ -172,6 +172,7 @@ def test_format_rows_follow_the_formats():
 # ---- worked numbers -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a derivation a drawn example: in CI's slow pass (the default run's 20 minutes)
 def test_worked_numbers_follow_the_model():
     small = gpt2(optimizer="mixed_adamw", params_dtype="bf16")  # 124M, not 1.3B: 2 GB, not 20
     assert check.static_13b().verdict == ASSUMING and check.static_13b(small).verdict == WRONG

@@ -54,6 +54,7 @@ def _ring(rank: symacct.parallel.rank.Rank) -> Counter:
     return Counter((c.op, c.phase, c.payload) for c in rank.collectives if c.group == "cp" for _ in range(c.count))
 
 
+@pytest.mark.slow  # a derivation a drawn example: in CI's slow pass (the default run's 20 minutes)
 @given(
     cp=st.sampled_from([2, 3, 4]),
     autocast=st.sampled_from([None, "bf16"]),

@@ -58,6 +58,7 @@ def _collectives(rank: symacct.parallel.rank.Rank) -> Counter:
     return Counter((c.op, c.phase, c.payload) for c in rank.collectives for _ in range(c.count))
 
 
+@pytest.mark.slow  # a derivation a drawn example: in CI's slow pass (the default run's 20 minutes)
 @given(
     model=st.sampled_from(["gpt2", "llama"]),
     sp=st.booleans(),

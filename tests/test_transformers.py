@@ -410,3 +410,33 @@ def test_cli_sheet_of_a_sequence_to_sequence_config(tmp_path: Path, capsys: pyte
     assert sum(n.endswith("-memory-seq.png") for n in written) == 1 and sum(n.endswith(".md") for n in written) == 1
     md = next((tmp_path / "s").glob("*.md")).read_text()
     assert "| $S_{dec}$ | decoder sequence length (sequence-to-sequence) | `--seq` | 16 |" in md
+
+
+def test_fields_of_a_models_own_follow_an_equal_width_or_keep_their_values() -> None:
+    """Sizes with no known name get symbols of their own; where the step cannot run with them at probe sizes,
+    derive tries again with each following the known width it equals (OPT builds ``project_in`` only when
+    ``word_embed_proj_dim`` differs from ``hidden_size``) or kept at its value (GPT-J's ``rotary_dim``, which
+    must stay within a head; Falcon's count of layer norms). Falcon's ``num_kv_heads`` and ``ffn_hidden_size``
+    are H_kv and F. Each exact against a real step."""
+    opt = T.OPTForCausalLM(
+        T.OPTConfig(hidden_size=24, word_embed_proj_dim=24, ffn_dim=40, num_hidden_layers=2, num_attention_heads=3,
+                    vocab_size=50, max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    )  # fmt: skip
+    gptj = T.GPTJForCausalLM(
+        T.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, vocab_size=64, n_positions=32,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    )  # fmt: skip
+    falcon = T.FalconForCausalLM(
+        T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                       new_decoder_architecture=True, vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    )  # fmt: skip
+    for model, note in [
+        (opt, "word_embed_proj_dim = hidden_size (24): it follows D"),
+        (gptj, "rotary_dim kept at 4"),
+        (falcon, "num_ln_in_parallel_attn kept at 2"),  # a count of layer norms: a switch, not a size
+    ]:
+        torch.manual_seed(0)
+        acct = symacct.derive(model, optimizer="adamw")
+        assert note in acct.notes and "did not let the step run at probe sizes" in acct.notes[0]
+        check_exact(model, acct, [(2, 7), (3, 11)])
+    assert {"H_kv", "F"} <= set(acct.symbols)  # Falcon's num_kv_heads and ffn_hidden_size
