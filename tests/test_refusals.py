@@ -555,16 +555,38 @@ def test_sdpa_with_enable_gqa_is_costed_and_its_head_ratio_kept():
 
 def test_a_forward_that_fails_at_probe_sizes_is_a_refusal_with_the_full_cause():
     """With the key/value heads under a name symacct does not know ('Hkv'), the probe does not keep them a
-    divisor of H; SDPA's own check fails above dispatch. Refused, with PyTorch's whole message, not blamed
-    on symacct."""
+    divisor of H; SDPA's own check fails above dispatch. derive tries again with Hkv kept at its value; where
+    that fails too (H = 4 over Hkv = 3 is no model), the first failure is refused, with PyTorch's whole
+    message, not blamed on symacct."""
     with pytest.raises(SymacctError) as e:
         symacct.derive(
             lambda D, H, Hkv: GQA(D, H, Hkv),
-            dims={"D": 32, "H": 4, "Hkv": 2},
+            dims={"D": 36, "H": 4, "Hkv": 3},
             inputs=lambda m, B, S: (torch.randn(B, S, m.q.in_features),),
         )
     assert not e.value.internal
     assert "forward failed at probe sizes: RuntimeError: Number of heads in key and value must divide" in str(e.value)
+
+
+def test_a_size_of_its_own_that_fails_at_probe_sizes_is_kept_at_its_value():
+    """The same model with Hkv = 2 dividing H = 4: derived with Hkv kept at 2, the note says why; the
+    parameters and the projections' FLOPs against the model's own count and FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    acct = symacct.derive(
+        lambda D, H, Hkv: GQA(D, H, Hkv),
+        dims={"D": 32, "H": 4, "Hkv": 2},
+        inputs=lambda m, B, S: (torch.randn(B, S, m.q.in_features),),
+    )
+    assert "Hkv kept at 2" in acct.notes and "Number of heads in key and value must divide" in acct.notes[0]
+    assert "Hkv" not in acct.symbols
+    model = GQA(32, 4, 2)
+    with FlopCounterMode(display=False) as fc:  # the projections (the CPU flash kernel counts 0 there)
+        model(torch.randn(3, 7, 32))
+    at = acct.at(B=3, S=7)
+    assert at.params == sum(p.numel() for p in model.parameters())
+    assert fc.get_total_flops() == 2 * 3 * 7 * 32 * (32 + 2 * 8 * 2)  # 2 B S D (D + 2 Dh Hkv)
+    assert at.flops.forward == fc.get_total_flops() + 4 * 3 * 4 * 7 * 7 * 8  # + the kernel: 4 B H S^2 Dh
 
 
 @dataclasses.dataclass
