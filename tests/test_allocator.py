@@ -236,6 +236,7 @@ def test_the_cublas_workspace_takes_its_segment(gpt2_adamw) -> None:
         acct.reserved(steps=0, **sizes)
 
 
+@pytest.mark.slow  # a CLI process or a derivation more: in CI's slow pass (the default run's 20 minutes)
 def test_cli_derive_reserved(capsys) -> None:
     """``symacct derive --reserved``: the replay's figures in the JSON report are Accounting.reserved's."""
     import json

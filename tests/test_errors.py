@@ -202,6 +202,7 @@ def test_cli_errors_are_one_line_exit_2(args, needle):
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # a CLI process or a derivation more: in CI's slow pass (the default run's 20 minutes)
 @pytest.mark.parametrize("cmd", [["hardware"], ["derive", "gpt2", "--config", "n_layer=2", "--seq", "16"]])
 def test_a_closed_pipe_ends_the_cli_quietly(cmd):
     """`symacct ... | head` closes the pipe early: no traceback on stderr."""

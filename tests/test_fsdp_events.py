@@ -75,6 +75,7 @@ def test_peak_to_the_byte(name: str, dp: int, hsdp: bool, reshard: bool, mixed: 
     assert fake_rank_peak(Build(cfg), lay, 0, Batch(B, S, cfg.vocab_size), adamw, stack=_stack(name)) == pred
 
 
+@pytest.mark.slow  # a CLI process or a derivation more: in CI's slow pass (the default run's 20 minutes)
 @pytest.mark.parametrize("param", [None, "bf16"])
 def test_with_tensor_parallelism(param: str | None) -> None:
     """FSDP2 over dp = 2 of tensor-parallel ranks (tp = 2, the Megatron plan with sequence parallelism): the

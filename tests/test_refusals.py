@@ -132,6 +132,7 @@ def test_cli_bad_config_values_are_one_line(item, needle):
     one_line(cli("derive", "gpt2", "--config", item), needle)
 
 
+@pytest.mark.slow  # a CLI process or a derivation more: in CI's slow pass (the default run's 20 minutes)
 def test_cli_factories_that_fail_are_one_line(tmp_path, monkeypatch):
     (tmp_path / "facts.py").write_text(
         "def needs_args(width):\n    raise AssertionError\n"

@@ -327,6 +327,7 @@ def test_decode_traffic_splits_the_bytes():
     assert t["cache_written"] + t["other_written"] == at.bytes.written
 
 
+@pytest.mark.slow  # a CLI process or a derivation more: in CI's slow pass (the default run's 20 minutes)
 def test_sheet_of_a_decode_step(tmp_path):
     """symacct sheet --step decode: the KV cache after the step and a position of it, derived, beside the
     textbook 2*L*H_kv*d_head*bytes; --context sets C + 1; --seq is refused; --out plots memory against

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import symacct
@@ -53,6 +54,7 @@ def test_track_logs_measured_next_to_predicted_and_diff_points_at_activations(tm
     assert report["module_changed_most"].startswith("blocks.*")
 
 
+@pytest.mark.slow  # a CLI process or a derivation more: in CI's slow pass (the default run's 20 minutes)
 def test_diff_refuses_bad_logs(tmp_path):
     acct = symacct.derive(GPT2(CFG), optimizer="adamw")
     good = tmp_path / "good.jsonl"

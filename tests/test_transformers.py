@@ -285,6 +285,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     return rc, out, err
 
 
+@pytest.mark.slow  # a CLI process or a derivation more: in CI's slow pass (the default run's 20 minutes)
 def test_cli_derives_and_verifies_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     rc, out, err = _cli(capsys, "derive", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--json")
