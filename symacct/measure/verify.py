@@ -262,10 +262,12 @@ def fits_here(
 ) -> None:
     """Refuse a run this machine cannot hold (``symacct.measure.capacity``): the derived peak less what the
     model already holds on ``device`` (its parameters and buffers, built before the call)."""
-    held = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type == torch.device(device).type and t.device.type != "meta":
-            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    on = torch.device(device).type
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in [*model.parameters(), *model.buffers()]
+        if t.device.type == on
+    }
     need = step_need(acct, at, steps, sizes) - sum(held.values())
     shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
     require(
