@@ -5,12 +5,11 @@ kills named as such."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_run import cli
 from parallel_cases import GPT2_SMALL, Batch, KilledOnRank, adamw
 
 import symacct
@@ -130,11 +129,7 @@ def test_verify_parallel_refuses_before_spawning(monkeypatch):
 def test_cli_verify_of_a_model_no_machine_holds_is_one_line():
     # GPT-2 of width 2**17: 12 D^2 L = 4e11 parameters, with AdamW's states about 6.6 TB
     cfg = ["n_layer=2", "n_head=2", "n_embd=131072", "vocab_size=64", "block_size=16"]
-    out = subprocess.run(
-        [sys.executable, "-m", "symacct.cli", "verify", "gpt2", *(a for c in cfg for a in ("--config", c))],
-        capture_output=True,
-        text=True,
-    )
+    out = cli("verify", "gpt2", *(a for c in cfg for a in ("--config", c)))
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1
     got = re.search(r"needs at least ([0-9.]+) TB \(derived\)", out.stderr)

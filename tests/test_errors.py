@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from cli_run import cli
 from torch import nn
 
 import symacct
@@ -196,7 +197,7 @@ def test_differing_blocks_are_left_unfactored():
     ],
 )
 def test_cli_errors_are_one_line_exit_2(args, needle):
-    proc = subprocess.run([sys.executable, "-m", "symacct.cli", *args], capture_output=True, text=True)
+    proc = cli(*args)
     assert proc.returncode == 2
     assert needle in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -154,6 +154,7 @@ def test_planner_with_the_policy() -> None:
     assert bad.returncode == 2 and "drop --params-dtype" in bad.stderr
 
 
+@pytest.mark.slow  # a derivation more of a path the default run also covers: in CI's slow pass (20 minutes)
 def test_compute_trace_as_the_policy_runs_it() -> None:
     """``fsdp_policy=True`` keeps floating buffers in their dtype (the compute trace's buffer bytes are the
     model's own); a compute trace that cast them (``model.to(bf16)``) is refused for a model with floating

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from functools import cache
 
+import pytest
 import sympy
 import torch
 from cases import _SMALL, build, gpt2_cases, llama_cases, sizes, switches
@@ -76,6 +77,7 @@ def test_gpt2_autocast_bf16(case):
     check_autocast(case)
 
 
+@pytest.mark.slow  # a derivation more of a path the default run also covers: in CI's slow pass (20 minutes)
 @given(llama_cases(lo=2))
 def test_llama_autocast_bf16(case):
     check_autocast(case)

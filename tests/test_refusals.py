@@ -17,6 +17,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from cli_run import cli
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -26,12 +27,6 @@ from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, Ll
 from symacct.recipes import MixedPrecisionAdamW
 
 SMALL = dict(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)
-
-
-def cli(*args: str, stdout: object = subprocess.PIPE) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "symacct.cli", *args], stdout=stdout, stderr=subprocess.PIPE, text=True
-    )
 
 
 def one_line(proc: subprocess.CompletedProcess, needle: str) -> None:
@@ -442,7 +437,9 @@ def test_diff_of_bad_logs_is_one_line(tmp_path, content, needle):
 
 def test_a_full_stdout_is_one_line():
     with open("/dev/full", "w") as full:
-        proc = cli("list", stdout=full)
+        proc = subprocess.run(
+            [sys.executable, "-m", "symacct.cli", "list"], stdout=full, stderr=subprocess.PIPE, text=True
+        )
     one_line(proc, "No space left on device")
 
 

@@ -260,6 +260,7 @@ def _against_the_real_rank(model: torch.nn.Module, cfg: object, asked: object, r
     return got.rank.collectives
 
 
+@pytest.mark.slow  # a derivation more of a path the default run also covers: in CI's slow pass (20 minutes)
 def test_transformers_llama_with_a_users_plan_and_its_own() -> None:
     """A transformers LlamaForCausalLM with a plan dict a user writes (parallelize_module's wildcards), and
     with the plan the model carries (``tensor_parallel="megatron"``: its ``tp_plan`` names as PyTorch's

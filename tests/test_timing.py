@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_run import cli
 
 import symacct
 from symacct.cost.graph import records
 from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig
 from symacct.time.hardware import CATALOG, get, load, validate
 from symacct.time.model import fit, max_params, roofline
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "symacct.cli", *args], capture_output=True, text=True)
 
 
 def test_seed_training_time_70b_15t_1024_h100():

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_run import cli
 
 import symacct
 from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config
@@ -30,10 +29,6 @@ def run(path, B: int, acct) -> list[dict]:
         opt.zero_grad(set_to_none=True)
         t.mark("after_optimizer")
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "symacct.cli", *args], capture_output=True, text=True)
 
 
 def test_track_logs_measured_next_to_predicted_and_diff_points_at_activations(tmp_path):

@@ -145,8 +145,17 @@ def check_exact(model: Any, acct: Any, points: list[tuple[int, ...]], checkpoint
         model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# transformers' default attention (sdpa) for every family in the default run; eager for three (the rest in
+# CI's slow pass: the default run's 20 minutes)
+EAGER_BY_DEFAULT = ("gpt2", "llama", "mistral-sliding-window")
+FAMILY_CASES = [
+    pytest.param(f, attn, marks=[pytest.mark.slow] if attn == "eager" and f not in EAGER_BY_DEFAULT else [])
+    for f in sorted(FAMILIES)
+    for attn in ("eager", "sdpa")
+]
+
+
+@pytest.mark.parametrize(("family", "attn"), FAMILY_CASES, ids=[f"{p.values[0]}-{p.values[1]}" for p in FAMILY_CASES])
 def test_a_transformers_model_is_exact_from_derive_alone(family: str, attn: str) -> None:
     build, gqa = FAMILIES[family]
 
@@ -322,7 +331,7 @@ def test_cli_config_json_errors_are_one_line(tmp_path: Path, capsys: pytest.Capt
     assert rc == 2 and "no-such-model" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn", [pytest.param("eager", marks=pytest.mark.slow), "sdpa"])  # eager: slow pass
 def test_vit_image_classification_is_exact(attn: str) -> None:
     """pixel_values (B, C, image_size, image_size): the patches are (image_size/patch_size)**2 plus the class
     token, a shifted size read as such; S reaches no tensor."""
@@ -358,7 +367,7 @@ def test_vit_image_classification_is_exact(attn: str) -> None:
     run()
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn", [pytest.param("eager", marks=pytest.mark.slow), "sdpa"])  # eager: slow pass
 def test_t5_sequence_to_sequence_is_exact(attn: str) -> None:
     """An encoder-decoder (two stacks side by side, kept at their depths) with the decoder's length S_dec a
     size of its own (at() uses S when it is not given); d_kv follows D/H; relative position buckets are a size
@@ -397,6 +406,7 @@ def test_a_deep_model_is_checked_on_four_blocks_and_its_structure() -> None:
         symacct.derive(model)
 
 
+@pytest.mark.slow  # a derivation more of a path the default run also covers: in CI's slow pass (20 minutes)
 def test_cli_sheet_of_a_sequence_to_sequence_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A T5 config.json: S_dec is in the notation (set by --seq on the command line), and a model with no
     position table plots from a short --seq."""
@@ -413,6 +423,7 @@ def test_cli_sheet_of_a_sequence_to_sequence_config(tmp_path: Path, capsys: pyte
     assert "| $S_{dec}$ | decoder sequence length (sequence-to-sequence) | `--seq` | 16 |" in md
 
 
+@pytest.mark.slow  # a derivation more of a path the default run also covers: in CI's slow pass (20 minutes)
 def test_fields_of_a_models_own_follow_an_equal_width_or_keep_their_values() -> None:
     """Sizes with no known name get symbols of their own; where the step cannot run with them at probe sizes,
     derive tries again with each following the known width it equals (OPT builds ``project_in`` only when

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_run import cli
 
 SMALL_GPT2 = [
     "--config",
@@ -19,10 +18,6 @@ SMALL_GPT2 = [
     "--config",
     "block_size=16",
 ]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "symacct.cli", *args], capture_output=True, text=True)
 
 
 def test_verify_cpu_every_row_exact():
