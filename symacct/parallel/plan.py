@@ -26,6 +26,7 @@ times ``tp`` for a tensor-parallel rank's derivation) over the step time times t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,24 @@ def _link(hw: Accelerator, group: str, lay: Layout) -> float:
     return hw.network_gbs * GIGA
 
 
+@functools.lru_cache(maxsize=4096)
+def _makespan(
+    schedule: str, pp: int, m: int, v: int, chunk: tuple[tuple[str, float], ...], peak: float, transfer: float
+) -> tuple[float, tuple[float, ...]]:
+    """``makespan`` of the schedule's actions, each forward and backward of a stage chunk taking its FLOPs'
+    time at ``peak`` (the first stage's and the last's with the model's parts before and after the stack)."""
+    ch = dict(chunk)
+    last = pp * v - 1
+
+    def duration(a: Any) -> float:
+        kind = "forward" if a.kind == "F" else "backward"
+        f = ch[kind] + (ch[f"before_{kind}"] if a.stage == 0 else 0) + (ch[f"after_{kind}"] if a.stage == last else 0)
+        return f / peak
+
+    span, busy = makespan(actions(schedule, pp, m, v), duration, transfer)
+    return span, tuple(busy)
+
+
 def step_time(
     par: Parallel, hardware: str | Accelerator, *, efficiency: float = 0.5, overlap: bool = True, dtype: str = "bf16"
 ) -> StepTime:
@@ -97,7 +116,6 @@ def step_time(
     m = lay.micro_batches
     slowest: tuple[float, float, float, float, dict[str, float], float] | None = None  # ..., total
     single_opt = float(par.optimizer_bytes)
-    spans: dict[Any, tuple[float, list[float]]] = {}
     fsdp_pipe = lay.pp > 1 and lay.dp_mode == "fsdp" and lay.replicas > 1
     blocks = par.values.get("L", 1) // (lay.pp * lay.stages_per_rank)
     for r in par.ranks:
@@ -124,21 +142,11 @@ def step_time(
             if fsdp_pipe and c.op == "all_gather" and c.what == "block parameters":
                 gathers[c.phase] = c.count / blocks  # the actions that gather the stage's blocks
         if lay.pp > 1:
-            last = lay.pp * lay.stages_per_rank - 1
-
-            def duration(a: Any, ch: dict[str, int] = ch, last: int = last) -> float:
-                kind = "forward" if a.kind == "F" else "backward"
-                f = (
-                    ch[kind]
-                    + (ch[f"before_{kind}"] if a.stage == 0 else 0)
-                    + (ch[f"after_{kind}"] if a.stage == last else 0)
-                )
-                return f / peak
-
-            key = (tuple(sorted(ch.items())), transfer)  # every rank runs the same schedule: simulated once
-            if key not in spans:
-                spans[key] = makespan(actions(lay.schedule, lay.pp, m, lay.stages_per_rank), duration, transfer)
-            span, busy = spans[key]
+            # every rank runs the same schedule: simulated once per schedule, chunk FLOPs and transfer (layouts
+            # that differ in their data-parallel mode only share it)
+            span, busy = _makespan(
+                lay.schedule, lay.pp, m, lay.stages_per_rank, tuple(sorted(ch.items())), peak, transfer
+            )
             compute = span
             bubble = span - max(busy)
             fwd_hide = 0.0

@@ -93,6 +93,7 @@ def actions(schedule: str, pp: int, m: int, v: int = 1) -> tuple[tuple[Action, .
             f"PyTorch refuses the {schedule} schedule with pp={pp}, m={m}, v={v}: {e}",
             hint="change the micro-batches or the stages per rank",
         ) from e
+    forward, backward = sch._ComputationType.FORWARD, sch._ComputationType.FULL_BACKWARD
     out = []
     for rank, acts in enumerate(lists):
         seen: dict[tuple[int, str], int] = defaultdict(int)
@@ -100,7 +101,8 @@ def actions(schedule: str, pp: int, m: int, v: int = 1) -> tuple[tuple[Action, .
         for a in acts:
             if a is None:
                 continue
-            kind = {"FORWARD": "F", "FULL_BACKWARD": "B"}.get(a.computation_type.name)
+            ct = a.computation_type  # compared by identity: an enum's name is a Python-level lookup
+            kind = "F" if ct is forward else "B" if ct is backward else None
             if kind is None:  # REDUCE_GRAD and other bookkeeping: no compute of its own here
                 continue
             key = (a.stage_index, kind)
