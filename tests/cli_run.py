@@ -1,7 +1,7 @@
 """The ``symacct`` command run in the test's own process: the exit status, stdout and stderr that
-``python -m symacct.cli ARGS`` gives, without the 3-4 s a new interpreter spends importing torch (about 40
-such calls made the default run 2 minutes longer). Tests that need a real process keep one: a closed pipe,
-a hash seed (PYTHONHASHSEED), the README's lines, a factory found on PYTHONPATH.
+``python -m symacct.cli ARGS`` gives, without the 3-4 s a new interpreter spends importing torch and
+symacct (``python -m symacct.cli --help`` took 4.0 s here). Tests that need a real process keep one: a
+closed pipe, a full stdout, a hash seed (PYTHONHASHSEED), the README's lines, a factory on PYTHONPATH.
 
 Warnings are shown on the captured stderr under Python's own default filters (pytest records them
 otherwise): a warning that would add a line to a real run's stderr adds it here too."""
@@ -25,7 +25,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     """``symacct ARGS`` as a finished process: returncode, stdout, stderr."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-        warnings.resetwarnings()  # Python's defaults (python -W unset): DeprecationWarning shown in __main__ only
+        warnings.resetwarnings()  # Python's defaults (no -W): library code's deprecations not shown
         for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
             warnings.simplefilter("ignore", category)
         warnings.showwarning = _show
