@@ -85,6 +85,7 @@ from symacct.trace.probe import (
     HEAD_PRIMES,
     HEAD_WIDTHS,
     LAYERS,
+    OFFSETS,
     SECOND_PRIMES,
     TP_PRIMES,
     Probe,
@@ -123,6 +124,7 @@ class _Source:
     input_dims: tuple[str, ...] = ()
     loss: Any = None  # the step's loss (the user's, a transformers task's, or None: the output is the loss)
     constants: list[str] = dataclasses.field(default_factory=list)  # integer fields that set no size
+    kept: list[str] = dataclasses.field(default_factory=list)  # own size fields kept at their values (the retry)
     inputs_given: bool = False  # the inputs come from inputs= (or a task), not from model.example_inputs
     seq: int | None = None  # S kept at this value, no symbol (a decode step: one new token)
 
@@ -277,6 +279,7 @@ IMAGE_SCALE = 64  # S = 64 * prime: six halvings of the image side stay whole (R
 # a mixture of experts: grouped matmuls (transformers' default experts path) want every row stride a multiple of
 # 16 bytes, so widths other than D (already 8*H*prime) are probed as 16 * prime
 EXPERT_WIDTH_SCALE = 16
+_HEAD_COUNTS = {"H", "H_kv", "L", "E", "k"}  # counts, never a part of a width
 _COUNTS = {"B", "S", "L", "D", "H", "H_kv", "V", "S_max", "E", "k", "patch_size", "image_size", *HEAD_WIDTHS}
 
 
@@ -530,6 +533,7 @@ def _probe_for(
     tp_prime: int | None = None,
     tp_sequence: bool = True,
     cp: int | None = None,
+    cuts: tuple[int, ...] = (),
 ) -> Probe:
     seq = {"S"} if src.seq is None else set()  # a decode step's one new token is no symbol
     degree = {TP} if tp_prime is not None else set()
@@ -558,6 +562,7 @@ def _probe_for(
         scale=scale or None,
         tp_prime=tp_prime,
         tp_sequence=tp_sequence,
+        cuts=cuts,
     )
 
 
@@ -845,7 +850,7 @@ def _derive(
     tp: int = 2,
     context_parallel: int | None = None,
     _degenerate: bool = False,
-    _own_fields: bool = False,
+    _own_fields: str | None = None,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
 
@@ -986,10 +991,13 @@ def _derive(
         own = _own_size_fields(src) if src is not None and not req.own_fields and not failed.internal else []
         if not own:
             raise
-        try:
-            acct = _derive(model, **{**kwargs, "_own_fields": True})
-        except SymacctError:
-            acct = None
+        acct = None
+        for how in ("tie", "keep"):  # a field equal to a width by chance (a rotary_dim of 64 and 64 positions)
+            try:
+                acct = _derive(model, **{**kwargs, "_own_fields": how})
+                break
+            except SymacctError:
+                continue
         if acct is None:
             raise  # the first failure, with its cause: the fields were not what stopped the step
         acct.notes.insert(
@@ -1021,7 +1029,7 @@ class Request:
     causal_discount: bool
     routing: Sequence[Any] | None
     degenerate: bool
-    own_fields: bool = False  # derive's last try: the fields with symbols of their own tied or kept
+    own_fields: str | None = None  # derive's last tries: the fields of the model's own 'tie'd or kept, or all 'keep'
     cache_dtype: torch.dtype | None = None  # the KV cache's dtype (serving steps; None: the compute dtype)
 
 
@@ -1059,7 +1067,7 @@ def _request(
     routing: Sequence[Any] | None,
     cache_dtype: torch.dtype | str | None,
     _degenerate: bool,
-    _own_fields: bool = False,
+    _own_fields: str | None = None,
     tensor_parallel: Any = None,
     tp: int = 2,
     sdpa_backend: str | None = None,
@@ -1293,7 +1301,7 @@ def read_source(model: Any, req: Request) -> _Source:
     for f in src.constants:
         del src.fields[f]
     if req.own_fields:
-        src.notes += _tie_or_keep_own(src)
+        src.notes += _tie_or_keep_own(src, tie=req.own_fields == "tie")
     if src.constants:
         src.notes.append(
             f"{', '.join(src.constants)} set no tensor size (ids, flags, chunk sizes) or switch which modules are "
@@ -1312,13 +1320,14 @@ def _own_size_fields(src: _Source) -> list[str]:
     return sorted(f for f, letter in src.fields.items() if letter == f)
 
 
-def _tie_or_keep_own(src: _Source) -> list[str]:
-    """derive's last try, after a failure at probe sizes with the model's own size fields as symbols (a
+def _tie_or_keep_own(src: _Source, tie: bool = True) -> list[str]:
+    """derive's last tries, after a failure at probe sizes with the model's own size fields as symbols (a
     rotary width that must stay below the head width, a projection built only when its width differs from
     D): each that equals a known size at the model's values follows it (OPT's ``word_embed_proj_dim`` =
-    ``hidden_size``), the others keep their values. Exact at the model's values; the formulas hold these
-    fields as the model has them."""
-    known = {letter: f for f, letter in src.fields.items() if letter in _TIE_ORDER}
+    ``hidden_size``), the others keep their values; without ``tie`` (the try after, where a field equals a
+    width by chance) every one keeps its value. Exact at the model's values; the formulas hold these fields
+    as the model has them."""
+    known = {letter: f for f, letter in src.fields.items() if letter in _TIE_ORDER} if tie else {}
     notes = []
     for f in _own_size_fields(src):
         equal = next((known[x] for x in _TIE_ORDER if x in known and src.values[known[x]] == src.values[f]), None)
@@ -1327,6 +1336,7 @@ def _tie_or_keep_own(src: _Source) -> list[str]:
             src.follow[f] = (equal, None)
             notes.append(f"{f} = {equal} ({src.values[f]}): it follows {letter_for_field(equal)}")
         else:
+            src.kept.append(f)
             notes.append(f"{f} kept at {src.values[f]}")
     return notes
 
@@ -1372,9 +1382,21 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
             )
         tp = [free[0], free[1]]
     seq, cp = _splits_sequence(req.precision), req.precision.get(CP)
+    # widths kept at their values (a rotary part of the head): the rest of a width, X - k, is read too
+    kept = [src.values.get(f) for f in [*req.fixed, *src.kept] if letter_for_field(f) not in _HEAD_COUNTS]
+    cuts = tuple(sorted({v for v in kept if isinstance(v, int) and v > max(OFFSETS)}))
     return Probes(
         _probe_for(
-            src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True, tp_prime=tp[0], tp_sequence=seq, cp=cp
+            src,
+            FIRST_PRIMES,
+            LAYERS[0],
+            avoid,
+            HEAD_PRIMES[0],
+            offsets=True,
+            tp_prime=tp[0],
+            tp_sequence=seq,
+            cp=cp,
+            cuts=cuts,
         ),
         _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1], tp_sequence=seq, cp=cp),
     )

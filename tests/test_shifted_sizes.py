@@ -214,3 +214,18 @@ def test_partial_rotary_widths_are_read():
         assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
     with pytest.raises(SymacctError, match="divides D"):  # a head width of 12 has no whole eighth
         acct.at(B=1, S=4, D=24, H=2)
+
+
+def test_a_head_less_a_kept_width_is_read_as_such():
+    """``cuts``: a width kept at its value (a rotary part of 64) makes the head prime one whose width less 64
+    keeps a prime above 7, and ``X - 64`` a reading; without, 8 * 29 - 64 = 168 is a plain constant."""
+    plain = make_probe(["B", "S", "H", "D"], FIRST_PRIMES, None, offsets=True)
+    head = plain.values["D"] // plain.values["H"]
+    assert head == 8 * 29 and plain.to_expr(head - 64) == 168  # the misreading the cut avoids
+    probe = make_probe(["B", "S", "H", "D"], FIRST_PRIMES, None, offsets=True, cuts=(64,))
+    head = probe.values["D"] // probe.values["H"]
+    assert head == 8 * 19  # 8 * 29 - 64 = 2**3 * 3 * 7 and 8 * 23 - 64 = 2**3 * 3 * 5: 19 leaves 11
+    D, H, B = sym("D"), sym("H"), sym("B")
+    assert probe.to_expr(head - 64) == D / H - 64
+    assert sympy.expand(probe.to_expr(probe.values["B"] * (head - 64)) - B * (D / H - 64)) == 0
+    assert probe.to_expr(head) == D / H and probe.to_expr(64) == 64  # the head and the kept part as before

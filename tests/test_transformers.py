@@ -452,3 +452,19 @@ def test_fields_of_a_models_own_follow_an_equal_width_or_keep_their_values() -> 
         assert note in acct.notes and "did not let the step run at probe sizes" in acct.notes[0]
         check_exact(model, acct, [(2, 7), (3, 11)])
     assert {"H_kv", "F"} <= set(acct.symbols)  # Falcon's num_kv_heads and ffn_hidden_size
+
+
+def test_gptj_at_its_real_proportions_reads_the_head_less_its_rotary_part() -> None:
+    """GPT-J 6B's heads are 256 wide, 64 of them rotary (``rotary_dim``, kept at its value by derive's retry):
+    the pass-through part, ``x[..., 64:]``, is D/H - 64 wide, a width less a kept one (``Probe.cuts``). The
+    head prime is chosen so that the first probe's 8 * p - 64 is no plain constant (8 * 29 - 64 = 168 would
+    be). Its vocabulary and positions are 64 too, equal to the rotary width by chance: the retry that ties
+    rotary_dim to V fails at probe sizes, the one after keeps it. Exact against a real step at two sizes."""
+    model = T.GPTJForCausalLM(
+        T.GPTJConfig(n_embd=512, n_layer=2, n_head=2, rotary_dim=64, vocab_size=64, n_positions=64,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    )  # fmt: skip
+    torch.manual_seed(0)
+    acct = symacct.derive(model, optimizer="adamw")
+    assert "rotary_dim kept at 64" in acct.notes
+    check_exact(model, acct, [(2, 7), (3, 11)])

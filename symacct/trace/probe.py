@@ -87,6 +87,7 @@ class Probe:
     _cache: dict[int, sympy.Expr | None] = field(default_factory=dict)
 
     offsets: bool = False  # read m * (X + c) too (the first probe's primes are chosen for it)
+    cuts: tuple[int, ...] = ()  # widths kept at their values: m * (X - k) read too (a head less its rotary part)
     # sizes a kernel rounds up: value -> (multiple, the size it rounds), read as multiple*ceiling(X/multiple)
     padded: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -150,7 +151,7 @@ class Probe:
                     q = self.values[name] // self.values[other]
                     bases += [(q, sym(name) / sym(other)), (q * q, (sym(name) / sym(other)) ** 2)]
         for base, form in bases:  # a ViT's patches plus its class token: (image_size/patch_size)**2 + 1
-            shifts += [(base + c, form + c) for c in OFFSETS]
+            shifts += [(base + c, form + c) for c in (*OFFSETS, *(-k for k in self.cuts))]
         for name in shiftable:
             for other in shiftable:
                 if other != name:
@@ -209,6 +210,7 @@ def make_probe(
     scale: dict[str, int] | None = None,
     tp_prime: int | None = None,
     tp_sequence: bool = True,
+    cuts: tuple[int, ...] = (),
 ) -> Probe:
     """Probe values for ``names``; H_kv | H, 8H | D, patch_size | image_size, S_max largest.
 
@@ -229,10 +231,20 @@ def make_probe(
     ``tp_sequence``: whether S and S_max are among them (a plan that may
     split the sequence); without, S stays a prime of its own, as small as
     without tensor parallelism (a sliding window's side is the user's).
+    ``cuts``: widths kept at their values (``offsets`` only): a head width
+    less one of them (GPT-J's head less its rotary part, 256 - 64) is read as
+    such, so the head primes whose widths less each cut keep a prime above 7
+    come first (8 * 29 - 64 = 168 would read as a constant).
     """
     avoid = avoid or set()
     widths = [n for n in ("D", *HEAD_WIDTHS) if n in names]
-    head_pool = [p for p in head_primes if p not in avoid]
+
+    def cut_safe(p: int) -> bool:
+        return all(
+            any(q > SMALL_PRIMES[-1] and q not in avoid for q in sympy.factorint(8 * p - k)) for k in cuts if k < 8 * p
+        )
+
+    head_pool = sorted((p for p in head_primes if p not in avoid), key=lambda p: not cut_safe(p))  # stable
     if len(head_pool) < len(widths):
         widths = widths[: len(head_pool)]  # the rest take large primes (wide heads), the second trace checks them
     head_own = dict(zip(widths, head_pool))
@@ -287,4 +299,4 @@ def make_probe(
     if "S_max" in values and "S" in values and values["S_max"] <= values["S"]:
         raise AssertionError("probe: S_max must exceed S")
     constants = tuple(sorted(set(SMALL_PRIMES) | avoid))  # avoid: the constants' primes, never a head's
-    return Probe(values, own, vectors, order, layers, strict, constants, offsets=offsets and strict)
+    return Probe(values, own, vectors, order, layers, strict, constants, offsets=offsets and strict, cuts=cuts)
