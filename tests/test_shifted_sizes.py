@@ -229,3 +229,13 @@ def test_a_head_less_a_kept_width_is_read_as_such():
     assert probe.to_expr(head - 64) == D / H - 64
     assert sympy.expand(probe.to_expr(probe.values["B"] * (head - 64)) - B * (D / H - 64)) == 0
     assert probe.to_expr(head) == D / H and probe.to_expr(64) == 64  # the head and the kept part as before
+
+
+def test_the_reading_in_the_fewest_symbols_is_taken():
+    """D + 2*D/H (a multi-query QKV width) equals 3*D/(8*H) * (S + V) at the first probe: the reading in fewer
+    symbols wins over the one with the smaller constant."""
+    probe = make_probe(["B", "S", "H", "D", "V"], FIRST_PRIMES, None, offsets=True)
+    D, H, S, V = (probe.values[n] for n in ("D", "H", "S", "V"))
+    assert 3 * D // (8 * H) * (S + V) == D + 2 * D // H  # the coincidence at these primes
+    got = probe.to_expr(D + 2 * D // H)
+    assert sympy.expand(got - (sym("D") + 2 * sym("D") / sym("H"))) == 0

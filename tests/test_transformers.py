@@ -468,3 +468,18 @@ def test_gptj_at_its_real_proportions_reads_the_head_less_its_rotary_part() -> N
     acct = symacct.derive(model, optimizer="adamw")
     assert "rotary_dim kept at 64" in acct.notes
     check_exact(model, acct, [(2, 7), (3, 11)])
+
+
+def test_gpt_bigcode_multi_query_width_is_read_in_the_fewest_symbols() -> None:
+    """StarCoder's GPT-BigCode fuses Q with one shared key and value head: its projection is D + 2*D/H wide.
+    At the first probe that value is also 3*D/(8*H) * (S + V); the reading in fewer symbols, (D/H)*(H + 2),
+    is taken (the second trace refused the other). Exact against a real step, and the weight's count."""
+    model = T.GPTBigCodeForCausalLM(
+        T.GPTBigCodeConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64, multi_query=True,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    )  # fmt: skip
+    torch.manual_seed(0)
+    acct = symacct.derive(model, optimizer="adamw")
+    check_exact(model, acct, [(2, 7), (3, 11)])
+    width = model.transformer.h[0].attn.c_attn.weight.shape[0]
+    assert width == 32 + 2 * 32 // 4  # D + 2 * D/H: one key and one value head

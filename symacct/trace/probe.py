@@ -139,8 +139,10 @@ class Probe:
         outputs). Neighbours of two probe primes can share a prime (262 = 2*131
         and 655 = 5*131), so a value may divide by a wrong ``X + c`` and leave
         small constants behind (10*D*(X - 1) for 4*D*(S_max + 2)): the reading
-        that leaves the least constant is taken, none on a tie; the second trace
-        refuses a wrong one.
+        in the fewest symbols is taken, then the one that leaves the least
+        constant, none on a tie (a multi-query QKV width D + 2*D/H is also
+        3*D/(8*H) * (S + V) at the first probe); the second trace refuses a
+        wrong one.
         """
         shifts: list[tuple[int, sympy.Expr]] = []
         shiftable = [n for n in self.order if n != "tp"]  # a degree is never shifted (tp - 1 is 2*5 at 11)
@@ -161,7 +163,8 @@ class Probe:
             if q > 1 and v % q == 0:
                 m = self._monomial(v // q)
                 if m is not None and m != 0:
-                    found[sympy.expand(m * form)] = sympy.Abs(m.as_coeff_Mul()[0])
+                    expr = sympy.expand(m * form)
+                    found[expr] = (len(expr.free_symbols), sympy.Abs(m.as_coeff_Mul()[0]))
         if not found:
             return None
         best = min(found.values())
