@@ -56,6 +56,19 @@ def test_pointwise_one_flop_per_element():
     assert c.bytes_read == 2 * 3 * 5 * 4 and c.bytes_written == 3 * 5 * 4
 
 
+def test_scatter_add_one_add_per_source_element():
+    """Phi-MoE's router scatters its top-k weights into (tokens, E) with scatter_add: one add per element of
+    src (7 x 2 here), not per element of the (7, 5) result."""
+
+    def scatter(a, src):
+        return a.scatter_add(1, torch.zeros(7, 2, dtype=torch.long), src)
+
+    c = only(costs_of(scatter, (7, 5), (7, 2)), "aten.scatter_add")
+    assert c.flops == 0 and c.flops_other == 7 * 2
+    fill = only(costs_of(lambda a: a.clone().exponential_(), (3, 5)), "aten.exponential_")  # a random fill
+    assert fill.flops_other == 0 and fill.bytes_read == 0 and fill.bytes_written == 3 * 5 * 4
+
+
 def test_broadcast_reads_each_operand_once():
     c = only(costs_of(lambda a, b: a * b, (3, 5), (5,)), "aten.mul")
     assert c.bytes_read == (3 * 5 + 5) * 4

@@ -483,3 +483,17 @@ def test_gpt_bigcode_multi_query_width_is_read_in_the_fewest_symbols() -> None:
     check_exact(model, acct, [(2, 7), (3, 11)])
     width = model.transformer.h[0].attn.c_attn.weight.shape[0]
     assert width == 32 + 2 * 32 // 4  # D + 2 * D/H: one key and one value head
+
+
+def test_phimoe_router_with_its_random_draws_is_exact() -> None:
+    """Phi-MoE's sparsemixer router draws exponential noise (``exponential_``, a random fill) and scatters its
+    top-k weights with ``scatter_add``: both costed; exact against a real step."""
+    model = T.PhimoeForCausalLM(
+        T.PhimoeConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, num_local_experts=4,
+                       num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    )  # fmt: skip
+    torch.manual_seed(0)
+    acct = symacct.derive(model, optimizer="adamw")
+    assert {"E", "k"} <= set(acct.symbols)
+    check_exact(model, acct, [(2, 7), (3, 11)])

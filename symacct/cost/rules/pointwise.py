@@ -108,3 +108,10 @@ def foreach(call: Call) -> Cost:
 def pointwise_untagged(call: Call) -> Cost:
     """Elementwise ops PyTorch does not tag ``pointwise`` (``floor_divide``: a routed row's token, perm // k)."""
     return pointwise(call)
+
+
+@rule(aten.scatter_add, aten.scatter_add_)
+def scatter_add(call: Call) -> Cost:
+    """``self`` with ``src`` added at ``index`` along a dimension: one add per element of ``src`` (its last
+    tensor input); bytes as any op's."""
+    return Cost(flops_other=numel(call.inputs[-1].shape))
