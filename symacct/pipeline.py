@@ -22,8 +22,11 @@
 
 A pass that finds the layer stack cannot be factored raises ``_FixLayers``:
 derive starts again with L fixed at its value. A failure with size fields of
-the model's own as symbols (no known name) is tried once more with each
-following the known width it equals, or kept at its value (``_tie_or_keep_own``). Transformers models get their
+the model's own as symbols (no known name) is tried again with each
+following the known width it equals, or kept at its value, then with all
+kept (``_tie_or_keep_own``); a failure that neither mends, with the head
+counts as symbols, once more with them fixed (ALiBi's power-of-two split of
+the heads). Transformers models get their
 task's step (``symacct.models.hf``); models with strided convolutions or pooling an
 image side S that halves (S = 64 * prime).
 """
@@ -987,24 +990,35 @@ def _derive(
             if again.what.startswith(NOT_THE_SAME):
                 raise first_difference.error from None  # still another model: the first difference is the one
             raise
-    except SymacctError as failed:  # sizes of the model's own (rotary_dim, word_embed_proj_dim): tied or kept
-        own = _own_size_fields(src) if src is not None and not req.own_fields and not failed.internal else []
-        if not own:
+    except SymacctError as failed:
+        if src is None or req.own_fields or failed.internal:
             raise
-        acct = None
-        for how in ("tie", "keep"):  # a field equal to a width by chance (a rotary_dim of 64 and 64 positions)
+        acct, note = None, ""
+        own = _own_size_fields(src)  # sizes of the model's own (rotary_dim, word_embed_proj_dim): tied or kept
+        for how in ("tie", "keep") if own else ():  # "keep": a field equal to a width by chance
             try:
                 acct = _derive(model, **{**kwargs, "_own_fields": how})
+                note = (
+                    f"with symbols of their own, {', '.join(own)} did not let the step run at probe sizes "
+                    f"({failed.what}): derived again with them following an equal size or kept at their values"
+                )
                 break
             except SymacctError:
                 continue
+        heads = [f for f, letter in src.fields.items() if letter in ("H", "H_kv")]
+        if acct is None and heads:  # a step that splits its heads at a power of two (ALiBi's slopes)
+            try:
+                acct = _derive(model, **{**kwargs, "fixed": [*req.fixed, *heads]})
+                values = ", ".join(f"{f} = {src.values[f]}" for f in heads)
+                note = (
+                    f"with the head counts as symbols the step could not be derived ({failed.what}): derived again "
+                    f"with {values} kept at the model's values (fixed=); the formulas hold at those head counts"
+                )
+            except SymacctError:
+                acct = None
         if acct is None:
-            raise  # the first failure, with its cause: the fields were not what stopped the step
-        acct.notes.insert(
-            0,
-            f"with symbols of their own, {', '.join(own)} did not let the step run at probe sizes "
-            f"({failed.what}): derived again with them following an equal size or kept at their values",
-        )
+            raise  # the first failure, with its cause: neither retry was what the step needed
+        acct.notes.insert(0, note)
         return acct
     return account(model, src, probes, first, memory, live, req)
 

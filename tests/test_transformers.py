@@ -497,3 +497,23 @@ def test_phimoe_router_with_its_random_draws_is_exact() -> None:
     acct = symacct.derive(model, optimizer="adamw")
     assert {"E", "k"} <= set(acct.symbols)
     check_exact(model, acct, [(2, 7), (3, 11)])
+
+
+@pytest.mark.parametrize("family", ["bloom", pytest.param("mpt", marks=pytest.mark.slow)])  # mpt: slow pass
+def test_alibi_heads_split_at_a_power_of_two_are_kept(family: str) -> None:
+    """BLOOM and MPT build ALiBi's slopes over the closest power of two to the head count (an arange of that
+    length, slices beyond it): no product of symbols at a probe's prime H. derive's last try keeps the head
+    count at the model's value, says so in the first note, and is exact against a real step."""
+    if family == "bloom":
+        model = T.BloomForCausalLM(T.BloomConfig(hidden_size=48, n_head=6, n_layer=2, vocab_size=64))
+        heads = "n_head = 6"
+    else:
+        model = T.MptForCausalLM(
+            T.MptConfig(d_model=48, n_layers=2, n_heads=6, vocab_size=64, max_seq_len=32, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+        )  # fmt: skip
+        heads = "n_heads = 6"
+    torch.manual_seed(0)
+    acct = symacct.derive(model, optimizer="adamw")
+    assert "H" not in acct.symbols and f"with {heads} kept at the model's values" in acct.notes[0]
+    check_exact(model, acct, [(2, 7), (3, 11)])
