@@ -282,7 +282,7 @@ IMAGE_SCALE = 64  # S = 64 * prime: six halvings of the image side stay whole (R
 # a mixture of experts: grouped matmuls (transformers' default experts path) want every row stride a multiple of
 # 16 bytes, so widths other than D (already 8*H*prime) are probed as 16 * prime
 EXPERT_WIDTH_SCALE = 16
-_HEAD_COUNTS = {"H", "H_kv", "L", "E", "k"}  # counts, never a part of a width
+_NOT_WIDTHS = {"H", "H_kv", "L", "E", "k"}  # counts: never a kept part of a width (Probe.cuts)
 _COUNTS = {"B", "S", "L", "D", "H", "H_kv", "V", "S_max", "E", "k", "patch_size", "image_size", *HEAD_WIDTHS}
 
 
@@ -1397,7 +1397,7 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
         tp = [free[0], free[1]]
     seq, cp = _splits_sequence(req.precision), req.precision.get(CP)
     # widths kept at their values (a rotary part of the head): the rest of a width, X - k, is read too
-    kept = [src.values.get(f) for f in [*req.fixed, *src.kept] if letter_for_field(f) not in _HEAD_COUNTS]
+    kept = [src.values.get(f) for f in [*req.fixed, *src.kept] if letter_for_field(f) not in _NOT_WIDTHS]
     cuts = tuple(sorted({v for v in kept if isinstance(v, int) and v > max(OFFSETS)}))
     return Probes(
         _probe_for(
