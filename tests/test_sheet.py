@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import sympy
 import torch
+from cli_run import cli
 from torch.utils.flop_counter import FlopCounterMode
 
 import symacct
-from symacct.cli import main
 from symacct.formula import latex, negligible_terms, text
 from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
 from symacct.report import sheet
@@ -143,16 +143,15 @@ def test_sheet_files_are_byte_identical_across_hash_seeds(tmp_path):
     assert not [p for p in outs[0].iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
-def _run(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
+def _run(*args: str) -> tuple[int, str, str]:
+    done = cli(*args)  # in this process (cli_run)
+    return done.returncode, done.stdout, done.stderr
 
 
 def test_sheet_stdout_formats_agree(capsys):
     cfg = [f"--config={k}={v}" for k, v in SMALL.items()]
     runs = {
-        fmt: _run(capsys, "sheet", "gpt2", *cfg, "--batch", "4", "--seq", "32", "--format", fmt)
+        fmt: _run("sheet", "gpt2", *cfg, "--batch", "4", "--seq", "32", "--format", fmt)
         for fmt in ("md", "json", "text")
     }
     assert all(code == 0 for code, _, _ in runs.values())
@@ -176,7 +175,7 @@ def test_sheet_stdout_formats_agree(capsys):
 )
 def test_sheet_bad_input_is_one_line_exit_2(capsys, args, message):
     try:
-        code, out, err = _run(capsys, *args)
+        code, out, err = _run(*args)
     except SystemExit as e:  # argparse's own errors leave through sys.exit
         code, (out, err) = e.code, capsys.readouterr()
     assert code == 2

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from cli_run import cli
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
@@ -284,20 +285,16 @@ TINY = {
 }
 
 
-def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """The command line's entry point in this process (a new interpreter importing transformers costs seconds
-    a call; test_readme runs the installed command itself)."""
-    from symacct.cli import main
-
-    rc = main(list(args))
-    out, err = capsys.readouterr()
-    return rc, out, err
+def _cli(*args: str) -> tuple[int, str, str]:
+    """The command line in this process (``cli_run``; test_readme runs the installed command itself)."""
+    done = cli(*args)
+    return done.returncode, done.stdout, done.stderr
 
 
 @pytest.mark.slow  # a CLI process or a derivation more: in CI's slow pass (the default run's 20 minutes)
 def test_cli_derives_and_verifies_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    rc, out, err = _cli(capsys, "derive", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--json")
+    rc, out, err = _cli("derive", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--json")
     assert rc == 0, err
     report = json.loads(out)
     real = T.AutoModelForCausalLM.from_config(T.AutoConfig.for_model(**TINY))
@@ -307,7 +304,7 @@ def test_cli_derives_and_verifies_a_config_json(tmp_path: Path, capsys: pytest.C
     assert (
         fields["D"] == "hidden_size" and fields["H_kv"] == "num_key_value_heads" and fields["L"] == "num_hidden_layers"
     )
-    rc, out, err = _cli(capsys, "verify", str(tmp_path), "--batch", "2", "--seq", "16", "--steps", "2")  # a folder
+    rc, out, err = _cli("verify", str(tmp_path), "--batch", "2", "--seq", "16", "--steps", "2")  # a folder
     assert rc == 0, out + err
     assert "MISMATCH" not in out and "CPU flash-attention FLOPs" in out
     for cmd in (
@@ -315,19 +312,19 @@ def test_cli_derives_and_verifies_a_config_json(tmp_path: Path, capsys: pytest.C
         ["estimate", str(tmp_path / "config.json"), "--tokens", "1e9", "--hardware", "A100", "--gpus", "8"],
         ["sheet", str(tmp_path / "config.json"), "--batch", "2", "--seq", "16", "--format", "md"],
     ):
-        rc, out, err = _cli(capsys, *cmd)
+        rc, out, err = _cli(*cmd)
         assert rc == 0 and out.strip(), err
 
 
 def test_cli_config_json_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    rc, _, err = _cli(capsys, "derive", str(tmp_path / "config.json"), "--config", "num_hidden_layers=2.5")
+    rc, _, err = _cli("derive", str(tmp_path / "config.json"), "--config", "num_hidden_layers=2.5")
     assert rc == 2 and "is an integer" in err and len(err.strip().splitlines()) == 1
     (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
-    rc, _, err = _cli(capsys, "derive", str(tmp_path / "bad.json"))
+    rc, _, err = _cli("derive", str(tmp_path / "bad.json"))
     assert rc == 2 and "no model_type" in err
     (tmp_path / "odd.json").write_text(json.dumps({**TINY, "model_type": "no-such-model"}))
-    rc, _, err = _cli(capsys, "derive", str(tmp_path / "odd.json"))
+    rc, _, err = _cli("derive", str(tmp_path / "odd.json"))
     assert rc == 2 and "no-such-model" in err and len(err.strip().splitlines()) == 1
 
 
@@ -415,7 +412,7 @@ def test_cli_sheet_of_a_sequence_to_sequence_config(tmp_path: Path, capsys: pyte
         decoder_start_token_id=0, pad_token_id=0, architectures=["T5ForConditionalGeneration"],
     )  # fmt: skip
     config.save_pretrained(tmp_path)
-    rc, out, err = _cli(capsys, "sheet", str(tmp_path), "--batch", "2", "--seq", "16", "--out", str(tmp_path / "s"))
+    rc, out, err = _cli("sheet", str(tmp_path), "--batch", "2", "--seq", "16", "--out", str(tmp_path / "s"))
     assert rc == 0, err
     written = sorted(p.name for p in (tmp_path / "s").iterdir())
     assert sum(n.endswith("-memory-seq.png") for n in written) == 1 and sum(n.endswith(".md") for n in written) == 1
