@@ -502,6 +502,90 @@ def test_fsdp_stage_kinds_follow_the_unshard_state() -> None:
     assert kinds("1f1b", 2, 4, 1, False) == "F0 Bw Fw Bw Fw Bw Fw Bw R end"
 
 
+def test_interleaved_fsdp_points_read_torchs_lowering() -> None:
+    """FSDP2 over the interleaved schedule's stage chunks as torch 2.13's runtime lowers the compute actions
+    (its own ``_add_unshard_reshard`` and ``_add_reduce_grad`` on its own action lists): up to v = 3 every
+    chunk is unsharded before the rank's first action and resharded after its last, and its REDUCE_GRAD
+    follows its last backward, which ``interleaved_fsdp_points`` assumes; at v = 4 a chunk is resharded and
+    unsharded again within the step (refused by make_layout). The kinds, written out by hand for pp = 2,
+    m = 4, rank 0 (chunk 0: F0 F1 F2 F3 B0 B1 B2 B3; chunk 1: F0 F1 B0 B1 F2 F3 B2 B3): chunk 1's forward
+    after a forward after a backward gathers again ('F'), which GPipe and 1F1B never run."""
+    from torch.distributed.pipelining import schedules as sch
+
+    from symacct.parallel.fsdp import stage_kinds
+    from symacct.parallel.schedule import _pipeline_order, chunk_gathers, interleaved_fsdp_points
+
+    for pp, m, v in ((2, 4, 2), (2, 2, 2), (3, 3, 2), (2, 4, 3), (2, 4, 4)):
+        for rank, compute in enumerate(_pipeline_order(sch.ScheduleInterleaved1F1B, pp, m, v)):
+            lowered = sch._add_reduce_grad(sch._add_unshard_reshard(compute), m)
+            kinds = [a.computation_type for a in lowered]
+            first = next(i for i, k in enumerate(kinds) if k in (sch.FORWARD, sch.FULL_BACKWARD))
+            unshards = [i for i, k in enumerate(kinds) if k == sch.UNSHARD]
+            if v <= 3:
+                assert len(unshards) == v and max(unshards) < first, (pp, m, v, rank)
+                for i, a in enumerate(lowered):
+                    if a.computation_type == sch.REDUCE_GRAD:
+                        before = lowered[i - 1]
+                        assert (before.stage_index, before.computation_type) == (a.stage_index, sch.FULL_BACKWARD)
+                        later = lowered[i + 1 :]
+                        assert not any(b.stage_index == a.stage_index and b.is_compute_op for b in later)
+            else:
+                assert len(unshards) > v  # evicted and gathered again
+    points = interleaved_fsdp_points(2, 4, 2, 0, True, True)
+    by_chunk = [" ".join(p.kind for p in points if p.held.chunk == c) for c in (0, 1)]
+    assert by_chunk == ["U Fw F F F B Bw Bw Bw R", "U Fw F B Bw Fw F B Bw R"]
+    assert [p.states for p in points if p.kind == "R"] == [("all", "all"), ("all", "reduced")]
+    assert points[-1].kind == "end" and points[-1].states == ("reduced", "reduced")
+    assert chunk_gathers(2, 4, 2, 0, True) == (7, 3)  # per block: chunk 0 U F F F, B; chunk 1 U F F, B B
+    assert chunk_gathers(2, 4, 2, 0, False) == (2, 0)  # the UNSHARD only
+    assert " ".join(stage_kinds(["F", "B", "F", "F", "B"], True)) == "F0 B Fw F B"
+
+
+def test_interleaved_fsdp_formula_equals_at() -> None:
+    """FSDP2 over the interleaved schedule (v = 2): each rank's peak formula equals at() where a chunk has more
+    than one block (every op and hook of each point's kind, the UNSHARD's wait, each REDUCE_GRAD, evaluated
+    two ways), over two and three ranks, with and without reshard_after_forward; at one block a chunk never
+    below; the blocks' all-gathers as chunk_gathers counts them, one reduce-scatter per group. The planner
+    ranks these layouts, each row's peak at()'s."""
+    acct = symacct.derive(GPT2(dataclasses.replace(GPT2_PIPE, n_layer=12)), optimizer="adamw")
+    rows = plan(acct, gpus=4, hardware="H100-SXM", global_batch=8, seq=16, dp_modes=("fsdp",))
+    piped = [r for r in rows if r.layout.schedule == "interleaved" and r.layout.dp > 1]
+    assert {r.layout.micro_batches for r in piped} == {2, 4}
+    for r in piped:
+        assert r.peak == max(k.peak for k in derive_parallel(acct, r.layout).at(B=r.micro_batch, S=16).ranks)
+    for pp, m, reshard in ((2, 4, True), (2, 2, False), (3, 3, True)):
+        lay = make_layout(
+            dp=2,
+            pp=pp,
+            dp_mode="fsdp",
+            schedule="interleaved",
+            stages_per_rank=2,
+            micro_batches=m,
+            reshard_after_forward=reshard,
+        )
+        par = derive_parallel(acct, lay)
+        for L in (2 * pp, 4 * pp):
+            pred = par.at(B=2, S=8, L=L)
+            for p, f in zip(pred.ranks, par.ranks, strict=True):
+                formula = evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})})
+                assert formula == p.peak if L > 2 * pp else formula >= p.peak, (pp, m, L, p.stage)
+                blocks = sum(c.count for c in p.collectives if c.what == "block parameters")
+                chunk = L // (2 * pp)
+                assert blocks == chunk * sum(chunk_gathers_of(lay, p.stage))
+                assert sum(c.count for c in p.collectives if c.op == "reduce_scatter") == 2 * chunk + (
+                    p.stage != "middle"
+                )
+
+
+def chunk_gathers_of(lay: Any, stage: str) -> tuple[int, int]:
+    from symacct.parallel.rank import stage_rank
+    from symacct.parallel.schedule import chunk_gathers
+
+    return chunk_gathers(
+        lay.pp, lay.micro_batches, lay.stages_per_rank, stage_rank(stage, lay.pp), lay.reshard_after_forward
+    )
+
+
 def test_fsdp_over_pipeline_formulas(gpt2_acct: symacct.Accounting) -> None:
     """FSDP2 over a pipeline: the peak formula equals at() where a stage has more than one block (every op and
     hook of the five kinds of action evaluated two ways: the symbolic Max and the numbers), with and without a
@@ -536,7 +620,15 @@ def test_fsdp_over_pipeline_formulas(gpt2_acct: symacct.Accounting) -> None:
                 assert gathers == sizes["L"] // 2 * (m + 1 if reshard else 1)
                 assert sum(c.count for c in p.collectives if c.op == "reduce_scatter") == sizes["L"] // 2 + 1
     for bad, what in (
-        ({"schedule": "interleaved", "stages_per_rank": 2, "micro_batches": 2}, "interleaved"),
+        ({"schedule": "interleaved", "stages_per_rank": 4, "micro_batches": 2}, "v = 4 > 3"),
+        (
+            {"schedule": "interleaved", "stages_per_rank": 2, "micro_batches": 2, "param_dtype": "bf16"},
+            "interleaved schedule and a MixedPrecisionPolicy",
+        ),
+        (
+            {"schedule": "interleaved", "stages_per_rank": 2, "micro_batches": 2, "hsdp_shard": 2},
+            "interleaved schedule and HSDP",
+        ),
         ({"reduce_dtype": "fp32"}, "reduce_dtype alone"),
         ({"tp": 2}, "tensor parallelism"),
     ):
@@ -570,6 +662,47 @@ def test_gloo_interleaved_pipeline() -> None:
             assert sends == Counter((c.op, c.payload) for c in p.collectives for _ in range(c.count))
             assert g.peak == p.peak, (pp, m, p.stage)
             assert evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})}) - p.peak in (0, boundary)
+        assert got[-1].loss == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_gloo_interleaved_fsdp_pipeline() -> None:
+    """FSDP2 over each stage chunk of the interleaved schedule (v = 2; fully_shard each block, then the chunk's
+    module), dp = 2 x pp on real gloo processes: GPT-2 of one block a chunk at m = 4 (a chunk's forward after a
+    forward after a backward gathers its blocks again), of two at m = 4 without reshard_after_forward (the
+    UNSHARD's gathers only), and over three ranks (a middle rank: chunks without a root). Every rank's static
+    bytes (its shards), each all-gather and reduce-scatter with its count, the sends, the loss, and the peak
+    to the byte by at() (the UNSHARD's outputs held from the step's start, each chunk's state at every point);
+    the formula equal where a chunk has two blocks, never below at one."""
+    for cfg, pp, m, reshard in (
+        (GPT2_PIPE, 2, 4, True),
+        (dataclasses.replace(GPT2_PIPE, n_layer=8), 2, 4, False),
+        (dataclasses.replace(GPT2_PIPE, n_layer=12), 3, 3, True),
+    ):
+        acct = symacct.derive(GPT2(cfg), optimizer="adamw")
+        torch.manual_seed(0)
+        one = GPT2(cfg)
+        loss = float(one(*Batch(m * 2, 7, 37)(one)).detach())
+        lay = make_layout(
+            dp=2,
+            pp=pp,
+            dp_mode="fsdp",
+            schedule="interleaved",
+            stages_per_rank=2,
+            micro_batches=m,
+            reshard_after_forward=reshard,
+        )
+        par = derive_parallel(acct, lay)
+        pred = par.at(B=2, S=7)
+        got = gloo_world(Build(cfg), lay, Batch(m * 2, 7, 37), adamw, split=stage)
+        for g in got[::2]:  # data-parallel rank 0 of each pipeline rank: the padded chunks
+            p, f = pred.ranks[g.rank // 2], par.ranks[g.rank // 2]
+            assert (g.params, g.grads, g.optimizer) == (p.params, p.grads, p.optimizer)
+            calls = Counter((op, payload) for op, _phase, payload in g.collectives)
+            assert calls == Counter((c.op, c.payload) for c in p.collectives for _ in range(c.count))
+            assert g.peak == p.peak, (cfg.n_layer, pp, m, p.stage)
+            formula = evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})})
+            assert formula == p.peak if cfg.n_layer // (2 * pp) > 1 else formula >= p.peak
         assert got[-1].loss == pytest.approx(loss, rel=1e-5)
 
 

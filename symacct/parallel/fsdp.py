@@ -233,9 +233,11 @@ def fsdp_liveness(
 #   out, the last block's until the root's post-forward: before the loss, which the schedule's ``loss_fn``
 #   computes outside the stage module; ``UN`` until the block's post-forward, or kept without
 #   ``reshard_after_forward``);
-# - ``F``: a later forward before any backward: the same, the root already unsharded;
-# - ``Fw``: a forward after a backward: every block unsharded at its start (no all-gather), each freed at its
-#   post-forward (``reshard_after_forward``) or kept;
+# - ``F``: a later forward that finds the blocks resharded (before any backward; in the interleaved schedule
+#   also one after a forward after a backward): the same, the root already unsharded;
+# - ``Fw``: a forward that finds every block unsharded (after a backward, or a forward without
+#   ``reshard_after_forward``; the interleaved runtime's first, after its UNSHARD): no all-gather, each block
+#   freed at its post-forward (``reshard_after_forward``) or kept;
 # - ``B``: a backward after a forward (every block resharded): the root's pre-backward (on the last stage,
 #   once the loss's backward has made the logits' gradient) prefetches the last block's ``AG``; each block's
 #   pre-backward copies it out (``UN``, kept), frees it and prefetches the block before;
@@ -264,20 +266,22 @@ class Accumulators:
 
 def stage_kinds(kinds: list[str], reshard: bool) -> list[str]:
     """The FSDP2 kind (``STAGE_KINDS``) of each of a stage's compute actions in order ('F' or 'B'; anything
-    else passed through)."""
+    else passed through), from the blocks' state before it: unsharded after a backward (the stage sets
+    ``reshard_after_backward`` False) and after a forward without ``reshard_after_forward``, resharded after
+    a forward with it. A forward that finds them unsharded is 'Fw', else 'F' once the root is gathered (a forward
+    ran) and 'F0' before; a backward that finds them unsharded 'Bw', else 'B'. (GPipe and 1F1B never run a
+    forward after a forward after a backward; the interleaved schedule's chunks do, and gather again.)"""
     out: list[str] = []
-    prev = ""
-    forwarded = backward = False
+    forwarded = unsharded = False
     for k in kinds:
         if k == "F":
-            out.append("Fw" if backward or (forwarded and not reshard) else ("F" if forwarded else "F0"))
-            forwarded = True
+            out.append("Fw" if unsharded else ("F" if forwarded else "F0"))
+            forwarded, unsharded = True, not reshard
         elif k == "B":
-            out.append("B" if reshard and prev == "F" else "Bw")
-            backward = True
+            out.append("Bw" if unsharded else "B")
+            unsharded = True
         else:
             out.append(k)
-        prev = k if k in ("F", "B") else prev
     return out
 
 

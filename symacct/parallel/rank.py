@@ -33,7 +33,9 @@ step. A pipeline with GPipe or 1F1B: every point of the rank's schedule as PyTor
 activations, the runtime's receive buffers, the outputs and input gradients its send ops keep, the last
 stage's kept outputs and losses; ``_pipeline_peak``, ``Parallel.pipeline_peaks``), and the optimizer step (the
 stage's own parameters' ops); the interleaved schedule likewise, chunk by chunk
-(``schedule.interleaved_holds``: every send's work kept to the step's end; ``Parallel._chunks_peak``). Every
+(``schedule.interleaved_holds``: every send's work kept to the step's end; ``Parallel._chunks_peak``), with
+FSDP2 over its chunks each point's chunk states too (``schedule.interleaved_fsdp_points``: the UNSHARD's
+outputs from the step's start, each chunk's REDUCE_GRAD after its last backward; ``Parallel._chunks_fsdp_peak``). Every
 other layout: parameters and optimizer states of the rank plus the larger of (held activations + ``working`` —
 FSDP2's gathered root and one gathered block where the overlay does not apply — + ``transient``, the single-
 device peak's bytes beyond its parameters, states and saved bytes at its forward and backward points, + the
@@ -60,7 +62,14 @@ from symacct.memory.static import ParamRow
 from symacct.options import DTYPES
 from symacct.parallel.fsdp import GroupBytes, fsdp_liveness, stage_fsdp_liveness, stage_kinds
 from symacct.parallel.layout import Layout, check_model
-from symacct.parallel.schedule import actions, in_flight, interleaved_holds, runtime_holds
+from symacct.parallel.schedule import (
+    actions,
+    chunk_gathers,
+    in_flight,
+    interleaved_fsdp_points,
+    interleaved_holds,
+    runtime_holds,
+)
 from symacct.symbols import evaluate, exact_form, sym
 
 if TYPE_CHECKING:
@@ -249,7 +258,8 @@ class Parallel:
         out = []
         for r in ranks:
             if lay.stages_per_rank > 1:
-                out.append(dataclasses.replace(r, peak=self._chunks_peak(r, values, local, beside)))
+                chunks = self._chunks_fsdp_peak if self.stages[r.stage].chunk_fsdp else self._chunks_peak
+                out.append(dataclasses.replace(r, peak=chunks(r, values, local, beside)))
                 continue
             parts = self.stages[r.stage]
             if parts.fsdp is not None:
@@ -339,6 +349,48 @@ class Parallel:
             opt = _chunks_optimizer(kinds, own_opt, num) + kept + _ddp_buckets(lay, working)
         else:
             opt = self._shared_optimizer(r, values, beside) + kept
+        return int(r.params) + int(r.optimizer) + runtime + max(best, opt)
+
+    def _chunks_fsdp_peak(self, r: Rank, values: dict[str, int], local: dict[str, int], beside: int) -> int:
+        """An interleaved rank with FSDP2 over each stage chunk: its peak exactly, at every point of
+        ``interleaved_fsdp_points`` (the chunk in flight at every op and hook of its action's FSDP2 kind, the
+        wait on its UNSHARD, its REDUCE_GRAD), the other chunks' parameters and gradients as their state then
+        has them (``_chunk_fsdp_beside``), and the optimizer step on the shards (the share model)."""
+        lay = self.layout
+        run = self.compute or self.acct
+        index = stage_rank(r.stage, lay.pp)
+        kinds = chunk_kinds(lay.pp, lay.stages_per_rank, index)
+        parts = self.stages[r.stage]
+        num = {k: tuple(compiled(run, e)(values) for e in ex) for k, ex in _chunk_parts(run, lay).items()}
+        boundary, loss, head, runtime = (
+            compiled(run, e)(values) for e in (parts.boundary, parts.loss, parts.head, parts.runtime)
+        )
+        blocks = local["L"]
+        groups = {
+            k: _chunk_groups(fs, blocks, lambda e: compiled(run, e)(values)) for k, fs in parts.chunk_fsdp.items()
+        }
+        sizes = {**local, "dp": values["dp"]}
+        own: dict[tuple[str, str, bool], int] = {}
+        best = 0
+        for p in interleaved_fsdp_points(
+            lay.pp, lay.micro_batches, lay.stages_per_rank, index, lay.return_outputs, lay.reshard_after_forward
+        ):
+            h, c = p.held, p.held.chunk
+            k = kinds[c] if c >= 0 else ""
+            if p.kind == "end":
+                here = 0
+            elif p.kind == "U":
+                here = groups[k].waiting
+            elif p.kind == "R":
+                here = _reduce_phase(run, parts.chunk_fsdp[k], values, blocks)
+            else:
+                if (k, p.kind, h.grads[c]) not in own:
+                    own[k, p.kind, h.grads[c]] = _fsdp_stage_own(run, k, p.kind, h.grads[c], parts.chunk_fsdp[k], sizes)
+                here = own[k, p.kind, h.grads[c]]
+            here += _chunk_fsdp_beside(p, kinds, num, groups, boundary, loss, head)
+            best = max(best, here)
+        kept = lay.micro_batches * head if "last" in kinds and lay.return_outputs else 0
+        opt = self._shared_optimizer(r, values, beside) + kept
         return int(r.params) + int(r.optimizer) + runtime + max(best, opt)
 
     def _shared_optimizer(self, r: Rank, values: dict[str, int], beside: int) -> int:
@@ -520,6 +572,8 @@ def derive_parallel(
         layout.micro_batches > 1 and mode in ("fsdp", "ddp") and layout.pp == 1,
         # FSDP2 over a pipeline: its all-gathers per step follow the schedule
         layout.schedule if mode == "fsdp" and layout.pp > 1 else None,
+        # and the interleaved schedule's, counted per chunk at these degrees (chunk_gathers)
+        (layout.pp, layout.micro_batches) if mode == "fsdp" and layout.stages_per_rank > 1 else None,
     )
     cache = acct.__dict__.setdefault("_parallel_formulas", {})
     if key not in cache:
@@ -561,7 +615,17 @@ def derive_parallel(
             "at() evaluates every op exactly, the formula's micro-batch in flight is the Max over the ops "
             "largest in a sample of the sizes (one stage output high where a stage chunk is one block)"
         ]
-        if mode == "fsdp" and layout.replicas > 1:
+        if mode == "fsdp" and layout.replicas > 1 and layout.stages_per_rank > 1:
+            notes.append(
+                "FSDP2 over each stage chunk (torch 2.13's _PipelineScheduleRuntime, v <= 3): every chunk's groups "
+                "all-gathered at the step's start (UNSHARD), each chunk's outputs held until its first action "
+                "waits on them and copies them out; then each compute action as the blocks' state has it (a "
+                "forward that finds them resharded gathers them and, with reshard_after_forward, frees them after; "
+                "a backward keeps them), the gradients held unsharded from the chunk's first backward, and its "
+                "REDUCE_GRAD right after its last backward reduce-scatters and reshards every group of the chunk; "
+                "the optimizer step on the shards (its temporaries the single device's scaled by the share)"
+            )
+        elif mode == "fsdp" and layout.replicas > 1:
             notes.append(
                 "FSDP2 over the pipeline (torch 2.13's PipelineStage): each compute action as its kind has FSDP2's "
                 "buffers (the first forward gathers the root; a forward before any backward gathers each block "
@@ -887,6 +951,24 @@ def _steady_liveness(acct: Accounting) -> Liveness:
 STAGE_SIDES = {"first": ("before", "stack"), "middle": ("stack",), "last": ("stack", "after")}
 
 
+def _stage_rows(mem: Any, stage: str, blocks: Expr) -> list[tuple[ParamRow, Expr]]:
+    """The parameter rows a stage (or stage chunk) of kind ``stage`` holds, with their copies: each stack row
+    for ``blocks`` blocks, a row outside the stack on the stage that runs its part (before the stack: the
+    first; after: the last; both: each of them)."""
+    holds = {"before": stage in ("only", "first"), "after": stage in ("only", "last")}
+    L = sym("L")
+    rows: list[tuple[ParamRow, Expr]] = []
+    for row in mem.tensors:
+        if _in_stack(row):
+            copies = row.count.subs(L, blocks)
+        else:
+            ends = row.places & {"before", "after"}
+            copies = row.count if (any(holds[w] for w in ends) if ends else holds["before"]) else ZERO
+        if copies != 0:
+            rows.append((row, copies))
+    return rows
+
+
 def _stage_live(
     acct: Accounting, stage: str, accumulating: bool = False, one_block: bool = False
 ) -> tuple[Liveness, list[int], list[int], list[int]]:
@@ -1113,15 +1195,7 @@ def _formulas(
     ranks = []
     for stage in kinds:
         holds = {"before": stage in ("only", "first"), "after": stage in ("only", "last")}
-        rows: list[tuple[ParamRow, Expr]] = []
-        for row in mem.tensors:
-            if _in_stack(row):
-                copies = row.count.subs(L, L / pp) if piped else row.count
-            else:
-                ends = row.places & {"before", "after"}
-                copies = row.count if (any(holds[w] for w in ends) if ends else holds["before"]) else ZERO
-            if copies != 0:
-                rows.append((row, copies))
+        rows = _stage_rows(mem, stage, L / pp if piped else L)
         params, grads, states = _rows_bytes(
             rows,
             n,
@@ -1185,7 +1259,15 @@ def _formulas(
             runtime = recv * m * run.memory.boundary + (m - 1) * run.memory.inputs
             if stages is not None:
                 fs = _fsdp_stage(layout, mode, rows, stack_rows, n, gathered)
-                stages[stage] = StageParts(stage, one, run.memory.boundary, head_out, run.memory.loss, runtime, fs)
+                per_chunk = {}
+                if fs is not None and v > 1:  # each chunk's module its own FSDP2 root, its blocks sharded
+                    for ck in set(chunk_kinds(layout.pp, v, stage_rank(stage, layout.pp))):
+                        own_rows = _stage_rows(mem, ck, L / (pp * v))
+                        own_stack = [(rw, c) for rw, c in own_rows if _in_stack(rw)]
+                        per_chunk[ck] = _fsdp_stage(layout, mode, own_rows, own_stack, n, gathered)
+                stages[stage] = StageParts(
+                    stage, one, run.memory.boundary, head_out, run.memory.loss, runtime, fs, per_chunk
+                )
             stage_transient = ZERO  # every point of the schedule evaluated (_pipeline_peak)
         working = ZERO
         if mode == "fsdp" and layout.replicas > 1 and piped:  # the buffers are in each point's own bytes
@@ -1278,6 +1360,8 @@ class StageParts:
     loss: Expr
     runtime: Expr
     fsdp: FsdpStage | None = None  # FSDP2 over the stage module
+    # the interleaved schedule: FSDP2 over each stage chunk's module, per kind of chunk (first, middle, last)
+    chunk_fsdp: dict[str, FsdpStage] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1365,6 +1449,8 @@ def _pipeline_peak(rank: Rank, parts: StageParts, acct: Accounting, layout: Layo
 
     m = layout.micro_batches
     if layout.stages_per_rank > 1:
+        if parts.chunk_fsdp:
+            return _chunks_fsdp_peak_formula(rank, parts, acct, layout, run)
         return _chunks_peak_formula(rank, parts, acct, layout, run)
     if parts.fsdp is not None:
         return _fsdp_stage_peak_formula(rank, parts, acct, layout, run)
@@ -1510,6 +1596,107 @@ def _chunk_point(
     # the buffers of the chunks not in flight (the one in flight: its own live bytes; at the end, every chunk)
     got += sum((parts[kinds[c]][2] for c in range(len(kinds)) if c != h.chunk), 0)
     return got + (h.outputs + h.input_grads) * boundary + h.losses * loss + (h.chunks + h.merged) * head + working
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkGroups:
+    """A stage chunk's FSDP2 bytes by state (numbers or formulas): all its groups gathered (the UNSHARD's
+    outputs, or the unsharded parameters: the same bytes), its root alone, its gradients unsharded and sharded,
+    and at the wait on its UNSHARD (each group copied out beside its output: every group's bytes and the
+    largest group's again)."""
+
+    gathered: Any
+    root: Any
+    grads: Any
+    sharded: Any
+    waiting: Any
+
+
+def _chunk_groups(fs: FsdpStage, blocks: Any, ev: Callable[[Expr], Any]) -> ChunkGroups:
+    """``ChunkGroups`` of a chunk of ``blocks`` blocks; ``ev``: a formula's value (or the formula)."""
+    root, block = ev(fs.root.gathered), ev(fs.block.gathered)
+    gathered = root + blocks * block
+    largest = max(root, block) if isinstance(root, int) and isinstance(block, int) else sympy.Max(root, block)
+    return ChunkGroups(
+        gathered=gathered,
+        root=root,
+        grads=ev(fs.root_grads) + blocks * ev(fs.block_grads),
+        sharded=ev(fs.root.sharded_grads) + blocks * ev(fs.block.sharded_grads),
+        waiting=gathered + largest,
+    )
+
+
+def _chunk_fsdp_beside(
+    p: Any,
+    kinds: list[str],
+    parts: Mapping[str, Any],
+    groups: Mapping[str, ChunkGroups],
+    boundary: Any,
+    loss: Any,
+    head: Any,
+) -> Any:
+    """An interleaved FSDP2 rank's bytes at a point beside the chunk in flight's own (``_chunk_point`` without
+    the gradients): every other chunk's parameters as its state has them (pending or all unsharded: every
+    group; after a forward that resharded: the root; reduced: none) and its gradients (unsharded once a
+    backward ran, sharded once reduced); the chunk in flight's unsharded gradients at a compute action after
+    its first backward (its wait, its reduce phase and the end count their own)."""
+    h = p.held
+    got = _chunk_point(h._replace(grads=(False,) * len(kinds)), kinds, parts, boundary, loss, head, 0)
+    for c, state in enumerate(p.states):
+        g = groups[kinds[c]]
+        if c == h.chunk:
+            if p.kind not in ("U", "R") and h.grads[c]:
+                got += g.grads
+            continue
+        if state == "reduced":
+            got += g.sharded
+            continue
+        got += g.root if state == "root" else g.gathered
+        got += g.grads if h.grads[c] else 0
+    return got
+
+
+def _chunks_fsdp_peak_formula(rank: Rank, parts: StageParts, acct: Accounting, layout: Layout, run: Accounting) -> Expr:
+    """``Parallel._chunks_fsdp_peak`` as a formula: each compute action's in-flight bytes the ``Max`` over its
+    points largest in a sample of the sizes (``Liveness.symbolic_peak``, L a chunk's blocks, then
+    L/(pp v)), at the distinct points."""
+    v = layout.stages_per_rank
+    blocks = sym("L") / (sym("pp") * v)
+    index = stage_rank(parts.kind, layout.pp)
+    kinds = chunk_kinds(layout.pp, v, index)
+    chunk = _chunk_parts(run, layout)
+    groups = {k: _chunk_groups(fs, blocks, lambda e: e) for k, fs in parts.chunk_fsdp.items()}
+    own: dict[tuple[str, str, bool], Expr] = {}
+    terms = []
+    seen = set()
+    for p in interleaved_fsdp_points(
+        layout.pp, layout.micro_batches, v, index, layout.return_outputs, layout.reshard_after_forward
+    ):
+        if p in seen:
+            continue
+        seen.add(p)
+        h, c = p.held, p.held.chunk
+        k = kinds[c] if c >= 0 else ""
+        if p.kind == "end":
+            here = ZERO
+        elif p.kind == "U":
+            here = groups[k].waiting
+        elif p.kind == "R":
+            here = sympy.Max(*_reduce_terms(parts.chunk_fsdp[k], blocks, lambda e: e), evaluate=False)
+        else:
+            key = (k, p.kind, h.grads[c])
+            if key not in own:
+                fs = parts.chunk_fsdp[k]
+                live = _fsdp_stage_live(run, k, p.kind, h.grads[c], fs, one_block=False)
+                free = sympy.sympify(run.memory.peak).free_symbols | sympy.sympify(fs.block.gathered).free_symbols
+                peak, _ = live.symbolic_peak(sorted({str(x) for x in free} | {"L", "dp"}))
+                points = [sympy.sympify(e).xreplace({sym("L"): blocks}) for e in _max_args(peak)]
+                own[key] = points[0] if len(points) == 1 else sympy.Max(*points, evaluate=False)
+            here = own[key]
+        terms.append(here + _chunk_fsdp_beside(p, kinds, chunk, groups, parts.boundary, parts.loss, parts.head))
+    kept = layout.micro_batches * parts.head if "last" in kinds and layout.return_outputs else ZERO
+    terms.append(_shared_optimizer_formula(rank, acct, layout) + kept)
+    return rank.params + rank.optimizer + parts.runtime + sympy.Max(*terms, evaluate=False)
 
 
 def _chunks_optimizer(kinds: list[str], own_opt: Mapping[str, Any], parts: Mapping[str, Any]) -> Any:
@@ -1761,7 +1948,14 @@ def _collectives(
             group = "dp_shard" if layout.hsdp_shard else "dp"
             # per group: (forward all-gathers, backward all-gathers, reduce-scatters) per step
             calls = {"root": (m, ZERO, m), "block": (m, m if layout.reshard_after_forward else ZERO, m)}
-            if layout.pp > 1:  # FSDP2 over a stage (symacct.parallel.fsdp): the stage kinds' all-gathers
+            if layout.pp > 1 and layout.stages_per_rank > 1:  # per chunk (interleaved_fsdp_points), summed
+                v = layout.stages_per_rank
+                fwd, bwd = chunk_gathers(
+                    layout.pp, layout.micro_batches, v, stage_rank(stage, layout.pp), layout.reshard_after_forward
+                )
+                one = sympy.Integer(1)
+                calls = {"root": (one, ZERO, one), "block": (sympy.Rational(fwd, v), sympy.Rational(bwd, v), one)}
+            elif layout.pp > 1:  # FSDP2 over a stage (symacct.parallel.fsdp): the stage kinds' all-gathers
                 calls = {"root": (sympy.Integer(1), ZERO, sympy.Integer(1)), "block": _stage_gathers(layout, stage)}
             for what, part, count in (("root", root, sympy.Integer(1)), ("block", block, n_blocks)):
                 if not part or count == 0:

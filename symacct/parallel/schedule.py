@@ -413,7 +413,7 @@ class ChunkHeld(NamedTuple):
     (forwarded, not yet backwarded; the one in flight left out) and whether a backward ran (its gradients
     exist), and what the runtime references beside them, as ``Held`` counts it."""
 
-    kind: str  # F | B | end
+    kind: str  # F | B | R (FSDP2: perform_reduce_grad) | U (FSDP2: the UNSHARD's wait) | end
     chunk: int
     held: tuple[int, ...]
     grads: tuple[bool, ...]
@@ -425,7 +425,9 @@ class ChunkHeld(NamedTuple):
 
 
 @functools.lru_cache(maxsize=512)
-def interleaved_holds(pp: int, m: int, v: int, rank: int, keep_outputs: bool = True) -> tuple[ChunkHeld, ...]:
+def interleaved_holds(
+    pp: int, m: int, v: int, rank: int, keep_outputs: bool = True, reduce: bool = False
+) -> tuple[ChunkHeld, ...]:
     """Per compute action of pipeline rank ``rank`` (in the order it runs them), then the step's end, what it
     holds beyond its micro-batch in flight, as torch 2.13's ``_PipelineScheduleRuntime._step_microbatches``
     runs ``ScheduleInterleaved1F1B``: every send's work is kept in ``send_ops`` until the step's end (a work
@@ -433,7 +435,9 @@ def interleaved_holds(pp: int, m: int, v: int, rank: int, keep_outputs: bool = T
     gradient it sent (every chunk but the first stage's) lives to the end; a chunk's output is also in its
     ``fwd_cache`` from its forward to its backward, which holds it while it runs; the last stage keeps its
     losses (``_internal_losses``) and, with ``keep_outputs``, its outputs (``output_chunks``) to the end,
-    where ``step`` merges the outputs. The receive buffers are the stages' own (``Rank.runtime``)."""
+    where ``step`` merges the outputs. The receive buffers are the stages' own (``Rank.runtime``). ``reduce``:
+    a point 'R' after each chunk's last backward, where the runtime's REDUCE_GRAD action runs its
+    ``perform_reduce_grad`` (FSDP2's reduce-scatters; ``_add_reduce_grad`` puts it there)."""
     n = pp * v
     mine = list(range(rank, n, pp))
     chunk = {s: c for c, s in enumerate(mine)}
@@ -463,8 +467,79 @@ def interleaved_holds(pp: int, m: int, v: int, rank: int, keep_outputs: bool = T
             point("B", c)
             bwd[c] += 1
             grads[c] = True
+            if reduce and bwd[c] == m:
+                point("R", c)
     last = chunk.get(n - 1)
     kept = m if last is not None and keep_outputs else 0
     losses = m if last is not None else 0
     points.append(ChunkHeld("end", -1, (0,) * v, (True,) * v, 0, 0, losses, kept, kept))
     return tuple(points)
+
+
+class FsdpPoint(NamedTuple):
+    """A point of an interleaved rank whose stage chunks are FSDP2 modules: what the runtime holds (``ChunkHeld``),
+    the FSDP2 kind of the chunk in flight's action (``symacct.parallel.fsdp.STAGE_KINDS``; 'U' the wait on its
+    UNSHARD, 'R' its REDUCE_GRAD, 'end'), and each chunk's parameters then (``CHUNK_STATES``)."""
+
+    held: ChunkHeld
+    kind: str
+    states: tuple[str, ...]
+
+
+# a chunk's parameters at a point: its UNSHARD's all-gather outputs waiting (before its first compute action),
+# the root unsharded (the blocks resharded after a forward), root and blocks unsharded, or resharded once its
+# gradients are reduced (REDUCE_GRAD: the post-backward of every group, reshard_after_backward set)
+CHUNK_STATES = ("pending", "root", "all", "reduced")
+
+
+@functools.lru_cache(maxsize=512)
+def interleaved_fsdp_points(
+    pp: int, m: int, v: int, rank: int, keep_outputs: bool, reshard: bool
+) -> tuple[FsdpPoint, ...]:
+    """The points of pipeline rank ``rank`` of ``ScheduleInterleaved1F1B`` with FSDP2 over each stage chunk's
+    module, as torch 2.13's ``_PipelineScheduleRuntime`` runs them (v <= 3: ``_add_unshard_reshard``'s three
+    active stages hold every chunk of the rank, so each is unsharded before the step's first action and
+    resharded after its last; ``symacct.parallel.layout`` refuses more). The UNSHARD all-gathers every group of
+    every chunk at once (``unshard(async_op=True)``); a chunk's first compute action waits on it (point 'U':
+    each group copied out, its output then freed), so its first forward finds root and blocks unsharded
+    ('Fw'); each later action as ``stage_kinds`` has it (each forward's post-forward reshards the blocks with
+    ``reshard_after_forward``, a backward keeps them: the stage sets ``reshard_after_backward`` False); after
+    its last backward, REDUCE_GRAD (point 'R') reduce-scatters and reshards every group of the chunk."""
+    from symacct.parallel.fsdp import stage_kinds
+
+    holds = interleaved_holds(pp, m, v, rank, keep_outputs, reduce=True)
+    seqs: list[list[str]] = [[] for _ in range(v)]
+    for h in holds:
+        if h.kind in ("F", "B"):
+            seqs[h.chunk].append(h.kind)
+    kinds = [["Fw" if k == "F0" else k for k in stage_kinds(seq, reshard)] for seq in seqs]
+    state = ["pending"] * v
+    done = [0] * v
+    out: list[FsdpPoint] = []
+    for h in holds:
+        c = h.chunk
+        if h.kind in ("F", "B"):
+            if state[c] == "pending":
+                out.append(FsdpPoint(h._replace(kind="U"), "U", tuple(state)))
+            out.append(FsdpPoint(h, kinds[c][done[c]], tuple(state)))
+            done[c] += 1
+            state[c] = "all" if h.kind == "B" or not reshard else "root"
+        elif h.kind == "R":
+            out.append(FsdpPoint(h, "R", tuple(state)))
+            state[c] = "reduced"
+        else:
+            out.append(FsdpPoint(h, "end", tuple(state)))
+    return tuple(out)
+
+
+def chunk_gathers(pp: int, m: int, v: int, rank: int, reshard: bool) -> tuple[int, int]:
+    """All-gathers of one block of each of the rank's chunks per step, summed over its chunks, in forward and in
+    backward (``interleaved_fsdp_points``): the UNSHARD's (used by the first forward), each forward after a
+    forward with ``reshard_after_forward``, each backward after a forward."""
+    fwd = bwd = 0
+    for p in interleaved_fsdp_points(pp, m, v, rank, True, reshard):
+        if p.kind in ("U", "F"):
+            fwd += 1
+        elif p.kind == "B":
+            bwd += 1
+    return fwd, bwd
