@@ -424,7 +424,9 @@ def test_gloo_fsdp_mixed_precision_over_pipeline() -> None:
     bf16 parameters with fp32 reduction (torchtitan's default: each group's post-backward moves its new bf16
     gradients into fp32 accumulators, made by the first backward, added into by each later one) and with bf16
     reduction (the bf16 gradients accumulate in place); 1F1B and GPipe, with and without reshard_after_forward,
-    a Llama of one block a stage, a wide GPT-2 at a small micro-batch. Every rank's static bytes (fp32 shards),
+    a Llama of one block a stage, a GPT-2 of one block a stage with bf16 in place (its last stage's peak is a
+    backward's prefetch: the all-gather's bf16 copy of the local shards beside its output), a wide GPT-2 at a
+    small micro-batch. Every rank's static bytes (fp32 shards),
     each collective with its count (bf16 all-gathers and sends, reduce-scatters in reduce_dtype), the loss
     against one process running the bf16 model micro-batch by micro-batch (the schedule's mean of bf16
     losses), and the peak to the byte by at() and by the formula where a stage has more than one block."""
@@ -433,6 +435,8 @@ def test_gloo_fsdp_mixed_precision_over_pipeline() -> None:
     for cfg, schedule, m, reshard, reduce, (B, S) in (
         (six, "1f1b", 4, True, "fp32", (2, 7)),
         (six, "1f1b", 4, True, None, (2, 7)),
+        # one block a stage, bf16 in place: the peak is a backward's prefetch, its all-gather's bf16 input beside
+        (dataclasses.replace(GPT2_PIPE, n_layer=2), "1f1b", 4, True, None, (2, 7)),
         (GPT2_PIPE, "gpipe", 3, False, "fp32", (2, 7)),
         (dataclasses.replace(LLAMA_SMALL, n_layers=2), "gpipe", 2, True, "fp32", (2, 7)),
         (wide, "gpipe", 2, True, "fp32", (1, 4)),
@@ -621,14 +625,6 @@ def test_fsdp_over_pipeline_formulas(gpt2_acct: symacct.Accounting) -> None:
                 assert sum(c.count for c in p.collectives if c.op == "reduce_scatter") == sizes["L"] // 2 + 1
     for bad, what in (
         ({"schedule": "interleaved", "stages_per_rank": 4, "micro_batches": 2}, "v = 4 > 3"),
-        (
-            {"schedule": "interleaved", "stages_per_rank": 2, "micro_batches": 2, "param_dtype": "bf16"},
-            "interleaved schedule and a MixedPrecisionPolicy",
-        ),
-        (
-            {"schedule": "interleaved", "stages_per_rank": 2, "micro_batches": 2, "hsdp_shard": 2},
-            "interleaved schedule and HSDP",
-        ),
         ({"reduce_dtype": "fp32"}, "reduce_dtype alone"),
         ({"tp": 2}, "tensor parallelism"),
     ):
@@ -668,23 +664,25 @@ def test_gloo_interleaved_pipeline() -> None:
 @pytest.mark.slow
 def test_gloo_interleaved_fsdp_pipeline() -> None:
     """FSDP2 over each stage chunk of the interleaved schedule (v = 2; fully_shard each block, then the chunk's
-    module), dp = 2 x pp on real gloo processes: GPT-2 of one block a chunk at m = 4 (a chunk's forward after a
+    module), dp x pp on real gloo processes: GPT-2 of one block a chunk at m = 4 (a chunk's forward after a
     forward after a backward gathers its blocks again), of two at m = 4 without reshard_after_forward (the
-    UNSHARD's gathers only), and over three ranks (a middle rank: chunks without a root). Every rank's static
-    bytes (its shards), each all-gather and reduce-scatter with its count, the sends, the loss, and the peak
-    to the byte by at() (the UNSHARD's outputs held from the step's start, each chunk's state at every point);
-    the formula equal where a chunk has two blocks, never below at one."""
-    for cfg, pp, m, reshard in (
-        (GPT2_PIPE, 2, 4, True),
-        (dataclasses.replace(GPT2_PIPE, n_layer=8), 2, 4, False),
-        (dataclasses.replace(GPT2_PIPE, n_layer=12), 3, 3, True),
+    UNSHARD's gathers only), over three ranks (a middle rank: chunks without a root), with a
+    MixedPrecisionPolicy (bf16 parameters, fp32 accumulators; and bf16 in place at one block a chunk), and
+    HSDP (2 replicas of 2 shards, eight processes). Every rank's static bytes (its shards), each all-gather,
+    reduce-scatter and all-reduce with its count, the sends, the loss, and the peak to the byte by at() (the
+    UNSHARD's outputs held from the step's start, each chunk's state at every point); the formula equal
+    where a chunk has two blocks, never below at one."""
+    eight, twelve = dataclasses.replace(GPT2_PIPE, n_layer=8), dataclasses.replace(GPT2_PIPE, n_layer=12)
+    for cfg, pp, m, reshard, more in (
+        (GPT2_PIPE, 2, 4, True, {}),
+        (eight, 2, 4, False, {}),
+        (twelve, 3, 3, True, {}),
+        (eight, 2, 4, True, {"param_dtype": "bf16", "reduce_dtype": "fp32"}),
+        (GPT2_PIPE, 2, 4, True, {"param_dtype": "bf16"}),
+        (eight, 2, 2, True, {"dp": 4, "hsdp_shard": 2}),
     ):
-        acct = symacct.derive(GPT2(cfg), optimizer="adamw")
-        torch.manual_seed(0)
-        one = GPT2(cfg)
-        loss = float(one(*Batch(m * 2, 7, 37)(one)).detach())
         lay = make_layout(
-            dp=2,
+            **{"dp": 2, **more},
             pp=pp,
             dp_mode="fsdp",
             schedule="interleaved",
@@ -692,15 +690,22 @@ def test_gloo_interleaved_fsdp_pipeline() -> None:
             micro_batches=m,
             reshard_after_forward=reshard,
         )
-        par = derive_parallel(acct, lay)
+        acct = symacct.derive(GPT2(cfg), optimizer="adamw")
+        par = derive_parallel(acct, lay, derive_compute(GPT2(cfg), lay, optimizer="adamw"))
         pred = par.at(B=2, S=7)
+        torch.manual_seed(0)
+        one = GPT2(cfg).to(torch.bfloat16 if lay.param_dtype else torch.float32)
+        ids, target = Batch(m * 2, 7, 37)(one)
+        # the schedule's loss: the mean of the micro-batches' (each in bf16 with the policy)
+        micro = [one(ids[i * 2 : i * 2 + 2], target[i * 2 : i * 2 + 2]).detach() for i in range(m)]
+        loss = float(torch.stack(micro).mean())
         got = gloo_world(Build(cfg), lay, Batch(m * 2, 7, 37), adamw, split=stage)
-        for g in got[::2]:  # data-parallel rank 0 of each pipeline rank: the padded chunks
-            p, f = pred.ranks[g.rank // 2], par.ranks[g.rank // 2]
+        for g in got[:: lay.shard]:  # shard rank 0 of each pipeline rank: the padded chunks
+            p, f = pred.ranks[g.rank // lay.dp], par.ranks[g.rank // lay.dp]
             assert (g.params, g.grads, g.optimizer) == (p.params, p.grads, p.optimizer)
             calls = Counter((op, payload) for op, _phase, payload in g.collectives)
             assert calls == Counter((c.op, c.payload) for c in p.collectives for _ in range(c.count))
-            assert g.peak == p.peak, (cfg.n_layer, pp, m, p.stage)
+            assert g.peak == p.peak, (cfg.n_layer, pp, m, more, p.stage)
             formula = evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})})
             assert formula == p.peak if cfg.n_layer // (2 * pp) > 1 else formula >= p.peak
         assert got[-1].loss == pytest.approx(loss, rel=1e-5)

@@ -19,6 +19,9 @@ checked against it, ``tests/test_fsdp_events.py``). A later step, with ``g`` a g
   reduces last, once backward is done; then every ``AG`` and ``RS`` still held is freed. With gradient
   accumulation (m > 1) every micro-batch is reduce-scattered: a later one holds every ``SG`` from its start
   and adds each new output into it (the peak is a later micro-batch's);
+- with a ``MixedPrecisionPolicy``'s ``param_dtype``, an all-gather's input is the local shards cast into one
+  flat buffer (``GroupBytes.copy_in``), alive while the all-gather is issued: counted at each backward
+  prefetch (at a pre-forward the copy-out's ``UN``, larger, follows it at the same hook);
 - the optimizer step sees the sharded parameters, states and gradients only (its temporaries: the
   rank's share of the single device's, ``symacct.parallel.rank``).
 
@@ -50,6 +53,10 @@ class GroupBytes:
     gathered: Expr
     reduce_input: Expr
     sharded_grads: Expr
+    # with a MixedPrecisionPolicy's param_dtype: the all-gather's input, each local shard cast into one flat
+    # buffer (``_get_param_all_gather_inputs``' foreach copy), alive while the all-gather is issued; none
+    # without a cast (the input is then the shards themselves)
+    copy_in: Expr = 0
 
 
 @dataclasses.dataclass
@@ -153,6 +160,8 @@ def _overlay(
             add(hook("bwd.copy", b), hook("bwd.rs", b) - 1, block.gathered)  # UN in backward
             issued = hook("bwd.prefetch", "root" if b == n_blocks - 1 else b + 1)
             add(issued, hook("bwd.copy", b), block.gathered)  # AG in backward
+            if block.copy_in != 0:  # its input while the prefetch issues it (beside no new UN)
+                add(issued, issued, block.copy_in)
         else:
             add(hook("fwd.pre", b), hook("bwd.rs", b) - 1, block.gathered)
         # the reduce-scatter input lives until the next group's post-backward frees it
@@ -378,6 +387,7 @@ def _stage_overlay(
         elif kind == "B":
             issued = hook("bwd.prefetch", "root" if b == n_blocks - 1 else b + 1)
             add(issued, hook("bwd.copy", b), block.gathered)
+            add(issued, issued, block.copy_in)  # the all-gather's input while the prefetch issues it
             add(hook("bwd.copy", b), FOREVER, block.gathered)
         else:
             add(-1, FOREVER, block.gathered)

@@ -166,16 +166,10 @@ def make_layout(
             hint="with pp > 1 use dp_mode='ddp', 'zero1' or 'fsdp'",
         )
     if lay.pp > 1 and lay.dp_mode == "fsdp" and lay.replicas > 1:
-        interleaved = lay.stages_per_rank > 1
         unsupported = [
             # torch 2.13's runtime keeps three stages unsharded (_add_unshard_reshard): every chunk of a rank
             # from the step's start to its last action up to v = 3; more are evicted and gathered again
             (lay.stages_per_rank > 3, f"the interleaved schedule with v = {lay.stages_per_rank} > 3 chunks a rank"),
-            (
-                interleaved and bool(lay.param_dtype or lay.reduce_dtype),
-                "the interleaved schedule and a MixedPrecisionPolicy",
-            ),
-            (interleaved and lay.hsdp_shard is not None, "the interleaved schedule and HSDP"),
             (lay.cp > 1, "context parallelism"),
             (lay.tp > 1, "tensor parallelism"),
             (bool(lay.reduce_dtype and not lay.param_dtype), "a MixedPrecisionPolicy's reduce_dtype alone"),
@@ -183,8 +177,8 @@ def make_layout(
         for bad, what in unsupported:
             if bad:
                 raise SymacctError(
-                    f"FSDP2 over a pipeline is derived for GPipe and 1F1B (with param_dtype if any) and for the "
-                    f"interleaved schedule with v <= 3 in the model's dtype; not yet with {what}",
+                    f"FSDP2 over a pipeline is derived for GPipe, 1F1B and the interleaved schedule with v <= 3 "
+                    f"(with param_dtype if any); not yet with {what}",
                     hint="drop that option, or use dp_mode='ddp' over the pipeline",
                 )
     if lay.bucket_view and (lay.pp > 1 or lay.micro_batches > 1):

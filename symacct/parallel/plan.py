@@ -342,7 +342,7 @@ def _layouts_at(
         for b in _divisors(global_batch // dp):
             m = global_batch // (dp * b)
             for mode in modes:
-                # FSDP2 over a pipeline: without tp; interleaved in the model's dtype only (layout.py)
+                # FSDP2 over a pipeline: without tp (layout.py)
                 piped_fsdp = pp > 1 and dp > 1 and mode == "fsdp"
                 if dp * cp == 1 and mode != "ddp" or pp > 1 and mode == "zero2" and dp > 1:
                     continue
@@ -360,7 +360,7 @@ def _layouts_at(
                 out.append((make_layout(schedule="gpipe", **kw, **deg), b))
                 if m >= pp:
                     out.append((make_layout(schedule="1f1b", **kw, **deg), b))
-                if L and L % (2 * pp) == 0 and m % pp == 0 and not (piped_fsdp and own):
+                if L and L % (2 * pp) == 0 and m % pp == 0:
                     out.append((make_layout(schedule="interleaved", stages_per_rank=2, **kw, **deg), b))
     return out
 

@@ -572,8 +572,6 @@ def derive_parallel(
         layout.micro_batches > 1 and mode in ("fsdp", "ddp") and layout.pp == 1,
         # FSDP2 over a pipeline: its all-gathers per step follow the schedule
         layout.schedule if mode == "fsdp" and layout.pp > 1 else None,
-        # and the interleaved schedule's, counted per chunk at these degrees (chunk_gathers)
-        (layout.pp, layout.micro_batches) if mode == "fsdp" and layout.stages_per_rank > 1 else None,
     )
     cache = acct.__dict__.setdefault("_parallel_formulas", {})
     if key not in cache:
@@ -634,12 +632,13 @@ def derive_parallel(
                 "unsharded from the first backward, one reduce-scatter of each group at perform_reduce_grad, the "
                 "optimizer step on the shards (its temporaries the single device's scaled by the share)"
             )
-            if _accumulates(layout):
-                notes.append(
-                    f"the policy's reduce_dtype ({layout.reduce_dtype}) is not its param_dtype: each group's "
-                    "post-backward moves its new gradients into unsharded accumulators of reduce_dtype, held to "
-                    "perform_reduce_grad (the first backward copies them in, each later one adds and frees them)"
-                )
+        if mode == "fsdp" and layout.replicas > 1 and _accumulates(layout):
+            notes.append(
+                f"the policy's reduce_dtype ({layout.reduce_dtype}) is not its param_dtype: each group's "
+                "post-backward moves its new gradients into unsharded accumulators of reduce_dtype, held to "
+                "perform_reduce_grad or REDUCE_GRAD (the first backward copies them in, each later one adds and "
+                "frees them)"
+            )
     else:
         notes = [
             "peak per rank (a later step) = parameters + states + the larger of held activations + working set "
@@ -676,6 +675,10 @@ def derive_parallel(
                 "k_last": _held_micro(acts, r, last_chunk),
                 "g_held": _backward_before_forward(acts, r),
             }
+            if mode == "fsdp" and layout.stages_per_rank > 1:  # FSDP2's all-gathers of the chunks' blocks
+                v, reshard = layout.stages_per_rank, layout.reshard_after_forward
+                gf, gb = chunk_gathers(layout.pp, layout.micro_batches, v, r, reshard)
+                held[kind] |= {"g_f": gf, "g_b": gb}
         notes.append(
             f"{layout.schedule} with pp={layout.pp}, m={layout.micro_batches}, v={layout.stages_per_rank}: "
             f"(stage chunk, micro-batch) activations held at most per rank {flight} (PyTorch's action lists)"
@@ -1084,7 +1087,8 @@ def _fsdp_stage_live(acct: Accounting, stage: str, kind: str, grads: bool, fs: F
     (the loss ops after it are the schedule's ``loss_fn``'s, ops of no module) or its first backward op after
     the loss's."""
     cache = acct.__dict__.setdefault("_fsdp_stage_live", {})
-    key = (stage, kind, grads, one_block, id(fs))  # fs: kept with the formulas on acct (its id stays valid)
+    # fs by value: the layouts' formulas made apart (the interleaved schedule's, per pp and m) share the points
+    key = (stage, kind, grads, one_block, fs)
     if key not in cache:
         # with accumulators every backward's gradients are new tensors, freed at their post-backward
         live, fwd, bwd, _opt = _stage_live(acct, stage, grads and not fs.accumulator, one_block=one_block)
@@ -1108,7 +1112,7 @@ def _fsdp_stage_own(acct: Accounting, stage: str, kind: str, grads: bool, fs: Fs
     of ``_fsdp_stage_live``), exactly at ``values`` (L: the stage's blocks; dp)."""
     cache = acct.__dict__.setdefault("_fsdp_stage_own", {})
     # the model's sizes and the sharding group's degrees only
-    key = (stage, kind, grads, id(fs), _sizes_key(values), values["dp"], values.get("dp_shard"))
+    key = (stage, kind, grads, fs, _sizes_key(values), values["dp"], values.get("dp_shard"))
     if key not in cache:
         if len(cache) >= 4096:
             cache.clear()
@@ -1815,7 +1819,11 @@ def _group_bytes(part: list[tuple[ParamRow, Expr]], n: Expr, sizes: Sizes | None
     """One FSDP2 group's buffers (each row once: a block's, or the root's)."""
     one = [(rw, sympy.Integer(1)) for rw, _c in part]
     sharded = _rows_bytes(one, n, shard_params=True, shard_grads=True, shard_states=True)[1]
-    return GroupBytes(_gathered(one, n, sizes=sizes), _gathered(one, n, grad=True, sizes=sizes), sharded)
+    cast = [(rw, c) for rw, c in one if sizes and sizes.get(rw.name, (rw.itemsize,))[0] != rw.itemsize]
+    copy_in = sympy.expand(_gathered(cast, n, sizes=sizes) / n) if cast else ZERO
+    return GroupBytes(
+        _gathered(one, n, sizes=sizes), _gathered(one, n, grad=True, sizes=sizes), sharded, copy_in=copy_in
+    )
 
 
 def _head_output(acct: Accounting) -> Expr:
@@ -1948,13 +1956,12 @@ def _collectives(
             group = "dp_shard" if layout.hsdp_shard else "dp"
             # per group: (forward all-gathers, backward all-gathers, reduce-scatters) per step
             calls = {"root": (m, ZERO, m), "block": (m, m if layout.reshard_after_forward else ZERO, m)}
-            if layout.pp > 1 and layout.stages_per_rank > 1:  # per chunk (interleaved_fsdp_points), summed
+            if layout.pp > 1 and layout.stages_per_rank > 1:
+                # the actions that gather a chunk's blocks, summed over the rank's chunks (g_f in forward, g_b in
+                # backward: chunk_gathers, set per layout as k is), each chunk L / (pp v) blocks
                 v = layout.stages_per_rank
-                fwd, bwd = chunk_gathers(
-                    layout.pp, layout.micro_batches, v, stage_rank(stage, layout.pp), layout.reshard_after_forward
-                )
                 one = sympy.Integer(1)
-                calls = {"root": (one, ZERO, one), "block": (sympy.Rational(fwd, v), sympy.Rational(bwd, v), one)}
+                calls = {"root": (one, ZERO, one), "block": (sym("g_f") / v, sym("g_b") / v, one)}
             elif layout.pp > 1:  # FSDP2 over a stage (symacct.parallel.fsdp): the stage kinds' all-gathers
                 calls = {"root": (sympy.Integer(1), ZERO, sympy.Integer(1)), "block": _stage_gathers(layout, stage)}
             for what, part, count in (("root", root, sympy.Integer(1)), ("block", block, n_blocks)):
