@@ -39,6 +39,7 @@ from typing import Any
 
 from symacct.cost.layers import DROP
 from symacct.memory.liveness import Intervals, Liveness
+from symacct.parallel.schedule import STAGE_KINDS
 
 Expr = Any
 FOREVER = 10**9
@@ -252,13 +253,14 @@ def fsdp_liveness(
 #   pre-backward copies it out (``UN``, kept), frees it and prefetches the block before;
 # - ``Bw``: a backward after a backward: everything unsharded already, no all-gather.
 #
+# (``STAGE_KINDS``; ``symacct.parallel.schedule.stage_kinds`` reads them off a stage's order of actions.)
+#
 # With a ``MixedPrecisionPolicy`` whose reduce_dtype is not param_dtype (bf16 parameters, fp32 reduction:
 # torchtitan's default), each group's post-backward (a block's after its last backward op, the root's at the
 # backward's end) moves the gradients backward made in param_dtype into unsharded accumulators of reduce_dtype:
 # the first backward allocates them (``to_accumulated_grad_if_needed``: the copy beside the gradient it copies),
 # each later one adds its new gradients in and frees them (``accumulate_unsharded_grad_if_needed``); the
 # accumulators are what ``perform_reduce_grad`` reduce-scatters.
-STAGE_KINDS = ("F0", "F", "Fw", "B", "Bw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,27 +273,6 @@ class Accumulators:
     block: Expr
     grads: frozenset[int]
     fresh: bool
-
-
-def stage_kinds(kinds: list[str], reshard: bool) -> list[str]:
-    """The FSDP2 kind (``STAGE_KINDS``) of each of a stage's compute actions in order ('F' or 'B'; anything
-    else passed through), from the blocks' state before it: unsharded after a backward (the stage sets
-    ``reshard_after_backward`` False) and after a forward without ``reshard_after_forward``, resharded after
-    a forward with it. A forward that finds them unsharded is 'Fw', else 'F' once the root is gathered (a forward
-    ran) and 'F0' before; a backward that finds them unsharded 'Bw', else 'B'. (GPipe and 1F1B never run a
-    forward after a forward after a backward; the interleaved schedule's chunks do, and gather again.)"""
-    out: list[str] = []
-    forwarded = unsharded = False
-    for k in kinds:
-        if k == "F":
-            out.append("Fw" if unsharded else ("F" if forwarded else "F0"))
-            forwarded, unsharded = True, not reshard
-        elif k == "B":
-            out.append("Bw" if unsharded else "B")
-            unsharded = True
-        else:
-            out.append(k)
-    return out
 
 
 def _stage_overlay(

@@ -60,7 +60,7 @@ from symacct.errors import SymacctError
 from symacct.memory.liveness import Liveness
 from symacct.memory.static import ParamRow
 from symacct.options import DTYPES
-from symacct.parallel.fsdp import GroupBytes, fsdp_liveness, stage_fsdp_liveness, stage_kinds
+from symacct.parallel.fsdp import GroupBytes, fsdp_liveness, stage_fsdp_liveness
 from symacct.parallel.layout import Layout, check_model
 from symacct.parallel.schedule import (
     actions,
@@ -69,6 +69,7 @@ from symacct.parallel.schedule import (
     interleaved_fsdp_points,
     interleaved_holds,
     runtime_holds,
+    stage_kinds,
 )
 from symacct.symbols import evaluate, exact_form, sym
 

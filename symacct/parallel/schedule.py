@@ -476,6 +476,31 @@ def interleaved_holds(
     return tuple(points)
 
 
+# FSDP2 over a stage, the kinds of compute action by what is unsharded when it starts (symacct.parallel.fsdp)
+STAGE_KINDS = ("F0", "F", "Fw", "B", "Bw")
+
+
+def stage_kinds(kinds: list[str], reshard: bool) -> list[str]:
+    """The FSDP2 kind (``STAGE_KINDS``) of each of a stage's compute actions in order ('F' or 'B'; anything
+    else passed through), from the blocks' state before it: unsharded after a backward (the stage sets
+    ``reshard_after_backward`` False) and after a forward without ``reshard_after_forward``, resharded after
+    a forward with it. A forward that finds them unsharded is 'Fw', else 'F' once the root is gathered (a forward
+    ran) and 'F0' before; a backward that finds them unsharded 'Bw', else 'B'. (GPipe and 1F1B never run a
+    forward after a forward after a backward; the interleaved schedule's chunks do, and gather again.)"""
+    out: list[str] = []
+    forwarded = unsharded = False
+    for k in kinds:
+        if k == "F":
+            out.append("Fw" if unsharded else ("F" if forwarded else "F0"))
+            forwarded, unsharded = True, not reshard
+        elif k == "B":
+            out.append("Bw" if unsharded else "B")
+            unsharded = True
+        else:
+            out.append(k)
+    return out
+
+
 class FsdpPoint(NamedTuple):
     """A point of an interleaved rank whose stage chunks are FSDP2 modules: what the runtime holds (``ChunkHeld``),
     the FSDP2 kind of the chunk in flight's action (``symacct.parallel.fsdp.STAGE_KINDS``; 'U' the wait on its
@@ -505,8 +530,6 @@ def interleaved_fsdp_points(
     ('Fw'); each later action as ``stage_kinds`` has it (each forward's post-forward reshards the blocks with
     ``reshard_after_forward``, a backward keeps them: the stage sets ``reshard_after_backward`` False); after
     its last backward, REDUCE_GRAD (point 'R') reduce-scatters and reshards every group of the chunk."""
-    from symacct.parallel.fsdp import stage_kinds
-
     holds = interleaved_holds(pp, m, v, rank, keep_outputs, reduce=True)
     seqs: list[list[str]] = [[] for _ in range(v)]
     for h in holds:
