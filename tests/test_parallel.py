@@ -549,11 +549,12 @@ def test_interleaved_fsdp_formula_equals_at() -> None:
     than one block (every op and hook of each point's kind, the UNSHARD's wait, each REDUCE_GRAD, evaluated
     two ways), over two and three ranks, with and without reshard_after_forward; at one block a chunk never
     below; the blocks' all-gathers as chunk_gathers counts them, one reduce-scatter per group. The planner
-    ranks these layouts, each row's peak at()'s."""
+    ranks these layouts (HSDP over the stages too), each row's peak at()'s."""
     acct = symacct.derive(GPT2(dataclasses.replace(GPT2_PIPE, n_layer=12)), optimizer="adamw")
-    rows = plan(acct, gpus=4, hardware="H100-SXM", global_batch=8, seq=16, dp_modes=("fsdp",))
+    rows = plan(acct, gpus=8, hardware="H100-SXM", global_batch=16, seq=16, dp_modes=("fsdp",))
     piped = [r for r in rows if r.layout.schedule == "interleaved" and r.layout.dp > 1]
-    assert {r.layout.micro_batches for r in piped} == {2, 4}
+    assert {(r.layout.pp, r.layout.micro_batches) for r in piped} == {(2, 2), (2, 4)}
+    assert any(r.layout.hsdp_shard for r in piped)  # HSDP over the pipeline's stages too
     for r in piped:
         assert r.peak == max(k.peak for k in derive_parallel(acct, r.layout).at(B=r.micro_batch, S=16).ranks)
     for pp, m, reshard in ((2, 4, True), (2, 2, False), (3, 3, True)):

@@ -357,11 +357,15 @@ def _layouts_at(
                             out.append((lay, b))
                     continue
                 kw = {"dp": dp, "pp": pp, "dp_mode": mode, "micro_batches": m, "return_outputs": return_outputs, **own}
-                out.append((make_layout(schedule="gpipe", **kw, **deg), b))
-                if m >= pp:
-                    out.append((make_layout(schedule="1f1b", **kw, **deg), b))
-                if L and L % (2 * pp) == 0 and m % pp == 0:
-                    out.append((make_layout(schedule="interleaved", stages_per_rank=2, **kw, **deg), b))
+                # HSDP over each stage too: sharded over each proper divisor of dp, replicated
+                shards = [None, *_divisors(dp)[1:-1]] if piped_fsdp and cp == 1 else [None]
+                for shard in shards:
+                    hsdp = {"hsdp_shard": shard} if shard else {}
+                    out.append((make_layout(schedule="gpipe", **kw, **hsdp, **deg), b))
+                    if m >= pp:
+                        out.append((make_layout(schedule="1f1b", **kw, **hsdp, **deg), b))
+                    if L and L % (2 * pp) == 0 and m % pp == 0:
+                        out.append((make_layout(schedule="interleaved", stages_per_rank=2, **kw, **hsdp, **deg), b))
     return out
 
 
