@@ -516,7 +516,13 @@ def test_interleaved_fsdp_points_read_torchs_lowering() -> None:
     after a forward after a backward gathers again ('F'), which GPipe and 1F1B never run."""
     from torch.distributed.pipelining import schedules as sch
 
-    from symacct.parallel.schedule import _pipeline_order, chunk_gathers, interleaved_fsdp_points, stage_kinds
+    from symacct.parallel.schedule import (
+        CHUNK_STATES,
+        _pipeline_order,
+        chunk_gathers,
+        interleaved_fsdp_points,
+        stage_kinds,
+    )
 
     for pp, m, v in ((2, 4, 2), (2, 2, 2), (3, 3, 2), (2, 4, 3), (2, 4, 4)):
         for rank, compute in enumerate(_pipeline_order(sch.ScheduleInterleaved1F1B, pp, m, v)):
@@ -539,6 +545,7 @@ def test_interleaved_fsdp_points_read_torchs_lowering() -> None:
     assert by_chunk == ["U Fw F F F B Bw Bw Bw R", "U Fw F B Bw Fw F B Bw R"]
     assert [p.states for p in points if p.kind == "R"] == [("all", "all"), ("all", "reduced")]
     assert points[-1].kind == "end" and points[-1].states == ("reduced", "reduced")
+    assert {state for p in points for state in p.states} == set(CHUNK_STATES)
     assert chunk_gathers(2, 4, 2, 0, True) == (7, 3)  # per block: chunk 0 U F F F, B; chunk 1 U F F, B B
     assert chunk_gathers(2, 4, 2, 0, False) == (2, 0)  # the UNSHARD only
     assert " ".join(stage_kinds(["F", "B", "F", "F", "B"], True)) == "F0 B Fw F B"
