@@ -633,7 +633,7 @@ def test_fsdp_over_pipeline_formulas(gpt2_acct: symacct.Accounting) -> None:
     for bad, what in (
         ({"schedule": "interleaved", "stages_per_rank": 4, "micro_batches": 2}, "v = 4 > 3"),
         ({"reduce_dtype": "fp32"}, "reduce_dtype alone"),
-        ({"tp": 2}, "tensor parallelism"),
+        ({"cp": 2}, "context parallelism"),
     ):
         with pytest.raises(SymacctError, match=f"FSDP2 over a pipeline .*{what}"):
             make_layout(**{"dp": 4, "pp": 2, "dp_mode": "fsdp", "micro_batches": 2, **bad})

@@ -12,10 +12,12 @@ PyTorch's own DTensor code run for real.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sympy
@@ -314,3 +316,115 @@ class _HFBuild:
 
         torch.manual_seed(0)
         return HFLoss(self.cfg)
+
+
+def _stage_collectives(cfg: GPT2Config, plan: str, tp: int, stage: int, pp: int, B: int, S: int) -> Counter:
+    """One micro-batch through pipeline stage ``stage`` of ``pp`` of a tensor-parallel GPT-2 rank, forward and
+    backward, on the fake process group with real tensors: DTensor's collectives (op, phase, payload). A later
+    stage's input is the local stream the stage before sends."""
+    from symacct.measure.parallel import CollectiveCounter
+    from symacct.trace.tensor_parallel import apply_plan, fake_group
+
+    with fake_group(tp) as mesh:
+        torch.manual_seed(0)
+        model = apply_plan(GPT2(cfg), plan, mesh)
+        part = model.pipeline_stage(stage, pp)
+        ids = torch.randint(0, cfg.vocab_size, (B, S))
+        stream = S // tp if plan == "megatron-sp" else S
+        x = ids if stage == 0 else torch.randn(B, stream, cfg.n_embd, requires_grad=True)
+        counter = CollectiveCounter()
+        with counter:
+            out = part(x)
+            counter.phase = "backward"
+            if stage == pp - 1:
+                torch.nn.functional.cross_entropy(out.flatten(0, 1), ids.flatten()).backward()
+            else:
+                out.backward(torch.ones_like(out))
+    return Counter(counter.log)
+
+
+@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+def test_pipeline_stages_of_a_tensor_parallel_rank(plan: str) -> None:
+    """A tensor-parallel rank cut into pipeline stages: each stage's collectives per micro-batch against that
+    stage module run on the fake process group (what runs only in block 0, sequence parallelism's split of
+    the stack's input and its backward's all-gather, on the first stage alone); the stages' FLOPs add up to
+    the rank's; the head's output, what the last stage returns and keeps, is the gathered logits (``4 B S
+    V``, not its shard of V)."""
+    from symacct.cost.layers import first_block_own
+    from symacct.parallel.rank import _head_output
+
+    cfg = dataclasses.replace(_gpt2(4, 4, 38, 4, 16), tie_weights=False)
+    acct = symacct.derive(GPT2(cfg), optimizer="adamw", tensor_parallel=plan, tp=2)
+    B, S, V = (sym(n) for n in ("B", "S", "V"))
+    assert _head_output(acct) == 4 * B * S * V
+    own = first_block_own(acct.step.ops, list(acct.per_layer))
+    ops = Counter((str(acct.step.ops[t].op).split(".")[1], acct.step.ops[t].phase) for t in own)
+    # the split of the stack's input (a copy of the rank's part of S) and its backward's all-gather
+    assert (ops["clone", "forward"], ops["all_gather_into_tensor", "backward"]) == ((1, 1) if own else (0, 0))
+    assert bool(own) == (plan == "megatron-sp")
+    whole = acct.at(B=2, S=8, tp=2).flops
+    for pp in (2, 4):
+        par = derive_parallel(acct, make_layout(tp=2, pp=pp, schedule="gpipe", sequence_parallel=plan != "megatron"))
+        ranks = {r.stage: r for r in par.at(B=2, S=8).ranks}
+        kinds = [{0: "first", pp - 1: "last"}.get(stage, "middle") for stage in range(pp)]
+        for stage, kind in enumerate(kinds):
+            derived = Counter(
+                (c.op, c.phase, c.payload)
+                for c in ranks[kind].collectives
+                if c.group == "tp" and c.phase != "optimizer"
+                for _ in range(c.count)
+            )
+            assert derived == _stage_collectives(cfg, plan, 2, stage, pp, 2, 8), (plan, pp, stage)
+        assert sum(ranks[k].flops for k in kinds) == whole.forward + whole.backward
+
+
+@pytest.mark.parametrize("param_dtype", [None, "bf16"])
+def test_fsdp_reduces_sequence_parallel_norm_gradients_in_backward(param_dtype: str | None) -> None:
+    """FSDP2 over sequence-parallel ranks (dp = 2 x tp = 2, rank 0 on the fake process group with real
+    tensors, ``_dp_step``: three steps as the gloo runner takes them): every collective of the third step
+    as derived. The norms' Partial gradients are made Replicate by FSDP2's post-backward, one all-reduce
+    each (in param_dtype), not by each read of the optimizer as on a tensor-parallel rank alone."""
+    from symacct.measure.parallel import CollectiveCounter, _dp_step, _fake_group
+    from symacct.parallel.rank import derive_compute
+
+    cfg = dataclasses.replace(_gpt2(4, 4, 38, 2, 16), tie_weights=False)
+    lay = make_layout(dp=2, tp=2, sequence_parallel=True, param_dtype=param_dtype)
+    acct = symacct.derive(GPT2(cfg), optimizer="adamw", tensor_parallel="megatron-sp", tp=2)
+    compute = derive_compute(GPT2(cfg), lay, optimizer="adamw", tensor_parallel="megatron-sp", tp=2)
+    rank = derive_parallel(acct, lay, compute).at(B=2, S=8).ranks[0]
+    with _fake_group(lay, 0):
+        model = Build(cfg)()
+        got = _dp_step(model, lay, 0, Batch(2, 8, 38)(model), adamw, "blocks", CollectiveCounter())
+    assert Counter((op, ph, pl) for op, ph, pl in got.collectives) == _collectives(rank)
+    norms = [c for c in rank.collectives if "post-backward" in c.what]
+    assert sum(c.count for c in norms) == 2 * 4 + 2  # ln_1, ln_2 (weight and bias) of each block, and ln_f's
+    assert all(c.phase == "backward" and c.payload == 16 * (2 if param_dtype else 4) for c in norms)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    [
+        ("gpt2", {"pp": 2, "sequence_parallel": True}),
+        ("gpt2", {"dp": 2, "pp": 2, "sequence_parallel": True, "schedule": "gpipe"}),
+        ("llama", {"dp": 2, "pp": 2, "param_dtype": "bf16", "reduce_dtype": "fp32"}),
+        ("llama", {"dp": 2, "pp": 2, "sequence_parallel": True, "schedule": "interleaved", "stages_per_rank": 2}),
+        ("llama", {"dp": 4, "hsdp_shard": 2, "pp": 2, "schedule": "gpipe", "micro_batches": 2}),
+    ],
+)
+def test_gloo_tensor_parallel_pipeline(model: str, layout: dict[str, Any]) -> None:
+    """Tensor parallelism inside pipeline stages on real gloo processes (tp = 2 x pp = 2: 4 processes; with
+    FSDP2 over dp = 2: 8; HSDP 2 x 2: 16), as ``symacct verify --parallel`` runs them: each stage's static
+    bytes, every collective's payload and count (DTensor's, FSDP2's, the stages' sends), its peak to the
+    byte, the loss against one process. Found by this run: the last stage keeps the gathered logits, not its
+    shard; sequence parallelism's split of the stack's input runs in block 0 only (the first stage); FSDP2
+    holds a vocabulary-parallel embedding's gradient whole; it makes the norms' Partial gradients Replicate
+    once, in its post-backward."""
+    lay = make_layout(tp=2, micro_batches=layout.pop("micro_batches", 4), dp_mode="fsdp", **layout)
+    net = (
+        GPT2(dataclasses.replace(_gpt2(4, 4, 38, 4, 16), tie_weights=False))
+        if model == "gpt2"
+        else Llama(_llama(4, 2, 8, 32, 64, 4))
+    )
+    rows = verify_parallel(net, lay, B=2, S=8)
+    assert sum("peak" in r.name for r in rows) == 2 and all(r.ok for r in rows), [r for r in rows if not r.ok]

@@ -19,6 +19,7 @@ more); here:
 
 from __future__ import annotations
 
+import difflib
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -93,6 +94,47 @@ def op_blocks(ops: list[Any], stacks: list[str]) -> list[tuple[str, int] | None]
                     out[j] = later
         prev = (b, pos)
     return out
+
+
+def differing_ends(blocks: list[tuple[str, int] | None], counts: Iterable[Any]) -> tuple[bool, bool]:
+    """Whether the factored stack's first block and its last differ from the others (``factor``: an op of
+    such a block has a count of its own, 1; the others' ops of it 0), read off each op's block and count."""
+    n = 1 + max((b[1] for b in blocks if b is not None), default=0)
+    counted = {b[1] for b, c in zip(blocks, counts, strict=True) if b is not None and c != 0}
+    return 0 in counted and n > 1, n - 1 in counted and n > 2
+
+
+def stage_share(block: int, count: Any, first: bool, last: bool, ends: tuple[bool, bool]) -> Any:
+    """How many times a pipeline rank runs a layer-stack op (of probe block ``block``) that runs ``count``
+    times in the whole model, the rank holding ``L / pp`` blocks (``first``: block 0 among them, ``last``: block
+    L - 1). The stack is ``first + (L - f - l) * block + last`` (``factor``; ``ends``: f, l, ``differing_ends``):
+    a block-1 op runs L / pp times, less once on the rank holding a first block that differs and on the one
+    holding a last block that differs; an op of a block that differs only on its own rank."""
+    L = sym("L")
+    count = sympy.sympify(count)
+    if L not in count.free_symbols:
+        return count if (first if block == 0 else last) else sympy.Integer(0)
+    per = sympy.diff(count, L)
+    return sympy.expand(per * (L / sym("pp") - int(ends[0] and first) - int(ends[1] and last)))
+
+
+def first_block_own(ops: list[Any], stacks: list[str]) -> set[int]:
+    """The ops of block 0 of each stack with no counterpart in block 1 (a first block that differs: a
+    sequence-parallel plan's conversion of the stack's input, run by block 0's input hook, and its backward):
+    what only the pipeline stage holding block 0 runs. Matched per phase by op and relative module, in
+    order (``difflib``'s longest matching runs)."""
+    blocks = op_blocks(ops, stacks)
+    own: set[int] = set()
+    for p in stacks:
+        if (p, 1) not in blocks:  # one block: nothing to tell it from
+            continue
+        for phase in {rec.phase for rec in ops}:
+            ids = {i: [t for t, b in enumerate(blocks) if b == (p, i) and ops[t].phase == phase] for i in (0, 1)}
+            keys = {i: [(str(ops[t].op), _relative(ops[t].module, p, i)) for t in ids[i]] for i in (0, 1)}
+            matcher = difflib.SequenceMatcher(None, keys[0], keys[1], autojunk=False)
+            matched = {a + k for a, _b, size in matcher.get_matching_blocks() for k in range(size)}
+            own |= {t for j, t in enumerate(ids[0]) if j not in matched}
+    return own
 
 
 def _relative(module: str, stack: str, i: int) -> str:

@@ -7,7 +7,9 @@ Two ways, both running the real sharding code on a small model:
   collective's payload, in a second or two, at any world size.
 - ``gloo_world``: ``world`` real processes on the gloo backend with real CPU tensors, for DDP (with gradient
   accumulation), FSDP2, HSDP (over context-parallel ranks too) and ``torch.distributed.pipelining`` (GPipe,
-  1F1B, interleaved; DDP over the stages): the loss of the first step; static bytes,
+  1F1B, interleaved; DDP, FSDP2 or HSDP over the stages; tensor parallelism inside them, the model
+  parallelized by its plan over the mesh's ``tp`` dimension before the stages are cut from it): the loss
+  of the first step; static bytes,
   collectives and the peak of live storage bytes (``symacct.measure.run.StorageTracker``) of a later step
   (the optimizer states alive from its start; DDP's buckets rebuilt).
 
@@ -624,12 +626,29 @@ def _pipeline_step(
 
     if split is None:
         raise SymacctError("a pipeline run needs split(model, stage, pp)")
-    # ranks (pp_rank, dp_rank, cp_rank): DDP's replicas over each stage's module, or the stages' context-parallel
-    # rings (each step in PyTorch's context_parallel over the cp ranks)
-    pp_rank = rank // (layout.dp * layout.cp)
+    # ranks (pp_rank, dp_rank, cp_rank, tp_rank): DDP's replicas over each stage's module, or the stages'
+    # context-parallel rings (each step in PyTorch's context_parallel over the cp ranks), the model sharded by
+    # its tensor-parallel plan before the stages are cut from it (each stage's modules its own shards)
+    pp_rank = rank // (layout.dp * layout.cp * layout.tp)
     pp_group = dp_group = dp_mesh = None
     ring: Callable[[], Any] = contextlib.nullcontext
-    if layout.replicas > 1:  # the gradients reduced over dp x cp ranks (the ring's ranks hold the same weights)
+    if layout.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if layout.cp > 1 or (layout.dp > 1 and layout.dp_mode != "fsdp"):
+            raise SymacctError(
+                "the real run of tensor parallelism in a pipeline's stages is with FSDP2 or alone",
+                hint="--dp-mode fsdp, or dp=1 (and cp=1)",
+            )
+        if layout.hsdp_shard:  # HSDP over each stage's tensor-parallel shards: (replicate, shard) inside dp
+            shape, names = (layout.pp, layout.replicate, layout.hsdp_shard, layout.tp), ("pp", "replicate", "shard")
+        else:
+            shape, names = (layout.pp, layout.dp, layout.tp), ("pp", "dp")
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=(*names, "tp"))
+        apply_plan(model, layout.plan, mesh["tp"])
+        pp_group = mesh["pp"].get_group()
+        dp_mesh = mesh[names[1:]] if layout.dp > 1 else None
+    elif layout.replicas > 1:  # the gradients reduced over dp x cp ranks (the ring's ranks hold the same weights)
         from torch.distributed.device_mesh import init_device_mesh
 
         if layout.dp_mode not in ("ddp", "fsdp"):
@@ -814,11 +833,6 @@ def verify_parallel(model: nn.Module, layout: Layout, B: int, S: int, optimizer:
     if layout.pp > 1 and not hasattr(model, "pipeline_stage"):
         raise SymacctError(
             f"{type(model).__name__} has no pipeline_stage(stage, pp)", hint="the reference gpt2 and llama have one"
-        )
-    if layout.pp > 1 and layout.tp > 1:
-        raise SymacctError(
-            "no real run of tensor parallelism inside pipeline stages is built (the derivation models it)",
-            hint="verify --tp with --dp, or --pp without --tp",
         )
     if layout.pp > 1 and getattr(cfg, "tie_weights", False):
         raise SymacctError(

@@ -16,7 +16,7 @@ from typing import Any
 
 import sympy
 
-from symacct.cost.layers import block_of, generic_path, op_blocks
+from symacct.cost.layers import block_of, differing_ends, generic_path, op_blocks, stage_share
 from symacct.symbols import sym
 from symacct.trace.probe import Probe
 from symacct.trace.record import StepTrace
@@ -46,6 +46,9 @@ class Memory:
     tensors: list[ParamRow] = field(default_factory=list)  # each parameter: shape, count, grad, states, place
     # saved activations outside the layer stack, by where their op runs: 'before' / 'after' the stack
     activations_outside: dict[str, Expr] = field(default_factory=dict)
+    # the stack's saved activations beyond L times a block's: 'first' on the pipeline stage holding block 0,
+    # 'last' on the one holding block L - 1 (a first or last block that differs: cost.layers.stage_share)
+    activations_ends: dict[str, Expr] = field(default_factory=dict)
     buffers: Expr = 0  # every module buffer, persistent or not (DDP broadcasts them at each forward)
     boundary: Expr = 0  # bytes one block hands the next in forward (a pipeline stage's send per micro-batch)
     inputs: Expr = 0  # the step's input tensors (distinct storages)
@@ -131,6 +134,8 @@ def static_and_activations(
     blocks = op_blocks(trace.ops, stacks)
     last_twin = _last_block_twins(trace, blocks)
     last_less = sympy.Integer(0)
+    ends = differing_ends(blocks, counts)
+    end_bytes = {"first": sympy.Integer(0), "last": sympy.Integer(0)}
     for st, nbytes in trace.saved_storages.items():
         producer = trace.storage_producer.get(st)
         if producer is None:
@@ -139,6 +144,10 @@ def static_and_activations(
         if c == 0:
             continue
         b = trace.bytes_of(st, nb, nbytes)
+        if blocks[producer] is not None:  # a stage's share beyond its L / pp blocks' (cost.layers.stage_share)
+            for end, first, last in (("first", True, False), ("last", False, True)):
+                share = stage_share(blocks[producer][1], c, first, last, ends)
+                end_bytes[end] += b * (share - (sympy.diff(c, L) * L / sym("pp") if c.has(L) else 0))
         twin = last_twin.get(st)
         if (
             c.has(L)
@@ -199,6 +208,7 @@ def static_and_activations(
         where = "before" if first is None or producer < first else "after"
         outside[where] += trace.bytes_of(st, nb, nbytes) * counts[producer]
     mem.activations_outside = {k: sympy.expand(v) for k, v in outside.items()}
+    mem.activations_ends = {k: sympy.expand(v) for k, v in end_bytes.items()}
     mem.boundary = _boundary(trace, nb, blocks)
     inputs = {ph.meta.storage for ph in trace.placeholders if ph.kind == "input"}
     mem.inputs = sympy.expand(sum((trace.bytes_of(st, nb) for st in sorted(inputs)), sympy.Integer(0)))

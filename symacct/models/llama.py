@@ -295,11 +295,15 @@ class LlamaStage(nn.Module):
         self.register_buffer("cos", model.cos, persistent=False)  # (S_max, Dh)
         self.register_buffer("sin", model.sin, persistent=False)  # (S_max, Dh)
         self.checkpoint = model.config.checkpoint  # as the whole model: each layer recomputed in backward
+        # sequence parallelism (the plan's norms Replicate DTensors over the tensor-parallel mesh): the stream
+        # a stage receives is its rank's S / tp positions, the rotary tables are read for all S
+        weight = model.norm.weight
+        self.sequence_shards = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        S = x.size(1) if self.first else x.size(1) * self.sequence_shards
         if self.first:  # x: (B, S) token ids
-            x = self.tok_embeddings(x)  # (B, S, D)
-        S = x.size(1)
+            x = self.tok_embeddings(x)  # (B, S, D), or (B, S / tp, D) with sequence parallelism
         cos, sin = self.cos[:S], self.sin[:S]
         for layer in self.layers:
             if self.checkpoint and torch.is_grad_enabled():

@@ -171,7 +171,6 @@ def make_layout(
             # from the step's start to its last action up to v = 3; more are evicted and gathered again
             (lay.stages_per_rank > 3, f"the interleaved schedule with v = {lay.stages_per_rank} > 3 chunks a rank"),
             (lay.cp > 1, "context parallelism"),
-            (lay.tp > 1, "tensor parallelism"),
             (bool(lay.reduce_dtype and not lay.param_dtype), "a MixedPrecisionPolicy's reduce_dtype alone"),
         ]
         for bad, what in unsupported:

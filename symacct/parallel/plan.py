@@ -342,11 +342,8 @@ def _layouts_at(
         for b in _divisors(global_batch // dp):
             m = global_batch // (dp * b)
             for mode in modes:
-                # FSDP2 over a pipeline: without tp (layout.py)
-                piped_fsdp = pp > 1 and dp > 1 and mode == "fsdp"
+                piped_fsdp = pp > 1 and dp > 1 and mode == "fsdp"  # FSDP2 (or HSDP) over a pipeline's stages
                 if dp * cp == 1 and mode != "ddp" or pp > 1 and mode == "zero2" and dp > 1:
-                    continue
-                if piped_fsdp and tp > 1:
                     continue
                 own = mixed if mode == "fsdp" else {}
                 if pp == 1:

@@ -55,7 +55,7 @@ import sympy
 import torch
 
 from symacct.cost.graph import records
-from symacct.cost.layers import DROP, op_blocks
+from symacct.cost.layers import DROP, differing_ends, first_block_own, generic_path, op_blocks, stage_share
 from symacct.errors import SymacctError
 from symacct.memory.liveness import Liveness
 from symacct.memory.static import ParamRow
@@ -450,6 +450,12 @@ def _chunk(d0: Expr, n: Expr) -> Expr:
     return sympy.ceiling(d0 / n)
 
 
+def _grad_numel(row: ParamRow) -> Expr:
+    """Elements of the gradient backward makes for ``row``: its own shape, or a replicated gradient's (a
+    tensor-parallel rank's vocabulary-parallel embedding: ``ParamRow.grad_shape``)."""
+    return sympy.Mul(*row.grad_shape) if row.grad_shape else row.numel
+
+
 def _rows_bytes(
     rows: list[tuple[ParamRow, Expr]], n: Expr, *, shard_params: bool, shard_grads: bool, shard_states: bool
 ) -> tuple[Expr, Expr, Expr]:
@@ -461,8 +467,7 @@ def _rows_bytes(
         full = row.numel
         params += copies * row.itemsize * (local if shard_params else full)
         if row.grad:
-            whole = sympy.Mul(*row.grad_shape) if row.grad_shape else full  # a replicated gradient (see ParamRow)
-            grads += copies * row.grad_itemsize * (local if shard_grads else whole)
+            grads += copies * row.grad_itemsize * (local if shard_grads else _grad_numel(row))
         for _key, shape, itemsize in row.states:
             same = tuple(shape) == tuple(row.shape) and bool(shape)
             numel = sympy.Mul(*shape) if shape else sympy.Integer(1)
@@ -792,17 +797,31 @@ _TRACED_OPS = {
 _TRACED_GROUP = {"tp": "tensor parallel", "cp": "context parallel, ring attention"}
 
 
-def _traced_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, group: str = "tp") -> list[Collective]:
+def _traced_collectives(
+    acct: Accounting,
+    holds: dict[str, bool],
+    piped: bool,
+    group: str = "tp",
+    fsdp: tuple[list[tuple[ParamRow, Expr]], int | None] | None = None,
+) -> list[Collective]:
     """The collectives of the tensor- or context-parallel rank's traced step (DTensor's or the ring's, over
     the ``group``): each kind (op, phase, payload, module) once with its count per step; on a pipeline rank,
     its share of the stack and the parts before and after it that its stage holds. Payload: an all-reduce's
     tensor, an all-gather's output, a reduce-scatter's input, an all-to-all's input (the rank's traced
-    shapes)."""
+    shapes).
+
+    ``fsdp``: FSDP2 over the data-parallel ranks (the rank's parameter rows with their copies, and the
+    accumulators' itemsize where the policy has them). The optimizer then reads FSDP2's sharded gradients,
+    never a ``Partial`` one: a gradient the traced optimizer all-reduced (sequence parallelism's norm
+    weights) is made ``Replicate`` once a step instead, by FSDP2's post-backward before its reduce-scatter
+    (``FSDPParam._get_grad_inner_tensor``): one all-reduce of the unsharded gradient per parameter."""
     if acct.step is None:
         return []
-    L, pp, m = sym("L"), sym("pp"), sym("m")
+    partial: set[str] = set()  # the parameters whose gradient the traced optimizer all-reduced
+    m = sym("m")
     stacks = list(acct.per_layer)
     _, side = _sides(acct)
+    stage_share = _stage_share(acct, holds)
     found: dict[tuple[str, str, Any, str], Expr] = {}
     for key, node in records(acct.graph):
         if not isinstance(key, int) or not node.op.startswith("_c10d_functional."):
@@ -810,6 +829,12 @@ def _traced_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, g
         if node.op.startswith("_c10d_functional.wait_tensor"):
             continue
         name = node.op.split(".")[1]
+        if fsdp is not None and node.phase == "optimizer":
+            for rec in acct.step.ops[key].inputs[:1]:
+                grad = acct.step.grad_storages.get(rec.storage)
+                if grad is not None:
+                    partial.add(generic_path(grad, stacks))
+            continue
         if name not in _TRACED_OPS:
             raise SymacctError(
                 f"no model of the collective {node.op} on a {_TRACED_GROUP[group]} rank",
@@ -831,7 +856,9 @@ def _traced_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, g
         else:
             where = side(key, node.phase)
         if where == "stack" and piped:
-            count = count.subs(L, L / pp)
+            count = stage_share(key, count)
+            if count == 0:
+                continue
         elif where != "stack" and not holds[where]:
             continue
         if node.phase != "optimizer":
@@ -839,12 +866,48 @@ def _traced_collectives(acct: Accounting, holds: dict[str, bool], piped: bool, g
         tag = (op, node.phase, payload, node.generic)
         found[tag] = found.get(tag, ZERO) + count
     size = sym(group) if group == "tp" else sympy.Integer(acct.options["context_parallel"])
-    return [
+    out = [
         Collective(
             op, group, size, payload, sympy.expand(count), phase, f"{module or '<root>'} ({_TRACED_GROUP[group]})"
         )
         for (op, phase, payload, module), count in found.items()
     ]
+    if fsdp is not None:
+        rows, itemsize = fsdp
+        for row, copies in rows:
+            if row.name in partial and row.grad:
+                payload = sympy.expand((itemsize or row.grad_itemsize) * _grad_numel(row))
+                what = f"{row.name} (FSDP2's post-backward: its Partial gradient made Replicate)"
+                out.append(Collective("all_reduce", group, size, payload, sympy.expand(copies), "backward", what))
+    return out
+
+
+def _stage_share(acct: Accounting, holds: Mapping[str, bool]) -> Callable[[int, Expr], Expr]:
+    """``share(op, count)``: how many times a pipeline rank runs a layer-stack op that runs ``count`` times in
+    the whole model (``symacct.cost.layers.stage_share``; the rank holds block 0 with what runs before the
+    stack, block L - 1 with what runs after it)."""
+    blocks = _part(acct, "blocks")
+    counts = [ZERO] * len(blocks)
+    for k, node in records(acct.graph):
+        if isinstance(k, int):
+            counts[k] = node.count
+    ends = differing_ends(blocks, counts)
+
+    def share(key: int, count: Expr) -> Expr:
+        return stage_share(blocks[key][1], count, holds["before"], holds["after"], ends)
+
+    return share
+
+
+def _stack_flops(acct: Accounting, holds: Mapping[str, bool]) -> Expr:
+    """Model FLOPs of a pipeline rank's share of the layer stack, forward and backward (``_stage_share``)."""
+    blocks, _ = _sides(acct)
+    share = _stage_share(acct, holds)
+    total = ZERO
+    for key, node in records(acct.graph):
+        if isinstance(key, int) and blocks[key] is not None and node.phase in ("forward", "backward"):
+            total += node.cost.flops * share(key, node.count)
+    return sympy.expand(total)
 
 
 def _part(acct: Accounting, name: str) -> Any:
@@ -1001,7 +1064,12 @@ def _stage_live(
             if lab[3] == "forward" and blocks[t] is None:
                 placed.setdefault(lab[2], side(t, "forward"))
 
+        # block 0's own ops (a first block that differs): the first stage's; another's first block is block 1's
+        own0: set[int] = set() if "before" in wanted else first_block_own(acct.step.ops, list(acct.per_layer))
+
         def part(t: int) -> str:
+            if t in own0:
+                return "before"
             if blocks[t] is not None:
                 return "stack"
             phase = labels[t][3]
@@ -1192,6 +1260,9 @@ def _formulas(
     before_act = run.memory.activations_outside.get("before", ZERO)
     after_act = run.memory.activations_outside.get("after", ZERO)
     stack_act = sympy.expand(act_total - before_act - after_act)
+    # a chunk's blocks' saved activations; beyond them, what a first or last block that differs saves
+    chunk_act = (sympy.diff(stack_act, L) * L / (pp * v)) if piped else stack_act
+    ends = run.memory.activations_ends
     head_out = _part(run, "head")
     outside = _part(run, "outside")
     fwd_stack = sympy.expand(run.flops.forward - outside["before"]["forward"] - outside["after"]["forward"])
@@ -1210,11 +1281,11 @@ def _formulas(
         )
         # activations: the schedule's held (stage chunk, micro-batch) pairs; outside parts on the end stages
         if piped:
-            activations = sym("k") * stack_act.subs(L, L / (pp * v))
+            activations = sym("k") * chunk_act
             if holds["before"]:
-                activations += sym("k_first") * before_act
+                activations += sym("k_first") * (before_act + ends.get("first", ZERO))
             if holds["after"]:
-                activations += sym("k_last") * after_act
+                activations += sym("k_last") * (after_act + ends.get("last", ZERO))
                 if layout.return_outputs:  # schedule.step(return_outputs=True), PyTorch's default: m outputs kept
                     activations += m * head_out
             # a held micro-batch's output (the runtime's fwd_cache) is among the stack's saved activations: the
@@ -1241,7 +1312,12 @@ def _formulas(
             chunk_grads=chunk_grads,
         )
         if layout.tp > 1:
-            colls += _traced_collectives(run, holds, piped)
+            sharded = None
+            if mode == "fsdp" and layout.replicas > 1:  # the gradient's dtype: the accumulators', param_dtype's
+                held = _accumulates(layout) and (piped or layout.micro_batches > 1)  # no sync at some backward
+                dtype = layout.reduce_dtype if held else layout.param_dtype
+                sharded = (rows, DTYPES[dtype][0].itemsize if dtype else None)
+            colls += _traced_collectives(run, holds, piped, fsdp=sharded)
         if layout.cp > 1:  # the gradients' group spans the context-parallel ranks too
             cp_groups = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"}
             colls = [dataclasses.replace(c, group=cp_groups.get(c.group, c.group)) for c in colls]
@@ -1255,9 +1331,9 @@ def _formulas(
         stage_transient = transient
         runtime = ZERO
         if piped:  # one micro-batch in flight through the stage's ops, the others held (see _stage_in_flight)
-            one = stack_act.subs(L, L / (pp * v))
-            one += before_act if holds["before"] else ZERO
-            one += after_act if holds["after"] else ZERO
+            one = chunk_act
+            one += before_act + ends.get("first", ZERO) if holds["before"] else ZERO
+            one += after_act + ends.get("last", ZERO) if holds["after"] else ZERO
             # the runtime's receive buffers (one per micro-batch for each stage chunk's input from the stage
             # before and for its output's gradient from the stage after), and the whole batch's inputs
             recv = 2 * v - int(holds["before"]) - int(holds["after"])
@@ -1285,9 +1361,9 @@ def _formulas(
             working = grads
         # model FLOPs of one step on this rank, and of one micro-batch through one stage chunk
         share = L / (pp * v) if piped else L
-        chunk_fwd = fwd_stack.subs(L, share)
-        chunk_bwd = bwd_stack.subs(L, share)
-        f = v * (chunk_fwd + chunk_bwd) if piped else fwd_stack + bwd_stack
+        # each block's FLOPs times the chunk's blocks; a first or last block that differs on its own stage
+        chunk_fwd, chunk_bwd = (sympy.diff(e, L) * share for e in (fwd_stack, bwd_stack))
+        f = _stack_flops(run, holds) if piped else fwd_stack + bwd_stack
         if holds["before"]:
             f += outside["before"]["forward"] + outside["before"]["backward"]
         if holds["after"]:
@@ -1566,7 +1642,8 @@ def _chunk_parts(run: Accounting, layout: Layout) -> dict[str, tuple[Expr, Expr,
         mem = run.memory
         before = mem.activations_outside.get("before", ZERO)
         after = mem.activations_outside.get("after", ZERO)
-        stack = sympy.expand(mem.activations - before - after).xreplace(share)
+        stack = sympy.diff(sympy.expand(mem.activations - before - after), L) * share[L]
+        end_acts = mem.activations_ends
         out = {}
         for kind in ("first", "middle", "last"):
             ends = {"first": {"before"}, "middle": set(), "last": {"after"}}[kind]
@@ -1579,8 +1656,10 @@ def _chunk_parts(run: Accounting, layout: Layout) -> dict[str, tuple[Expr, Expr,
                 else:
                     places = row.places & {"before", "after"} or {"before"}
                     copies = row.count if places & ends else ZERO
-                grads += copies * row.grad_itemsize * row.numel
-            held = stack + (before if kind == "first" else ZERO) + (after if kind == "last" else ZERO)
+                grads += copies * row.grad_itemsize * _grad_numel(row)
+            held = stack
+            held += before + end_acts.get("first", ZERO) if kind == "first" else ZERO
+            held += after + end_acts.get("last", ZERO) if kind == "last" else ZERO
             # the stack's buffers (the blocks' own); those outside it (a root's rotary tables, which every stage
             # module shares) are one storage on the rank, in the live bytes of the chunk in flight
             buffers = sympy.sympify(mem.buffers)
@@ -1795,7 +1874,8 @@ def _fsdp_stage(
         return reduce or (sizes[rw.name][0] if sizes else rw.grad_itemsize)
 
     def grads(part: list[tuple[ParamRow, Expr]]) -> Expr:
-        return sympy.expand(sum((itemsize(rw) * rw.numel for rw, _c in part if rw.grad), ZERO))
+        """The unsharded gradients as backward makes them (a vocabulary-parallel embedding's whole: ParamRow)."""
+        return sympy.expand(sum((itemsize(rw) * _grad_numel(rw) for rw, _c in part if rw.grad), ZERO))
 
     root = [(rw, c) for rw, c in rows if not _in_stack(rw)]
     return FsdpStage(
@@ -1827,12 +1907,33 @@ def _group_bytes(part: list[tuple[ParamRow, Expr]], n: Expr, sizes: Sizes | None
     )
 
 
+# what DTensor's output hook runs to redistribute a module's output (a sharded one gathered: all-gather, wait,
+# the chunks split and concatenated, the padding sliced off); the trace puts a module's own forward hooks in
+# its parent (the tracer's global hook closes the module first)
+_REDISTRIBUTE = (
+    "_c10d_functional.all_gather_into_tensor",
+    "_c10d_functional.wait_tensor",
+    "aten.split.",
+    "aten.cat.",
+    "aten.slice.",
+)
+
+
 def _head_output(acct: Accounting) -> Expr:
-    """Bytes of the last forward output of the head (the logits): what a pipeline's last stage returns."""
+    """Bytes of what the head returns (the logits): what a pipeline's last stage returns. Its last forward
+    op's output, or, where a tensor-parallel plan's output hook redistributes it (the logits gathered whole,
+    ``ColwiseParallel(output_layouts=Replicate())``), the last op of that redistribution right after it."""
     last = None
+    after = gathered = False
     for key, node in records(acct.graph):
-        if node.phase == "forward" and node.component == "head" and isinstance(key, int) and node.shapes:
-            last = node
+        if not isinstance(key, int) or node.phase != "forward":
+            continue
+        if node.component == "head" and node.shapes:
+            last, after, gathered = node, True, False
+        elif after and node.module == "" and node.op.startswith(_REDISTRIBUTE if gathered else _REDISTRIBUTE[:1]):
+            last, gathered = node, True  # the redistribution starts with the all-gather
+        else:
+            after = False
     if last is None:
         return ZERO
     itemsize = getattr(torch, last.dtypes[0].removeprefix("torch.")).itemsize
