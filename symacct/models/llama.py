@@ -295,10 +295,13 @@ class LlamaStage(nn.Module):
         self.register_buffer("cos", model.cos, persistent=False)  # (S_max, Dh)
         self.register_buffer("sin", model.sin, persistent=False)  # (S_max, Dh)
         self.checkpoint = model.config.checkpoint  # as the whole model: each layer recomputed in backward
-        # sequence parallelism (the plan's norms Replicate DTensors over the tensor-parallel mesh): the stream
-        # a stage receives is its rank's S / tp positions, the rotary tables are read for all S
+        # sequence parallelism (the plan's norms Replicate DTensors over the tensor-parallel mesh; the stages
+        # are cut before FSDP2 shards them): the stream a stage receives is its rank's S / tp positions, the
+        # rotary tables are read for all S
         weight = model.norm.weight
-        self.sequence_shards = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
+        placements = getattr(weight, "placements", None)
+        replicated = bool(placements) and all(p.is_replicate() for p in placements)
+        self.sequence_shards = weight.device_mesh.size() if replicated else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         S = x.size(1) if self.first else x.size(1) * self.sequence_shards

@@ -823,17 +823,12 @@ def _traced_collectives(
     _, side = _sides(acct)
     stage_share = _stage_share(acct, holds)
     found: dict[tuple[str, str, Any, str], Expr] = {}
-    for key, node in records(acct.graph):
-        if not isinstance(key, int) or not node.op.startswith("_c10d_functional."):
-            continue
-        if node.op.startswith("_c10d_functional.wait_tensor"):
-            continue
+    for key, node in _part(acct, "collective_ops"):
         name = node.op.split(".")[1]
-        if fsdp is not None and node.phase == "optimizer":
-            for rec in acct.step.ops[key].inputs[:1]:
-                grad = acct.step.grad_storages.get(rec.storage)
-                if grad is not None:
-                    partial.add(generic_path(grad, stacks))
+        read = acct.step.ops[key].inputs[:1]
+        grad = acct.step.grad_storages.get(read[0].storage) if read and node.phase == "optimizer" else None
+        if fsdp is not None and grad is not None:  # FSDP2 reduced this gradient in its post-backward
+            partial.add(generic_path(grad, stacks))
             continue
         if name not in _TRACED_OPS:
             raise SymacctError(
@@ -882,32 +877,57 @@ def _traced_collectives(
     return out
 
 
+def _collective_ops(acct: Accounting) -> list[tuple[int, Any]]:
+    """The traced step's collectives (``_c10d_functional`` ops but the waits), with their op index."""
+    return [
+        (key, node)
+        for key, node in records(acct.graph)
+        if isinstance(key, int)
+        and node.op.startswith("_c10d_functional.")
+        and not node.op.startswith("_c10d_functional.wait_tensor")
+    ]
+
+
 def _stage_share(acct: Accounting, holds: Mapping[str, bool]) -> Callable[[int, Expr], Expr]:
     """``share(op, count)``: how many times a pipeline rank runs a layer-stack op that runs ``count`` times in
     the whole model (``symacct.cost.layers.stage_share``; the rank holds block 0 with what runs before the
-    stack, block L - 1 with what runs after it)."""
-    blocks = _part(acct, "blocks")
-    counts = [ZERO] * len(blocks)
-    for k, node in records(acct.graph):
-        if isinstance(k, int):
-            counts[k] = node.count
-    ends = differing_ends(blocks, counts)
+    stack, block L - 1 with what runs after it). Kept per derivation and ends held, each (block, count) once."""
+    per_acct = acct.__dict__.setdefault("_stage_share", {})
+    key = (holds["before"], holds["after"])
+    if key not in per_acct:
+        blocks = _part(acct, "blocks")
+        counts = [ZERO] * len(blocks)
+        for k, node in records(acct.graph):
+            if isinstance(k, int):
+                counts[k] = node.count
+        ends = differing_ends(blocks, counts)
+        memo: dict[tuple[int, Expr], Expr] = {}
 
-    def share(key: int, count: Expr) -> Expr:
-        return stage_share(blocks[key][1], count, holds["before"], holds["after"], ends)
+        def share(op: int, count: Expr) -> Expr:
+            got = memo.get((blocks[op][1], count))
+            if got is None:
+                got = memo[blocks[op][1], count] = stage_share(blocks[op][1], count, *key, ends)
+            return got
 
-    return share
+        per_acct[key] = share
+    return per_acct[key]
 
 
 def _stack_flops(acct: Accounting, holds: Mapping[str, bool]) -> Expr:
-    """Model FLOPs of a pipeline rank's share of the layer stack, forward and backward (``_stage_share``)."""
-    blocks, _ = _sides(acct)
-    share = _stage_share(acct, holds)
-    total = ZERO
-    for key, node in records(acct.graph):
-        if isinstance(key, int) and blocks[key] is not None and node.phase in ("forward", "backward"):
-            total += node.cost.flops * share(key, node.count)
-    return sympy.expand(total)
+    """Model FLOPs of a pipeline rank's share of the layer stack, forward and backward (``_stage_share``),
+    kept per derivation and ends held."""
+    per_acct = acct.__dict__.setdefault("_stack_flops", {})
+    key = (holds["before"], holds["after"])
+    if key not in per_acct:
+        blocks, _ = _sides(acct)
+        share = _stage_share(acct, holds)
+        grouped: dict[tuple[int, Expr], tuple[int, Expr]] = {}  # (block, count) -> (an op of it, FLOPs summed)
+        for k, node in records(acct.graph):
+            if isinstance(k, int) and blocks[k] is not None and node.phase in ("forward", "backward"):
+                op, total = grouped.get((blocks[k][1], node.count), (k, ZERO))
+                grouped[blocks[k][1], node.count] = (op, total + node.cost.flops)
+        per_acct[key] = sympy.expand(sum((f * share(op, c) for (_b, c), (op, f) in grouped.items()), ZERO))
+    return per_acct[key]
 
 
 def _part(acct: Accounting, name: str) -> Any:
@@ -922,6 +942,7 @@ def _part(acct: Accounting, name: str) -> Any:
             "head": _head_output,
             "outside": _outside_flops,
             "blocks": lambda a: op_blocks(a.step.ops, list(a.per_layer)),
+            "collective_ops": _collective_ops,
             "steady_live": _steady_liveness,
             "brief": _brief_peak,
             "brief_live": lambda a: _steady_live(a).without(lambda st, made, other: False, brief=True),
