@@ -877,6 +877,19 @@ def _traced_collectives(
     return out
 
 
+def _chunk_activations(mem: Any, blocks: Expr, first: bool, last: bool) -> Expr:
+    """One held micro-batch's saved activations on a stage chunk of ``blocks`` blocks: each block's, and on the
+    chunk holding block 0 (``first``) what runs before the stack and what a first block that differs saves
+    beyond the others (``Memory.activations_ends``), on the one holding block L - 1 (``last``) likewise after."""
+    L = sym("L")
+    before = mem.activations_outside.get("before", ZERO)
+    after = mem.activations_outside.get("after", ZERO)
+    out = sympy.diff(sympy.expand(mem.activations - before - after), L) * blocks
+    out += before + mem.activations_ends.get("first", ZERO) if first else ZERO
+    out += after + mem.activations_ends.get("last", ZERO) if last else ZERO
+    return out
+
+
 def _collective_ops(acct: Accounting) -> list[tuple[int, Any]]:
     """The traced step's collectives (``_c10d_functional`` ops but the waits), with their op index."""
     return [
@@ -933,7 +946,8 @@ def _stack_flops(acct: Accounting, holds: Mapping[str, bool]) -> Expr:
 def _part(acct: Accounting, name: str) -> Any:
     """What the per-rank formulas read off one derivation, each worked out once per derivation, when first
     asked for: ``steady`` (``_steady``), ``optimizer`` (``_optimizer_excess``), ``head``, ``outside``, the
-    step's op ``blocks``, the ``steady_live`` liveness and its ``optimizer_ops``."""
+    step's op ``blocks``, its ``collective_ops``, block 0's ops of its own (``first_own``), the ``steady_live``
+    liveness and its ``optimizer_ops``."""
     per_acct = acct.__dict__.setdefault("_parallel_parts", {})
     if name not in per_acct:
         make: dict[str, Callable[[Accounting], Any]] = {
@@ -943,6 +957,7 @@ def _part(acct: Accounting, name: str) -> Any:
             "outside": _outside_flops,
             "blocks": lambda a: op_blocks(a.step.ops, list(a.per_layer)),
             "collective_ops": _collective_ops,
+            "first_own": lambda a: first_block_own(a.step.ops, list(a.per_layer)),
             "steady_live": _steady_liveness,
             "brief": _brief_peak,
             "brief_live": lambda a: _steady_live(a).without(lambda st, made, other: False, brief=True),
@@ -1086,7 +1101,7 @@ def _stage_live(
                 placed.setdefault(lab[2], side(t, "forward"))
 
         # block 0's own ops (a first block that differs): the first stage's; another's first block is block 1's
-        own0: set[int] = set() if "before" in wanted else first_block_own(acct.step.ops, list(acct.per_layer))
+        own0: set[int] = set() if "before" in wanted else _part(acct, "first_own")
 
         def part(t: int) -> str:
             if t in own0:
@@ -1352,9 +1367,7 @@ def _formulas(
         stage_transient = transient
         runtime = ZERO
         if piped:  # one micro-batch in flight through the stage's ops, the others held (see _stage_in_flight)
-            one = chunk_act
-            one += before_act + ends.get("first", ZERO) if holds["before"] else ZERO
-            one += after_act + ends.get("last", ZERO) if holds["after"] else ZERO
+            one = _chunk_activations(run.memory, L / (pp * v), holds["before"], holds["after"])
             # the runtime's receive buffers (one per micro-batch for each stage chunk's input from the stage
             # before and for its output's gradient from the stage after), and the whole batch's inputs
             recv = 2 * v - int(holds["before"]) - int(holds["after"])
@@ -1661,10 +1674,6 @@ def _chunk_parts(run: Accounting, layout: Layout) -> dict[str, tuple[Expr, Expr,
         L = sym("L")
         share = {L: L / (sym("pp") * v)}
         mem = run.memory
-        before = mem.activations_outside.get("before", ZERO)
-        after = mem.activations_outside.get("after", ZERO)
-        stack = sympy.diff(sympy.expand(mem.activations - before - after), L) * share[L]
-        end_acts = mem.activations_ends
         out = {}
         for kind in ("first", "middle", "last"):
             ends = {"first": {"before"}, "middle": set(), "last": {"after"}}[kind]
@@ -1678,9 +1687,7 @@ def _chunk_parts(run: Accounting, layout: Layout) -> dict[str, tuple[Expr, Expr,
                     places = row.places & {"before", "after"} or {"before"}
                     copies = row.count if places & ends else ZERO
                 grads += copies * row.grad_itemsize * _grad_numel(row)
-            held = stack
-            held += before + end_acts.get("first", ZERO) if kind == "first" else ZERO
-            held += after + end_acts.get("last", ZERO) if kind == "last" else ZERO
+            held = _chunk_activations(mem, share[L], kind == "first", kind == "last")
             # the stack's buffers (the blocks' own); those outside it (a root's rotary tables, which every stage
             # module shares) are one storage on the rank, in the live bytes of the chunk in flight
             buffers = sympy.sympify(mem.buffers)
