@@ -36,9 +36,8 @@ from symacct.measure.parallel import fake_rank
 from symacct.models.gpt2 import GPT2, GPT2Config
 from symacct.models.presets import PRESETS
 from symacct.parallel.layout import make_layout
-from symacct.parallel.plan import _makespan, plan
+from symacct.parallel.plan import clear_caches, plan
 from symacct.parallel.rank import derive_parallel
-from symacct.parallel.schedule import _MEMO, actions
 
 REPEATS = 3
 
@@ -108,13 +107,12 @@ def _with(layout: Any, **rank: object) -> Callable[[], symacct.Accounting]:
 
 def _planned() -> tuple[float, list[Any]]:
     """The planner's first call over fresh derivations (its formulas and evaluations are kept on them, the
-    schedules' action lists and makespans in module caches, cleared here): seconds and the ranked rows."""
+    schedules' action lists, points and makespans in module caches, all cleared here: ``clear_caches``):
+    seconds and the ranked rows."""
     acct = derive70b()
     accts = {tp: derive70b(tensor_parallel="megatron-sp", tp=tp) for tp in (2, 4, 8)}
     cps = {cp: derive70b(context_parallel=cp) for cp in (2, 8)}
-    actions.cache_clear()
-    _makespan.cache_clear()
-    _MEMO.clear()
+    clear_caches()
     t = _clock()
     rows = plan(
         acct, gpus=64, hardware="H100-SXM", global_batch=1024, seq=8192, tensor_parallel=accts, context_parallel=cps

@@ -793,11 +793,12 @@ _LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def _no_cycle_collection() -> Iterator[None]:
+def no_cycle_collection() -> Iterator[None]:
     """Python's cycle collector paused while a derivation runs (reference counting still frees everything
     else): a collection in the middle of a trace would free a storage held in a reference cycle at an
     arbitrary op, where eager code frees it only at some later collection; and a derivation makes many
-    short-lived objects, so collections are frequent and cost about a sixth of its time."""
+    short-lived objects, so collections are frequent and cost about a sixth of its time. The planner
+    pauses it too (``symacct.parallel.plan``: a fifth of its time)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -810,7 +811,7 @@ def _no_cycle_collection() -> Iterator[None]:
 def _locked(fn: Callable[..., Accounting]) -> Callable[..., Accounting]:
     @functools.wraps(fn)
     def derive(model: Any, **options: Any) -> Accounting:
-        with _LOCK, _no_cycle_collection():
+        with _LOCK, no_cycle_collection():
             try:
                 return fn(model, **options)
             except SymacctError:
@@ -1616,7 +1617,7 @@ def _timelines(
     def timeline(layers: int | None) -> Timeline:
         if layers not in cache:
             more = dataclasses.replace(probe, layers=layers, _cache={})
-            with _LOCK, _no_cycle_collection():
+            with _LOCK, no_cycle_collection():
                 got = _record(src, more, req.step, src.loss, req.make_opt, req.precision)
             cache[layers] = Timeline.of(got, intervals(got, probe), device)
         return cache[layers]

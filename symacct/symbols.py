@@ -190,6 +190,25 @@ def integer_form(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int]:
     return lambda values: int(f(values))
 
 
+@functools.lru_cache(maxsize=1024)
+def integer_forms(exprs: tuple[sympy.Expr, ...]) -> Callable[[Mapping[str, int]], list[int]]:
+    """``integer_form`` of each of ``exprs`` in one compiled function (the symbols' values read once, one
+    call for all): what a liveness evaluates at every size it is asked for; kept per tuple of formulas (the
+    livenesses a layout's stages make share them)."""
+    names: dict[str, int] = {}
+    bodies, other = [], []
+    for e in exprs:
+        try:
+            bodies.append(f"_int({_code(sympy.sympify(e), names)})")
+        except _Unsupported:
+            bodies.append(f"_int(_x[{len(other)}](_d))")
+            other.append(exact_form(e))
+    order = tuple(names)
+    env = {"_q": _q, "_ceil": math.ceil, "_floor": math.floor, "_int": int, "_x": other}
+    fn = eval(f"lambda _v, _d: [{', '.join(bodies)}]", env)  # noqa: S307
+    return lambda values: fn([values[n] for n in order], values)
+
+
 def letter_for_field(field: str) -> str:
     """The letter of a config field: its alias, or the field name itself."""
     return ALIASES.get(field, field)

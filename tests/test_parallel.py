@@ -641,6 +641,44 @@ def test_fsdp_over_pipeline_formulas(gpt2_acct: symacct.Accounting) -> None:
         make_layout(dp=2, pp=2, dp_mode="zero2", micro_batches=2)
 
 
+def test_exact_peaks_skip_only_covered_points(monkeypatch: Any) -> None:
+    """at() evaluates a pipeline rank's peak at the schedule's points no other of their kind covers (holding at
+    least as many held micro-batches, references, losses and outputs: each multiplies bytes >= 0): the same
+    peaks as at every point, over GPipe, 1F1B and the interleaved schedule, DDP, ZeRO-1 and FSDP2 over the
+    stages; and 1F1B's long schedule's points are mostly covered (GPipe's backwards hold fewer micro-batches
+    and more input gradients one after the other: none covers another, all kept)."""
+    import symacct.parallel.rank as rank_module
+    from symacct.parallel.plan import clear_caches
+
+    acct = symacct.derive(GPT2(GPT2_PIPE), optimizer="adamw")
+    lays = [
+        make_layout(dp=2, pp=2, dp_mode="ddp", schedule="gpipe", micro_batches=6),
+        make_layout(dp=2, pp=4, dp_mode="zero1", schedule="1f1b", micro_batches=8),
+        make_layout(pp=2, schedule="interleaved", stages_per_rank=2, micro_batches=4),
+        make_layout(dp=2, pp=2, dp_mode="fsdp", schedule="gpipe", micro_batches=5),
+        make_layout(dp=2, pp=2, dp_mode="fsdp", schedule="1f1b", micro_batches=4, reshard_after_forward=False),
+        make_layout(dp=2, pp=2, dp_mode="fsdp", schedule="interleaved", stages_per_rank=2, micro_batches=4),
+    ]
+
+    def peaks() -> list[list[int]]:
+        clear_caches()
+        out = []
+        for lay in lays:
+            par = derive_parallel(acct, lay, peak_formulas=False)
+            out += [[r.peak for r in par.at(B=b, S=s, L=n).ranks] for b, s, n in ((2, 8, 4), (3, 16, 8))]
+        return out
+
+    pruned = peaks()
+    for schedule, pp, index, most in (("1f1b", 4, 3, 5), ("gpipe", 2, 1, 66)):  # GPipe's backwards: a chain
+        assert (
+            len(rank_module._points(schedule, pp, 64, index, True)),
+            len(rank_module._peak_points(schedule, pp, 64, index, True)),
+        ) == (129, most)
+    monkeypatch.setattr(rank_module, "_candidates", lambda points, key, counts: list(points))
+    assert peaks() == pruned
+    clear_caches()
+
+
 @pytest.mark.slow
 def test_gloo_interleaved_pipeline() -> None:
     """The interleaved schedule (v = 2 stages per rank) on real gloo processes, GPT-2 D = 10 over two ranks

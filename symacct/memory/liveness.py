@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
@@ -44,7 +45,7 @@ import sympy
 import torch
 
 from symacct.cost.layers import DROP, align_layers, one_block_less, op_blocks
-from symacct.symbols import evaluate, integer_form, sort_key, sym
+from symacct.symbols import evaluate, integer_forms, sort_key, sym
 from symacct.trace.probe import Probe
 from symacct.trace.record import StepTrace
 
@@ -67,7 +68,7 @@ class Intervals:
     _layout: tuple[list[sympy.Expr], np.ndarray, np.ndarray, np.ndarray, list[int]] | None = field(
         default=None, repr=False, compare=False
     )
-    _forms: list[Callable[[Mapping[str, int]], int]] | None = field(default=None, repr=False, compare=False)
+    _forms: Callable[[Mapping[str, int]], list[int]] | None = field(default=None, repr=False, compare=False)
 
     def layout(self) -> tuple[list[sympy.Expr], np.ndarray, np.ndarray, np.ndarray, list[int]]:
         """The distinct byte formulas, each storage's formula, the slot it starts counting at and the slot it
@@ -89,13 +90,22 @@ class Intervals:
     def live_array(self, values: Mapping[str, int]) -> np.ndarray:
         """``live`` as an array: int64 when no total can overflow it, Python integers (dtype object) otherwise.
 
-        Each distinct formula is evaluated once (``integer_form``).
+        Each distinct formula is evaluated once (``integer_forms``); the storages' starts and ends are summed
+        in float64 where every partial sum stays below 2**53 (exact there), else in Python integers.
         """
         exprs, group, lo, hi, counts = self.layout()
         if self._forms is None:
-            self._forms = [integer_form(e) for e in exprs]
-        b = [f(values) for f in self._forms]
-        big = sum(abs(x) * c for x, c in zip(b, counts)) >= 2**62
+            self._forms = integer_forms(tuple(exprs))
+        b = self._forms(values)
+        total = sum(map(abs, map(operator.mul, b, counts)))
+        if total < 2**53:  # every partial sum exact in float64, the result in int64
+            per = np.array(b, dtype=np.float64)[group]
+            kept = self.__dict__.get("_slots")
+            if kept is None or kept[0] is not lo:  # both ends' slots, for this layout
+                kept = self.__dict__["_slots"] = (lo, np.concatenate([lo, hi]))
+            delta = np.bincount(kept[1], weights=np.concatenate([per, -per]), minlength=self.n + 3)
+            return np.cumsum(delta.astype(np.int64))
+        big = total >= 2**62
         per = np.array(b, dtype=object if big else np.int64)[group]
         delta = np.zeros(self.n + 3, dtype=object if big else np.int64)
         np.add.at(delta, lo, per)
@@ -313,12 +323,16 @@ class Liveness:
         cached = self.__dict__.get("_blocks")
         if cached is None or cached[0] is not self.point_block:
             blocks = np.array([-1 if b is None else b for b in self.point_block], dtype=np.int64)
-            cached = self.__dict__["_blocks"] = (self.point_block, blocks)
-        blocks = cached[1]
+            cached = self.__dict__["_blocks"] = (self.point_block, blocks, {})
+        blocks, masks = cached[1], cached[2]
         if not len(blocks):
             return np.ones(self.base.n, dtype=bool)
-        last = blocks == self.layers - 1
-        return (blocks <= 0) | (last & (L >= 2)) | (~last & (L >= 3))
+        key = min(L, 3)  # the mask is the same for every L >= 3
+        if key not in masks:
+            last = blocks == self.layers - 1
+            masks[key] = (blocks <= 0) | (last & (L >= 2)) | (~last & (L >= 3))
+        got: np.ndarray = masks[key]
+        return got
 
     def evaluate(self, values: Mapping[str, int], phases: tuple[str, ...] | None = None) -> tuple[int, int]:
         """(peak bytes, op index) at the given sizes, exactly; over the ops of ``phases`` only, if given."""
@@ -334,16 +348,19 @@ class Liveness:
         kept, got = self.during_array(values, ops)
         return dict(zip(kept.tolist(), got.tolist()))
 
-    def during_array(self, values: Mapping[str, int], ops: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def during_array(self, values: Mapping[str, int], ops: list[int] | range) -> tuple[np.ndarray, np.ndarray]:
         """``during`` as two arrays: the ops a model with L blocks has, in the order given, and their bytes."""
-        t = np.asarray(ops, dtype=np.int64)
+        t = np.arange(ops.start, ops.stop, dtype=np.int64) if isinstance(ops, range) else np.asarray(ops, np.int64)
         live = self.base.live_array(values)
         if self.other is None:
             return t, live[t + 1]
         L = values.get("L", self.layers)
         t = t[self._valid(L)[t]]
         live2 = self.other.live_array(values)
-        here, there, k = live[t + 1], live2[np.asarray(self.align, dtype=np.int64)[t] + 1], L - self.layers
+        kept = self.__dict__.get("_align")
+        if kept is None or kept[0] is not self.align:
+            kept = self.__dict__["_align"] = (self.align, np.asarray(self.align, dtype=np.int64))
+        here, there, k = live[t + 1], live2[kept[1][t] + 1], L - self.layers
         wide = live.dtype == object or live2.dtype == object
         if wide or (_magnitude(here) + _magnitude(there)) * (abs(k) + 1) >= 2**62:  # int64 could overflow
             here, there = here.astype(object), there.astype(object)

@@ -31,9 +31,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from symacct.errors import SymacctError
+from symacct.parallel import rank as _rank
+from symacct.parallel import schedule as _schedule
 from symacct.parallel.layout import Layout, make_layout
 from symacct.parallel.rank import Parallel, Rank, compiled, derive_parallel, optimizer_bytes
 from symacct.parallel.schedule import actions, makespan
+from symacct.pipeline import no_cycle_collection
 from symacct.time.hardware import Accelerator, get
 
 if TYPE_CHECKING:
@@ -55,6 +58,26 @@ class StepTime:
     tokens_per_s: float
     mfu: float
     assumptions: list[str]
+
+
+def clear_caches() -> None:
+    """Forget what the schedules' module caches keep from one layout to the next (action lists, their orders,
+    a stage's points, makespans): a benchmark's first planner call, as a fresh process has it. The formulas
+    and evaluations kept on a derivation stay with it."""
+    for fn in (
+        actions,
+        _schedule.runtime_holds,
+        _schedule.interleaved_holds,
+        _schedule.interleaved_fsdp_points,
+        _schedule.chunk_gathers,
+        _rank._points,
+        _rank._peak_points,
+        _rank._chunk_peak_points,
+        _rank._chunk_fsdp_peak_points,
+        _makespan,
+    ):
+        fn.cache_clear()
+    _schedule._MEMO.clear()
 
 
 def _link(hw: Accelerator, group: str, lay: Layout) -> float:
@@ -403,33 +426,37 @@ def plan(
         dp_modes = ("fsdp",)
     elif compute:
         raise SymacctError("compute= is FSDP2's mixed-precision trace: it goes with fsdp_policy=")
-    rows = []
-    accts = {(1, 1): acct}
-    accts |= {(tp, 1): a for tp, a in (tensor_parallel or {}).items()}
-    accts |= {(1, cp): a for cp, a in (context_parallel or {}).items()}
-    fast = {key: _Fast(a, seq) for key, a in accts.items()}
-    found = layouts(
-        acct, gpus, global_batch, dp_modes=dp_modes, return_outputs=return_outputs, tensor_parallel=tensor_parallel,
-        seq=seq, context_parallel=context_parallel, fsdp_policy=fsdp_policy,
-    )  # fmt: skip
-    for lay, b in found:
-        key = (lay.tp, lay.cp)
-        run = None
-        if lay.param_dtype is not None:
-            run = (compute or {}).get(key)
-            if run is None:
-                raise SymacctError(
-                    f"the FSDP2 policy's layouts with tp={lay.tp}, cp={lay.cp} need that rank traced with its "
-                    f"parameters in {lay.param_dtype}",
-                    hint=f"compute={{{key}: derive(model, params_dtype={lay.param_dtype!r}, fsdp_policy=True, "
-                    "...)}} (the CLI does it for --fsdp-param-dtype)",
-                )
-        par = fast[key].at(derive_parallel(accts[key], lay, run, peak_formulas=False), b)
-        t = step_time(par, hw, efficiency=efficiency, overlap=overlap, dtype=dtype)
-        worst = max(par.ranks, key=lambda r: r.peak)
-        rows.append(PlanRow(lay, b, worst.peak, worst.stage, worst.peak <= capacity, t.seconds, t.tokens_per_s, t.mfu))
-    rows.sort(key=lambda r: (not r.fits, r.seconds, r.peak))
-    return rows
+    # many short-lived objects: the cycle collector would take a fifth of the time
+    with no_cycle_collection():
+        rows = []
+        accts = {(1, 1): acct}
+        accts |= {(tp, 1): a for tp, a in (tensor_parallel or {}).items()}
+        accts |= {(1, cp): a for cp, a in (context_parallel or {}).items()}
+        fast = {key: _Fast(a, seq) for key, a in accts.items()}
+        found = layouts(
+            acct, gpus, global_batch, dp_modes=dp_modes, return_outputs=return_outputs, tensor_parallel=tensor_parallel,
+            seq=seq, context_parallel=context_parallel, fsdp_policy=fsdp_policy,
+        )  # fmt: skip
+        for lay, b in found:
+            key = (lay.tp, lay.cp)
+            run = None
+            if lay.param_dtype is not None:
+                run = (compute or {}).get(key)
+                if run is None:
+                    raise SymacctError(
+                        f"the FSDP2 policy's layouts with tp={lay.tp}, cp={lay.cp} need that rank traced with its "
+                        f"parameters in {lay.param_dtype}",
+                        hint=f"compute={{{key}: derive(model, params_dtype={lay.param_dtype!r}, fsdp_policy=True, "
+                        "...)}} (the CLI does it for --fsdp-param-dtype)",
+                    )
+            par = fast[key].at(derive_parallel(accts[key], lay, run, peak_formulas=False), b)
+            t = step_time(par, hw, efficiency=efficiency, overlap=overlap, dtype=dtype)
+            worst = max(par.ranks, key=lambda r: r.peak)
+            rows.append(
+                PlanRow(lay, b, worst.peak, worst.stage, worst.peak <= capacity, t.seconds, t.tokens_per_s, t.mfu)
+            )
+        rows.sort(key=lambda r: (not r.fits, r.seconds, r.peak))
+        return rows
 
 
 class _Fast:

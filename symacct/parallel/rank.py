@@ -51,6 +51,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import sympy
 import torch
 
@@ -273,7 +274,7 @@ class Parallel:
             grads_b, working = int(r.grads), int(r.working)
             best = 0
             index = stage_rank(r.stage, lay.pp)
-            for kind, grads, others, refs, losses, outs in _points(
+            for kind, grads, others, refs, losses, outs in _peak_points(
                 lay.schedule, lay.pp, lay.micro_batches, index, lay.return_outputs
             ):
                 here = 0 if kind == "end" else own[(kind, grads)]
@@ -303,7 +304,7 @@ class Parallel:
         )
         blocks = local["L"]
         unsharded = compiled(run, fs.root_grads)(values) + blocks * compiled(run, fs.block_grads)(values)
-        points = _points(
+        points = _peak_points(
             lay.schedule, lay.pp, lay.micro_batches, stage_rank(r.stage, lay.pp), lay.return_outputs, fs.reshard
         )
         sizes = {**local, "dp": values["dp"], **({"dp_shard": values["dp_shard"]} if "dp_shard" in values else {})}
@@ -341,7 +342,7 @@ class Parallel:
         working = int(r.working)
         best = 0
         index = stage_rank(r.stage, lay.pp)
-        for h in interleaved_holds(lay.pp, lay.micro_batches, lay.stages_per_rank, index, lay.return_outputs):
+        for h in _chunk_peak_points(lay.pp, lay.micro_batches, lay.stages_per_rank, index, lay.return_outputs):
             here = 0 if h.kind == "end" else own[kinds[h.chunk]][(h.kind, h.grads[h.chunk])]
             best = max(best, here + _chunk_point(h, kinds, num, boundary, loss, head, working))
         kept = lay.micro_batches * head if "last" in kinds and lay.return_outputs else 0
@@ -373,7 +374,7 @@ class Parallel:
         sizes = {**local, "dp": values["dp"]}
         own: dict[tuple[str, str, bool], int] = {}
         best = 0
-        for p in interleaved_fsdp_points(
+        for p in _chunk_fsdp_peak_points(
             lay.pp, lay.micro_batches, lay.stages_per_rank, index, lay.return_outputs, lay.reshard_after_forward
         ):
             h, c = p.held, p.held.chunk
@@ -417,27 +418,37 @@ class Parallel:
 
     def evaluated_ranks(self, base: dict[str, int], ev: Callable[[Expr, dict[str, int]], Any]) -> list[Rank]:
         """Every rank's formulas through ``ev(formula, values)``, each with its stage's held micro-batches (the
-        peak left at 0 where ``pipeline_peaks`` evaluates it)."""
-        out = []
+        peak left at 0 where ``pipeline_peaks`` or ``overlay_peaks`` evaluates it)."""
         skip: tuple[str, ...] = ("stage", "collectives", "chunk")
-        if self._schedule_points():
+        if self._schedule_points() or self.overlay is not None:  # every point evaluated: pipeline_peaks, overlay_peaks
             skip += ("peak",)
-        for r in self.ranks:
-            vals = {**base, **self.held.get(r.stage, {})}
-            fields = {f.name: ev(getattr(r, f.name), vals) for f in dataclasses.fields(Rank) if f.name not in skip}
-            colls = [
-                dataclasses.replace(c, size=ev(c.size, vals), payload=ev(c.payload, vals), count=ev(c.count, vals))
-                for c in r.collectives
-            ]
-            chunk = {k: ev(e, vals) for k, e in r.chunk.items()}
-            out.append(Rank(stage=r.stage, collectives=colls, chunk=chunk, **fields))
-        return out
+        names = [f.name for f in dataclasses.fields(Rank) if f.name not in skip]
+        return [_evaluated(r, {**base, **self.held.get(r.stage, {})}, ev, names) for r in self.ranks]
 
     def worst(self) -> Rank:
         """The rank with the largest peak (evaluated copies only)."""
         if self.values is None:
             raise SymacctError("worst() compares numbers: call it on parallel.at(B=..., S=...)")
         return max(self.ranks, key=lambda r: r.peak)
+
+
+def _evaluated(r: Rank, vals: dict[str, int], ev: Callable[[Expr, dict[str, int]], Any], names: list[str]) -> Rank:
+    """``r`` with its fields ``names``, its collectives and its chunk FLOPs through ``ev`` at ``vals``; each
+    formula once (a rank's collectives share their formulas: sizes, payloads, counts)."""
+    seen: dict[int, Any] = {}
+
+    def one(e: Expr) -> Any:
+        got = seen.get(id(e))
+        if got is None:
+            got = seen[id(e)] = ev(e, vals)
+        return got
+
+    fields = {name: one(getattr(r, name)) for name in names}
+    colls = [
+        Collective(c.op, c.group, one(c.size), one(c.payload), one(c.count), c.phase, c.what) for c in r.collectives
+    ]
+    chunk = {k: one(e) for k, e in r.chunk.items()}
+    return Rank(stage=r.stage, collectives=colls, chunk=chunk, **fields)
 
 
 def optimizer_bytes(acct: Accounting) -> Expr:
@@ -547,8 +558,9 @@ def derive_parallel(
     run on the gathered parameters: its saved activations, temporaries, FLOPs and the gathered parameters'
     and gradients' dtypes; ``acct`` (the model in its own dtype) gives the shards, their gradients, the
     optimizer and its temporaries. ``peak_formulas=False`` (the planner's, which evaluates every peak at
-    its sizes): a pipeline rank's peak formula is not built (the ``Max`` over the schedule's points,
-    built per schedule and m; ``nan`` in its place); ``at()`` gives the same figures either way."""
+    its sizes): a pipeline rank's peak formula (the ``Max`` over the schedule's points, built per schedule
+    and m) and an FSDP2 rank's (over its overlay's points) are not built, ``nan`` in their place; ``at()``
+    gives the same figures either way."""
     if acct.values is not None:
         raise SymacctError("derive_parallel needs the formulas: pass the result of derive, not of at()")
     if not acct.memory.tensors:
@@ -586,6 +598,10 @@ def derive_parallel(
         # compute kept: its id stays valid
         cache[key] = (_formulas(acct, layout, mode, kinds, compute, overlays, stages), compute, overlays, stages)
     ranks, _, overlays, stages = cache[key]
+    if peak_formulas and overlays:
+        if (key, "overlay") not in cache:
+            cache[key, "overlay"] = [_overlay_peak(r, overlays, compute or acct) for r in ranks]
+        ranks = cache[key, "overlay"]
     if peak_formulas and layout.pp > 1 and layout.schedule in SCHEDULE_RUNTIMES:
         sched_key = (key, layout.schedule, layout.pp, layout.micro_batches)
         if sched_key not in cache:
@@ -689,7 +705,7 @@ def derive_parallel(
             f"{layout.schedule} with pp={layout.pp}, m={layout.micro_batches}, v={layout.stages_per_rank}: "
             f"(stage chunk, micro-batch) activations held at most per rank {flight} (PyTorch's action lists)"
         )
-    overlay = (overlays[0][0], overlays[0][2]) if overlays else None
+    overlay = (overlays[0][0], overlays[0][1]) if overlays else None
     return Parallel(
         layout, acct, list(ranks), flight, notes, held=held, compute=compute, overlay=overlay, stages=stages
     )
@@ -1222,7 +1238,7 @@ def _fsdp_stage_own(acct: Accounting, stage: str, kind: str, grads: bool, fs: Fs
         if len(cache) >= 4096:
             cache.clear()
         live = _fsdp_stage_live(acct, stage, kind, grads, fs, one_block=values.get("L") == 1)
-        cache[key] = int(live.during_array(values, list(range(live.base.n)))[1].max())
+        cache[key] = int(live.during_array(values, range(live.base.n))[1].max())
     got: int = cache[key]
     return got
 
@@ -1416,11 +1432,11 @@ def _formulas(
         elif piped:  # the schedule's points (derive_parallel: _pipeline_peak)
             peak = sympy.nan
         elif overlay is not None:  # FSDP2's buffers placed on the trace, point by point (symacct.parallel.fsdp)
-            if overlays is not None:
-                overlays.append(overlay)
             share = states / mem.optimizer if mem.optimizer != 0 else ZERO
-            opt = overlay[2] + grads + sympy.ceiling(excess_opt * share) + _optimizer_beside(acct, layout)
-            peak = sympy.Max(overlay[1], opt, evaluate=False)
+            opt = overlay[1] + grads + sympy.ceiling(excess_opt * share) + _optimizer_beside(acct, layout)
+            if overlays is not None:
+                overlays.append((*overlay, stage, opt))
+            peak = sympy.nan  # the Max over the overlay's points and the optimizer step's: _overlay_peak
         else:  # the optimizer's temporaries scale with the states it updates
             share = states / mem.optimizer if mem.optimizer != 0 else ZERO
             # gradients are alive at the activations' peak when a backward ran before it: g_held (0 or 1)
@@ -1523,6 +1539,7 @@ Point = tuple[str, bool, int, int, int, int]
 
 
 @functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=1024)
 def _points(
     schedule: str, pp: int, m: int, stage: int, keep_outputs: bool, fsdp: bool | None = None
 ) -> tuple[Point, ...]:
@@ -1542,12 +1559,79 @@ def _points(
 def _dominant(points: tuple[Point, ...]) -> list[Point]:
     """``points`` less each one another of the same kind and gradients holds at least as much of everything
     beside (it cannot be the larger): the terms of a peak formula."""
-    by_kind: dict[tuple[str, bool], list[Point]] = {}
-    for k in sorted(points, key=lambda k: k[2:], reverse=True):  # a dominating point sorts before what it covers
-        same = by_kind.setdefault(k[:2], [])
-        if not any(all(a >= b for a, b in zip(o[2:], k[2:], strict=True)) for o in same):
-            same.append(k)
-    return [k for kind in sorted(by_kind) for k in by_kind[kind]]
+    return _undominated(points, lambda k: k[:2], lambda k: k[2:])
+
+
+def _undominated(points: Any, key: Callable[[Any], Any], counts: Callable[[Any], tuple[int, ...]]) -> list[Any]:
+    """``points`` less each one that another of the same ``key`` covers, holding at least as many of each of
+    its ``counts`` (held micro-batches, references, losses, ...): every count multiplies bytes >= 0, so a
+    covered point is never the larger; grouped by key in key order, each group's points by counts descending."""
+    by_key: dict[Any, list[tuple[tuple[int, ...], Any]]] = {}
+    for p in sorted(points, key=counts, reverse=True):  # a covering point sorts before what it covers
+        c = counts(p)
+        same = by_key.setdefault(key(p), [])
+        if not any(all(a >= b for a, b in zip(o, c, strict=True)) for o, _ in same):
+            same.append((c, p))
+    return [p for k in sorted(by_key) for _, p in by_key[k]]
+
+
+def _candidates(points: Any, key: Callable[[Any], Any], counts: Callable[[Any], tuple[int, ...]]) -> list[Any]:
+    """The points an exact peak evaluates: ``points`` less each one whose ``counts`` (each multiplying bytes
+    >= 0) another of the same ``key`` covers; one of each group's points of equal counts; a point is compared
+    with its group's ``_COVERERS`` largest only (a long schedule's points can be a long chain none of which
+    covers another: kept), so the cost stays linear in the points."""
+    groups: dict[Any, list[Any]] = {}
+    for p in points:
+        groups.setdefault(key(p), []).append(p)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out += group
+            continue
+        rows, first = np.unique(np.array([counts(p) for p in group], dtype=np.int64), axis=0, return_index=True)
+        top = rows[np.argsort(-rows.sum(axis=1), kind="stable")[:_COVERERS]]
+        at_least = (top[None, :, :] >= rows[:, None, :]).all(axis=2)
+        equal = (top[None, :, :] == rows[:, None, :]).all(axis=2)
+        covered = (at_least & ~equal).any(axis=1)
+        out += [group[i] for i in first[~covered]]
+    return out
+
+
+# the exact peaks compare a point with this many of the largest of its kind (``_candidates``)
+_COVERERS = 8
+
+
+@functools.lru_cache(maxsize=1024)
+def _peak_points(
+    schedule: str, pp: int, m: int, stage: int, keep_outputs: bool, fsdp: bool | None = None
+) -> tuple[Point, ...]:
+    """``_points`` that can hold the stage's most (``_candidates``): what its exact peak evaluates."""
+    points = _points(schedule, pp, m, stage, keep_outputs, fsdp)
+    return tuple(_candidates(points, lambda k: k[:2], lambda k: k[2:]))
+
+
+def _held_counts(h: Any) -> tuple[int, ...]:
+    """What a ``ChunkHeld`` point multiplies by bytes >= 0 (``_chunk_point``): each chunk's held micro-batches,
+    the boundary tensors referenced, the losses, the last stage's outputs."""
+    return (*h.held, h.outputs + h.input_grads, h.losses, h.chunks + h.merged)
+
+
+@functools.lru_cache(maxsize=512)
+def _chunk_peak_points(pp: int, m: int, v: int, rank: int, keep_outputs: bool) -> tuple[Any, ...]:
+    """``interleaved_holds`` that can hold the rank's most (``_candidates``, by action kind, chunk in flight and
+    the chunks whose gradients exist): what ``Parallel._chunks_peak`` evaluates."""
+    holds = interleaved_holds(pp, m, v, rank, keep_outputs)
+    return tuple(_candidates(holds, lambda h: (h.kind, h.chunk, h.grads), _held_counts))
+
+
+@functools.lru_cache(maxsize=512)
+def _chunk_fsdp_peak_points(pp: int, m: int, v: int, rank: int, keep_outputs: bool, reshard: bool) -> tuple[Any, ...]:
+    """``interleaved_fsdp_points`` that can hold the rank's most (as ``_chunk_peak_points``, each chunk's FSDP2
+    state part of the key): what ``Parallel._chunks_fsdp_peak`` evaluates."""
+    points = interleaved_fsdp_points(pp, m, v, rank, keep_outputs, reshard)
+    return tuple(
+        _candidates(points, lambda p: (p.kind, p.held.chunk, p.held.grads, p.states), lambda p: _held_counts(p.held))
+    )
 
 
 def stage_rank(kind: str, pp: int) -> int:
@@ -1855,10 +1939,11 @@ def _fsdp_overlay(
     sizes: Sizes | None,
     static: Expr,
     compute: Accounting | None,
-) -> tuple[Liveness, Expr, Expr] | None:
+) -> tuple[Liveness, Expr] | None:
     """FSDP2 without a pipeline, tensor parallelism or HSDP, on one layer stack: the rank's live bytes over
-    forward and backward with FSDP2's buffers placed at its hooks (``symacct.parallel.fsdp``), its symbolic
-    peak, and the static bytes (sharded parameters and states); None for every other layout."""
+    forward and backward with FSDP2's buffers placed at its hooks (``symacct.parallel.fsdp``) and the static
+    bytes (sharded parameters and states); None for every other layout. Its peak formula:
+    ``_overlay_peak``."""
     run = compute or acct
     live = run.liveness
     if not (
@@ -1876,10 +1961,20 @@ def _fsdp_overlay(
     root = _group_bytes([(rw, c) for rw, c in rows if not _in_stack(rw)], n, sizes)
     block = _group_bytes(stack_rows, n, sizes)
     ov = fsdp_liveness(live.steady(), root, block, static, layout.reshard_after_forward, layout.micro_batches > 1)
-    free = sympy.sympify(run.memory.peak).free_symbols | sympy.sympify(static).free_symbols
-    names = sorted({str(x) for x in free} | {"L"})
-    # the formula only (at(), fit and the planner evaluate every point): a smaller sample than derive's
-    return ov, ov.symbolic_peak(names, samples=16)[0], static
+    return ov, static
+
+
+def _overlay_peak(r: Rank, overlays: list[Any], run: Accounting) -> Rank:
+    """An FSDP2 rank's peak formula (``_fsdp_overlay``): the ``Max`` over the overlay's points largest in a
+    sample of the sizes and the optimizer step's; built only where a formula is asked for (``at()``, fit and
+    the planner evaluate every point instead)."""
+    for ov, static, stage, opt in overlays:
+        if stage == r.stage:
+            free = sympy.sympify(run.memory.peak).free_symbols | sympy.sympify(static).free_symbols
+            names = sorted({str(x) for x in free} | {"L"})
+            # the formula only: a smaller sample than derive's
+            return dataclasses.replace(r, peak=sympy.Max(ov.symbolic_peak(names, samples=16)[0], opt, evaluate=False))
+    return r
 
 
 def _fsdp_stage(

@@ -555,6 +555,7 @@ def interleaved_fsdp_points(
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=512)
 def chunk_gathers(pp: int, m: int, v: int, rank: int, reshard: bool) -> tuple[int, int]:
     """All-gathers of one block of each of the rank's chunks per step, summed over its chunks, in forward and in
     backward (``interleaved_fsdp_points``): the UNSHARD's (used by the first forward), each forward after a
