@@ -72,7 +72,10 @@ def _clock() -> float:
 
 def _median(run: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, Any]:
     """``run()``'s median time over ``repeats`` runs (a garbage collection before each, see ``_clock``) and the
-    last run's result: one run of a derivation varies by 10-40% on these machines from run to run."""
+    last run's result: one run of a derivation varies by 10-40% on these machines from run to run. One run
+    first, untimed, as for the derive alone (``main``'s warm-up): a process's first tensor- or context-
+    parallel trace also pays for the modules and dispatch caches it is the first to use."""
+    run()
     times, got = [], None
     for _ in range(repeats):
         t = _clock()
@@ -82,7 +85,9 @@ def _median(run: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, Any]
 
 
 def _then(first: Callable[[], Any], second: Callable[[Any], Any]) -> tuple[float, float]:
-    """Median times of ``first()`` and of ``second`` on its result, each pair on a fresh result."""
+    """Median times of ``first()`` and of ``second`` on its result, each pair on a fresh result (one pair first,
+    untimed: ``_median``)."""
+    second(first())
     a, b = [], []
     for _ in range(REPEATS):
         t = _clock()
@@ -151,7 +156,9 @@ def main() -> None:
     planned = statistics.median(times)
     best = rows[0]
     print("2. the planner, Llama-3-70B on 64 x H100-SXM, S=8192, global batch 1024")
+    runs = ", ".join(f"{t:.2f}" for t in times)
     print(f"   {len(rows)} layouts ranked in {planned:.2f} s ({sum(r.fits for r in rows)} fit; target 100 in 10 s)")
+    print(f"   the three first calls: {runs} s")
     kinds = Counter("tp" if r.layout.tp > 1 else "cp" if r.layout.cp > 1 else "dp x pp" for r in rows)
     print(f"   of which {kinds['dp x pp']} dp x pp, {kinds['tp']} with tp = 2, 4, 8, {kinds['cp']} with cp = 2, 8")
     print(

@@ -1538,7 +1538,6 @@ def _beside(
 Point = tuple[str, bool, int, int, int, int]
 
 
-@functools.lru_cache(maxsize=512)
 @functools.lru_cache(maxsize=1024)
 def _points(
     schedule: str, pp: int, m: int, stage: int, keep_outputs: bool, fsdp: bool | None = None
