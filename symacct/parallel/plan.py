@@ -63,7 +63,8 @@ class StepTime:
 def clear_caches() -> None:
     """Forget what the schedules' module caches keep from one layout to the next (action lists, their orders,
     a stage's points, makespans): a benchmark's first planner call, as a fresh process has it. The formulas
-    and evaluations kept on a derivation stay with it."""
+    and evaluations kept on a derivation stay with it, and so do the caches of compiled formulas
+    (``exact_form``, ``integer_forms``) and sympy's own, which a process's first call fills."""
     for fn in (
         actions,
         _schedule.runtime_holds,
