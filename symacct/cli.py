@@ -658,13 +658,21 @@ def _planned(
             traced((tp, 1), tensor_parallel=plan_name, tp=tp)
         except SymacctError as e:  # a degree the model cannot be split by: the others are still planned
             left_out.append(e.what if e.what.startswith(f"tp={tp} ") else f"tp={tp}: {e.what}")
-    context_parallel = {}
+    context_parallel, context_tensor_parallel = {}, {}
     for cp in sorted({d for d in args.cp or [] if d > 1}):
         try:
             context_parallel[cp] = derive(model, **options, context_parallel=cp)
             traced((1, cp), context_parallel=cp)
         except SymacctError as e:  # a degree the model cannot run (no SDPA, S not in 2 cp chunks): planned without
             left_out.append(f"cp={cp}: {e.what}")
+            continue
+        for tp in tensor_parallel:  # the ring's ranks tensor-parallel too
+            both = {"tensor_parallel": plan_name, "tp": tp, "context_parallel": cp}
+            try:
+                context_tensor_parallel[(tp, cp)] = derive(model, **options, **both)
+                traced((tp, cp), **both)
+            except SymacctError as e:
+                left_out.append(f"cp={cp} x tp={tp}: {e.what}")
     rows = plan(
         acct,
         gpus=args.gpus,
@@ -680,6 +688,7 @@ def _planned(
         context_parallel=context_parallel,
         fsdp_policy=policy,
         compute=compute or None,
+        context_tensor_parallel=context_tensor_parallel,
     )
     return rows, left_out
 
@@ -782,8 +791,8 @@ def _main(argv: Sequence[str] | None) -> int:
         type=_count,
         action="append",
         default=None,
-        help="context-parallel degrees to try with data parallelism (repeatable; default none: each is one more "
-        "derivation, of a ring rank, which needs the model's SDPA)",
+        help="context-parallel degrees to try with data and tensor parallelism (repeatable; default none: each is "
+        "one more derivation of a ring rank, and one for each tp, which need the model's SDPA)",
     )
     pl.add_argument(
         "--try-checkpointing",

@@ -97,7 +97,7 @@ from symacct.trace.probe import (
 from symacct.trace.record import StepTrace, call_inputs, check_device, padded_sizes, record_step
 from symacct.trace.sdpa import check_backend
 from symacct.trace.sdpa_choice import Target
-from symacct.trace.tensor_parallel import apply_plan, check_plan, fake_group
+from symacct.trace.tensor_parallel import apply_plan, check_plan, fake_group, mesh_groups
 
 
 @dataclasses.dataclass
@@ -623,22 +623,21 @@ def _trace(
         precision["sdpa_size"] = _own_size(src, probe)
     plan, degree = precision.pop("tensor_parallel", None), precision.pop(TP, None)
     cp = precision.pop(CP, None)
+    tp = (tp_world or probe.values.get(TP) or degree) if plan is not None else None
+    axes = tuple((name, k) for name, k in (("cp", cp), ("tp", tp)) if k)  # tp innermost, torchtitan's order
+    group: Any = fake_group(tuple(k for _, k in axes), names=tuple(n for n, _ in axes)) if axes else None
     if cp is not None:
-        group: Any = fake_group(cp)
-        precision["step_context"] = lambda model, args: sequence_sharded(model, args, mesh)
-    elif plan is None:
-        group = contextlib.nullcontext()
-    else:
-        group = fake_group(tp_world or probe.values.get(TP) or degree)
+        precision["step_context"] = lambda model, args: sequence_sharded(model, args, mesh["cp"])
+    if plan is not None:
         unsharded = build
 
         def build(fake: FakeTensorMode) -> nn.Module:  # called by record_step, inside the group below
             model = unsharded(fake)
             with fake:
-                return apply_plan(model, plan, mesh, carried=hf_tp_plan)
+                return apply_plan(model, plan, mesh["tp"], carried=hf_tp_plan)
 
-    with src.context(), group as mesh:
-        return record_step(
+    with src.context(), group or contextlib.nullcontext() as mesh:
+        trace = record_step(
             build,
             lambda m: src.inputs(m, B, S, **(dims if dims is not None else _input_dims(src, probe))),
             loss=loss,
@@ -647,6 +646,8 @@ def _trace(
             only_ops=only_ops,
             **precision,
         )
+        trace.groups = mesh_groups(mesh) if axes else {}
+        return trace
 
 
 def _own_size(src: _Source, probe: Probe) -> Callable[[int], int]:
@@ -936,7 +937,9 @@ def _derive(
             inputs and the model's sequence tables sharded and SDPA run as a
             ring by PyTorch's ``context_parallel`` on its fake process group;
             every figure is rank 0's, the degree a number in them, S a
-            multiple of 2 * cp (symacct.trace.context_parallel).
+            multiple of 2 * cp (symacct.trace.context_parallel). With
+            ``tensor_parallel`` too: rank 0 of a (cp, tp) mesh, tp innermost,
+            the model sharded over its tp ranks and the ring over its cp ranks.
 
     Thread safety: one derivation runs at a time (a process-wide lock):
     PyTorch's module tracking and fake-tensor state are global, so two traces
@@ -1143,7 +1146,7 @@ def _request(
             raise SymacctError("tensor_parallel= is derived for step='train'", hint="drop tensor_parallel=")
         precision |= {"tensor_parallel": tensor_parallel, TP: tp}
     if context_parallel is not None:
-        precision[CP] = _check_cp(context_parallel, step, tensor_parallel, device)
+        precision[CP] = _check_cp(context_parallel, step, device)
     return Request(
         step=step,
         make_opt=make_opt,
@@ -1179,9 +1182,9 @@ def _request(
     )
 
 
-def _check_cp(cp: Any, step: str, tensor_parallel: Any, device: str) -> int:
+def _check_cp(cp: Any, step: str, device: str) -> int:
     """A context-parallel degree symacct derives: a whole number >= 2 made of the primes 2, 3, 5, 7 (S is
-    probed as 2 * cp times a prime of its own), a training step on the CPU's kernels, no tensor parallelism."""
+    probed as 2 * cp times a prime of its own), a training step on the CPU's kernels."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 2:
         raise SymacctError(
             f"context_parallel={cp!r} is not a degree", hint="pass context_parallel= a whole number >= 2"
@@ -1193,11 +1196,6 @@ def _check_cp(cp: Any, step: str, tensor_parallel: Any, device: str) -> int:
         )
     if step != "train":
         raise SymacctError("context_parallel= is derived for step='train'", hint="drop context_parallel=")
-    if tensor_parallel is not None:
-        raise SymacctError(
-            "context parallelism with tensor parallelism is not derived yet",
-            hint="derive one of tensor_parallel= and context_parallel=",
-        )
     if device != "cpu":
         raise SymacctError(
             "context parallelism is derived on the CPU's kernels (the ring runs flash attention's CPU kernel)",

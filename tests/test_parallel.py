@@ -877,8 +877,8 @@ def test_layout_refusals(gpt2_acct: symacct.Accounting) -> None:
         make_layout(pp=2, schedule="zb")
     with pytest.raises(SymacctError, match="does not divide dp=6"):
         make_layout(dp=6, hsdp_shard=4)
-    with pytest.raises(SymacctError, match="context parallelism with tensor parallelism is not derived"):
-        make_layout(cp=2, dp=4, tp=2)
+    with pytest.raises(SymacctError, match="tp=2 needs one tensor-parallel rank's derivation"):
+        derive_parallel(gpt2_acct, make_layout(cp=2, dp=4, tp=2))
     with pytest.raises(SymacctError, match="this derivation is of the whole model"):
         derive_parallel(gpt2_acct, make_layout(cp=2))
     with pytest.raises(SymacctError, match="splits the sequence over the tensor-parallel group"):

@@ -278,7 +278,7 @@ class ContextParallelMeasure:
 
     rank: RankMeasure
     saved: int  # distinct storages autograd saved in forward: parameters, buffers and inputs excluded
-    flops: int  # FlopCounterMode's, plus the CPU flash kernel's calls in the ring (flop_counter's formulas)
+    flops: int  # the rank's local ops' by flop_counter's formulas, the CPU flash kernel's in the ring too
     first_peak: int
 
 
@@ -289,26 +289,30 @@ def cp_rank(
     optimizer: Callable[[Any], torch.optim.Optimizer],
     rank: int = 0,
     autocast: torch.dtype | None = None,
+    tp: int = 1,
+    plan: Any = "megatron",
 ) -> ContextParallelMeasure:
     """Rank ``rank`` of a context-parallel step, with real CPU tensors, on PyTorch's fake process group of
     ``cp`` ranks: the inputs and the model's sequence tables sharded and SDPA run as PyTorch's ring
     (``symacct.trace.context_parallel.sharded``); every buffer the ring allocates is real, the collectives
     move nothing (the values are not the model's, which memory does not depend on). ``autocast``: the
-    forward (and loss) under CPU autocast to that dtype, as derive's ``autocast=``."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from symacct.measure.run import CpuFlashCounter
+    forward (and loss) under CPU autocast to that dtype, as derive's ``autocast=``. ``tp > 1``: the ring's
+    ranks tensor-parallel too, a (cp, tp) mesh (tp innermost), the model sharded by ``plan`` over its ``tp``
+    dimension before the step."""
+    from symacct.measure.run import LocalFlopCounter
     from symacct.trace.context_parallel import sharded
 
-    with fake_group(cp, rank) as mesh:
+    with fake_group((cp, tp), rank, names=("cp", "tp")) as mesh:
         model = build()
+        if tp > 1:
+            model = apply_plan(model, plan, mesh["tp"])
         opt = optimizer(model.parameters())
         args = inputs(model)
-        flops, flash = FlopCounterMode(display=False), CpuFlashCounter()
-        with sharded(model, args, mesh):
-            got = _two_steps(model, args, opt, autocast, counting=(flops, flash))
+        flops = LocalFlopCounter()
+        with sharded(model, args, mesh["cp"]):
+            got = _two_steps(model, args, opt, autocast, counting=(flops,))
         measured = RankMeasure(rank, *got.static, got.log, None, got.later_peak)
-        return ContextParallelMeasure(measured, got.saved, flops.get_total_flops() + flash.total, got.first_peak)
+        return ContextParallelMeasure(measured, got.saved, flops.total, got.first_peak)
 
 
 @dataclasses.dataclass
@@ -466,32 +470,34 @@ def _dp_step(
     buckets: dict[tuple[int, int], torch.Tensor] = {}  # DDP's gradient buckets, by wrapper and index
     dp_mesh = None
     ring: Callable[[], Any] = contextlib.nullcontext  # context parallelism: each step in PyTorch's context_parallel
-    if layout.cp > 1:  # ranks (dp_rank, cp_rank); the gradients reduced over all of them
+    if layout.cp > 1 or layout.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         from symacct.trace.context_parallel import sharded
 
-        if layout.hsdp_shard:  # HSDP over the replicas, sharded over shard x cp ranks (torchtitan's dp_shard_cp)
-            shape, names = (layout.replicate, layout.hsdp_shard, layout.cp), ("replicate", "shard", "cp")
-            mesh3 = init_device_mesh("cpu", shape, mesh_dim_names=names)
-            cp_mesh = mesh3["cp"]
-            mesh3["shard", "cp"]._flatten("shard_cp")
-            dp_mesh = mesh3["replicate", "shard_cp"]
-        else:
-            cp_mesh = init_device_mesh("cpu", (layout.dp, layout.cp), mesh_dim_names=("dp", "cp"))["cp"]
-        ring = functools.partial(sharded, model, args, cp_mesh)
+        # ranks (dp_rank, cp_rank, tp_rank), tp innermost; HSDP's dp_rank = (replica, shard)
+        dims = (
+            [("replicate", layout.replicate), ("shard", layout.hsdp_shard)]
+            if layout.hsdp_shard
+            else [("dp", layout.dp)]
+        )
+        dims += [(name, k) for name, k in (("cp", layout.cp), ("tp", layout.tp)) if k > 1]
+        mesh = init_device_mesh("cpu", tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        if layout.tp > 1:
+            apply_plan(model, layout.plan, mesh["tp"])
+            if layout.dp * layout.cp > 1 and layout.dp_mode != "fsdp":
+                raise SymacctError(
+                    "a real run of tensor parallelism with data or context parallelism is FSDP2's",
+                    hint="--dp-mode fsdp",
+                )
+        if layout.cp > 1:  # the gradients reduced over dp x cp ranks (torchtitan's dp_shard_cp)
+            ring = functools.partial(sharded, model, args, mesh["cp"])
+        shards = "shard" if layout.hsdp_shard else "dp"
+        dp_mesh = mesh[shards, "cp"]._flatten(f"{shards}_cp") if layout.cp > 1 else mesh[shards]
+        if layout.hsdp_shard:
+            dp_mesh = mesh["replicate", f"{shards}_cp" if layout.cp > 1 else shards]
 
-    if layout.tp > 1:  # tensor parallelism innermost: ranks (dp_rank, tp_rank)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
-        apply_plan(model, layout.plan, mesh["tp"])
-        dp_mesh = mesh["dp"]
-        if layout.dp > 1 and layout.dp_mode != "fsdp":
-            raise SymacctError(
-                "a real run of tensor parallelism with data parallelism is FSDP2's", hint="--dp-mode fsdp"
-            )
-    if layout.tp > 1 and layout.dp == 1:
+    if layout.tp > 1 and layout.replicas == 1:
         net: nn.Module = model
     elif layout.dp_mode == "ddp":
         # with cp, each rank's sequence tables are its own shard: rank 0's must not be broadcast over them

@@ -154,6 +154,56 @@ class CpuFlashCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class LocalFlopCounter(CpuFlashCounter):
+    """A sharded rank's own FLOPs: FlopCounterMode's formulas (its registry) on the local ops only, the CPU
+    flash kernel's calls with them. FlopCounterMode counts a DTensor op at its global shapes (a
+    tensor-parallel matmul as the whole model's); here a DTensor op passes through and its local kernels come
+    back, so each rank counts its shards' work (not DTensor's shape propagation on fake tensors). An op
+    outside the registry is decomposed as FlopCounterMode does, else counts 0."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        if dtensor_op(types) or func in _QUERIES:
+            return NotImplemented
+        if any(isinstance(t, FakeTensor) for t in tree_flatten((args, kwargs))[0]):
+            return func(*args, **kwargs)  # DTensor's shape propagation on global-shape fake tensors: no work
+        packet = func._overloadpacket
+        if packet not in flop_registry and func not in _FLASH:
+            with self:
+                out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if packet in flop_registry:
+            self.total += flop_registry[packet](*args, **kwargs, out_val=out)
+        return out
+
+
+_FLASH = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+_QUERIES = {  # metadata queries, not computation (FlopCounterMode's list)
+    torch.ops.aten.sym_is_contiguous.default,
+    torch.ops.aten.is_contiguous.default,
+    torch.ops.aten.is_contiguous.memory_format,
+    torch.ops.aten.is_strides_like_format.default,
+    torch.ops.aten.is_non_overlapping_and_dense.default,
+    torch.ops.aten.size.default,
+    torch.ops.aten.sym_size.default,
+    torch.ops.aten.stride.default,
+    torch.ops.aten.sym_stride.default,
+    torch.ops.aten.storage_offset.default,
+    torch.ops.aten.sym_storage_offset.default,
+    torch.ops.aten.numel.default,
+    torch.ops.aten.sym_numel.default,
+    torch.ops.aten.dim.default,
+    torch.ops.prim.layout.default,
+}
+
+
 def group_sizes(offs: torch.Tensor) -> list[int]:
     """The rows of each group of a grouped matmul, from its offsets (each group's end)."""
     ends = [int(x) for x in offs.tolist()]

@@ -120,10 +120,10 @@ def make_layout(
 ) -> Layout:
     """A checked ``Layout``: degrees positive, modes known, ``world = dp * tp * pp * cp`` when given.
 
-    Context parallelism (``cp > 1``) is derived alone, with data parallelism (HSDP included) or with a pipeline
-    (not with tensor parallelism yet: refused). Whether ``tp`` divides the model's sizes is the derivation's to
-    check (``Accounting.at`` refuses a size its constraints rule out: heads, F, V, S for sequence parallelism; S
-    a multiple of ``2 * cp``)."""
+    Context parallelism (``cp > 1``) is derived alone, with data parallelism (HSDP included), with tensor
+    parallelism or with a pipeline (FSDP2 over one: refused). Whether ``tp`` divides the model's sizes is the
+    derivation's to check (``Accounting.at`` refuses a size its constraints rule out: heads, F, V, S for
+    sequence parallelism; S a multiple of ``2 * cp``)."""
     unknown = set(options) - {f.name for f in dataclasses.fields(Layout)}
     if unknown:
         raise SymacctError(f"unknown layout option(s): {', '.join(sorted(unknown))}")
@@ -141,11 +141,6 @@ def make_layout(
             f"the layout has dp*tp*pp*cp = {lay.dp}*{lay.tp}*{lay.pp}*{lay.cp} = {lay.world} ranks, "
             f"not the world size {world}",
             hint="choose degrees whose product is the number of GPUs",
-        )
-    if lay.cp > 1 and lay.tp > 1:
-        raise SymacctError(
-            "context parallelism with tensor parallelism is not derived yet",
-            hint="cp with data parallelism (ddp, zero1, zero2, fsdp, HSDP) or a pipeline, or cp=1",
         )
     if lay.sequence_parallel and lay.tp == 1:
         raise SymacctError("sequence parallelism splits the sequence over the tensor-parallel group", hint="tp >= 2")

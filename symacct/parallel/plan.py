@@ -285,6 +285,7 @@ def layouts(
     seq: int | None = None,
     context_parallel: Mapping[int, Accounting] | None = None,
     fsdp_policy: tuple[str, str | None] | None = None,
+    context_tensor_parallel: Mapping[tuple[int, int], Accounting] | None = None,
 ) -> list[tuple[Layout, int]]:
     """Every valid (layout, micro-batch) of ``gpus`` GPUs for ``global_batch`` sequences a step; refused with
     the reasons when there is none. A pipeline's last stage keeps its outputs only with ``return_outputs``
@@ -294,6 +295,8 @@ def layouts(
     rank's derivation (``derive(..., context_parallel=degree)``), tried with data parallelism alone (no
     pipeline, no HSDP: what ``make_layout`` takes with cp). A degree that does not divide the GPUs (or, for
     cp, S into 2 cp chunks) or that the derivation's constraints refuse is left out, with the reason.
+    ``context_tensor_parallel``: (tp, cp) pairs, each with its rank's derivation (``derive(...,
+    tensor_parallel=plan, tp=tp, context_parallel=cp)``), tried as the context-parallel degrees are.
     ``fsdp_policy``: (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy, on every FSDP2 and HSDP
     layout."""
     from symacct.parallel.layout import DP_MODES
@@ -313,22 +316,29 @@ def layouts(
             continue
         sp = tp > 1 and rank_acct.options.get("tensor_parallel") == "megatron-sp"
         out += _layouts_at(L, gpus // tp, tp, sp, global_batch, modes, return_outputs, reasons, policy=fsdp_policy)
-    for cp, rank_acct in sorted((context_parallel or {}).items()):
+    rings = {(1, cp): a for cp, a in (context_parallel or {}).items()} | dict(context_tensor_parallel or {})
+    for (tp, cp), rank_acct in sorted(rings.items()):
+        name = f"cp={cp}" + (f" x tp={tp}" if tp > 1 else "")
         traced = rank_acct.options.get("context_parallel")
-        if traced != cp:
+        if traced != cp or (tp > 1) != bool(rank_acct.options.get("tensor_parallel")):
             raise SymacctError(
-                f"context_parallel[{cp}] is a derivation of cp={traced or 1}",
-                hint=f"derive(model, context_parallel={cp}, ...) for cp={cp}",
+                f"the derivation given for {name} is one of cp={traced or 1}"
+                + (", tensor parallel" if rank_acct.options.get("tensor_parallel") else ""),
+                hint=f"derive(model, context_parallel={cp}"
+                + (f", tensor_parallel=plan, tp={tp}" if tp > 1 else "")
+                + ", ...)",
             )
-        if gpus % cp:
-            reasons.append(f"cp={cp}: does not divide {gpus} GPUs")
+        if gpus % (cp * tp):
+            reasons.append(f"{name}: does not divide {gpus} GPUs")
             continue
-        why = _sizes_refused(rank_acct, {"B": 1, **({"S": seq} if seq is not None else {})})
+        sizes = {"B": 1, **({"tp": tp} if tp > 1 else {}), **({"S": seq} if seq is not None else {})}
+        why = _sizes_refused(rank_acct, sizes)
         if why is not None:
-            reasons.append(f"cp={cp}: {why}")
+            reasons.append(f"{name}: {why}")
             continue
+        sp = tp > 1 and rank_acct.options.get("tensor_parallel") == "megatron-sp"
         out += _layouts_at(
-            L, gpus // cp, 1, False, global_batch, modes, return_outputs, reasons, cp=cp, policy=fsdp_policy
+            L, gpus // (cp * tp), tp, sp, global_batch, modes, return_outputs, reasons, cp=cp, policy=fsdp_policy
         )
     if not out:
         raise SymacctError(
@@ -407,10 +417,11 @@ def plan(
     context_parallel: Mapping[int, Accounting] | None = None,
     fsdp_policy: tuple[str, str | None] | None = None,
     compute: Mapping[tuple[int, int], Accounting] | None = None,
+    context_tensor_parallel: Mapping[tuple[int, int], Accounting] | None = None,
 ) -> list[PlanRow]:
     """Every valid layout, evaluated and ranked: fitting ones first, then by step time (see the module
-    docstring); ``reserve`` is the fraction of memory kept free (allocator, workspaces); ``tensor_parallel``
-    and ``context_parallel`` as for ``layouts``.
+    docstring); ``reserve`` is the fraction of memory kept free (allocator, workspaces); ``tensor_parallel``,
+    ``context_parallel`` and ``context_tensor_parallel`` as for ``layouts``.
 
     ``fsdp_policy`` (param_dtype, reduce_dtype): FSDP2 with its MixedPrecisionPolicy, the layouts FSDP2 and
     HSDP only (the other modes would train in another precision); ``acct`` and the rank derivations are the
@@ -433,10 +444,12 @@ def plan(
         accts = {(1, 1): acct}
         accts |= {(tp, 1): a for tp, a in (tensor_parallel or {}).items()}
         accts |= {(1, cp): a for cp, a in (context_parallel or {}).items()}
+        accts |= dict(context_tensor_parallel or {})
         fast = {key: _Fast(a, seq) for key, a in accts.items()}
         found = layouts(
             acct, gpus, global_batch, dp_modes=dp_modes, return_outputs=return_outputs, tensor_parallel=tensor_parallel,
             seq=seq, context_parallel=context_parallel, fsdp_policy=fsdp_policy,
+            context_tensor_parallel=context_tensor_parallel,
         )  # fmt: skip
         for lay, b in found:
             key = (lay.tp, lay.cp)

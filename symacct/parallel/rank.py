@@ -840,6 +840,8 @@ def _traced_collectives(
     stage_share = _stage_share(acct, holds)
     found: dict[tuple[str, str, Any, str], Expr] = {}
     for key, node in _part(acct, "collective_ops"):
+        if _mesh_dim(acct, key, node) != group:  # the other dimension's (context with tensor parallelism)
+            continue
         name = node.op.split(".")[1]
         read = acct.step.ops[key].inputs[:1]
         grad = acct.step.grad_storages.get(read[0].storage) if read and node.phase == "optimizer" else None
@@ -891,6 +893,27 @@ def _traced_collectives(
                 what = f"{row.name} (FSDP2's post-backward: its Partial gradient made Replicate)"
                 out.append(Collective("all_reduce", group, size, payload, sympy.expand(copies), "backward", what))
     return out
+
+
+def _mesh_dim(acct: Accounting, key: int, node: Any) -> str:
+    """Which dimension of the traced rank's mesh (tp, cp) a collective ran over: its ``group_name`` argument
+    read against the trace's groups."""
+    groups = acct.step.groups
+    if len(groups) == 1:
+        return next(iter(groups.values()))
+    rec = acct.step.ops[key]
+    names = [a.name for a in rec.op._schema.arguments]
+    given = dict(zip(names, rec.args)) | rec.kwargs
+    found = groups.get(given.get("group_name"))
+    if found is None:
+        raise SymacctError(
+            f"the collective {node.op} ran over a process group that is neither the tensor- nor the "
+            f"context-parallel one ({given.get('group_name')!r}; the mesh's: {groups})",
+            module=node.module,
+            op=node.op,
+            hint="a model's own collectives over other groups are not modelled",
+        )
+    return found
 
 
 def _chunk_activations(mem: Any, blocks: Expr, first: bool, last: bool) -> Expr:

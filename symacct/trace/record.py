@@ -139,6 +139,7 @@ class StepTrace:
     storage_device: dict[int, str] = field(default_factory=dict)
     # SDPA kernels run on CUDA (how the note describes each -> calls); symacct.trace.sdpa
     sdpa_kernels: dict[str, int] = field(default_factory=dict)
+    groups: dict[str, str] = field(default_factory=dict)  # process group name -> its mesh dimension (tp, cp)
 
     def note_storage(self, st: int, t: torch.Tensor) -> None:
         """Record the bytes of storage ``st`` and, when ``t`` spans it, the shape they come from."""

@@ -38,9 +38,12 @@ def check_plan(plan: Any) -> None:
 
 
 @contextlib.contextmanager
-def fake_group(world: int, rank: int = 0) -> Iterator[Any]:
-    """PyTorch's fake process group of ``world`` ranks (this process is ``rank``), and a 1-D device mesh over
-    it, for the ``with`` block; nothing is sent anywhere."""
+def fake_group(world: int | tuple[int, ...], rank: int = 0, names: tuple[str, ...] | None = None) -> Iterator[Any]:
+    """PyTorch's fake process group of ``world`` ranks (this process is ``rank``), and a device mesh over it,
+    for the ``with`` block; nothing is sent anywhere. ``world`` a tuple: a mesh of that shape (its dimensions
+    ``names``, the last innermost), over their product."""
+    import math
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -50,11 +53,18 @@ def fake_group(world: int, rank: int = 0) -> Iterator[Any]:
             "a process group is already initialised in this process",
             hint="derive tensor-parallel layouts outside a distributed job (the trace runs on a fake group)",
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    shape = world if isinstance(world, tuple) else (world,)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
     try:
-        yield init_device_mesh("cpu", (world,))
+        yield init_device_mesh("cpu", shape, mesh_dim_names=names)
     finally:
         dist.destroy_process_group()
+
+
+def mesh_groups(mesh: Any) -> dict[str, str]:
+    """The process groups of a named mesh's dimensions: group name -> dimension name."""
+    names = mesh.mesh_dim_names or ()
+    return {mesh[n].get_group().group_name: n for n in names}
 
 
 def apply_plan(
