@@ -48,6 +48,28 @@ class KilledOnRank:
 
 
 @dataclasses.dataclass(frozen=True)
+class CrashOnRank:
+    """``Build`` whose process ``rank`` aborts while building (a native crash: SIGABRT, no traceback), the
+    first ``times`` worlds only: each crash leaves a file in ``marks``."""
+
+    config: Any
+    rank: int
+    marks: str
+    times: int = 1
+
+    def __call__(self) -> nn.Module:
+        import os
+        from pathlib import Path
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == self.rank and len(list(Path(self.marks).iterdir())) < self.times:
+            Path(self.marks, f"crash{len(list(Path(self.marks).iterdir()))}").touch()
+            os.abort()
+        return Build(self.config)()
+
+
+@dataclasses.dataclass(frozen=True)
 class Batch:
     """B x S token ids and targets, the same on every rank."""
 

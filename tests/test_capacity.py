@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_run import cli
-from parallel_cases import GPT2_SMALL, Batch, KilledOnRank, adamw
+from parallel_cases import GPT2_SMALL, Batch, CrashOnRank, KilledOnRank, adamw
 
 import symacct
 from symacct.errors import SymacctError
@@ -145,3 +145,24 @@ def test_a_rank_killed_by_a_signal_is_named():
     with pytest.raises(SymacctError, match="rank 1 ended by SIGKILL .*out-of-memory killer") as e:
         gloo_world(KilledOnRank(GPT2_SMALL, 1), make_layout(dp=2, dp_mode="ddp"), Batch(2, 8, 37), adamw)
     assert e.value.__cause__ is not None  # the spawn's own exception kept as the cause
+
+
+@pytest.mark.slow
+def test_a_native_crash_runs_the_world_once_more(tmp_path):
+    """A rank that aborts (SIGABRT) in the first world only: the world runs again, with a warning naming
+    the rank and the signal, and its figures are those of a world that never crashed; a rank that aborts in
+    every world fails as before, the second crash the error, the spawn's exception its cause."""
+    from symacct.measure.parallel import gloo_world
+
+    lay = make_layout(dp=2, dp_mode="ddp")
+    clean = gloo_world(CrashOnRank(GPT2_SMALL, 1, str(tmp_path), times=0), lay, Batch(2, 8, 37), adamw)
+    (tmp_path / "once").mkdir()
+    with pytest.warns(RuntimeWarning, match="rank 1 ended by SIGABRT: run once more"):
+        got = gloo_world(CrashOnRank(GPT2_SMALL, 1, str(tmp_path / "once")), lay, Batch(2, 8, 37), adamw)
+    assert [(g.params, g.grads, g.optimizer, g.collectives, g.loss, g.peak) for g in got] == [
+        (g.params, g.grads, g.optimizer, g.collectives, g.loss, g.peak) for g in clean
+    ]
+    (tmp_path / "always").mkdir()
+    with pytest.warns(RuntimeWarning), pytest.raises(SymacctError, match="rank 1 ended by SIGABRT") as e:
+        gloo_world(CrashOnRank(GPT2_SMALL, 1, str(tmp_path / "always"), times=2), lay, Batch(2, 8, 37), adamw)
+    assert e.value.__cause__ is not None and len(list((tmp_path / "always").iterdir())) == 2

@@ -223,6 +223,38 @@ def test_gloo_fsdp_over_context_and_tensor_parallel() -> None:
         assert got[0].peak == pred.peak
 
 
+@pytest.mark.slow  # 8 gloo processes
+def test_gloo_fsdp_over_context_and_tensor_parallel_pipeline() -> None:
+    """FSDP2 over a pipeline whose stages are cp = 2 x tp = 2 (pp = 2, GPipe with 2 micro-batches; 8
+    processes): the model sharded by its plan, then the stages cut, each stage module FSDP2's root over the
+    ring's ranks. Every rank's static bytes and collectives exactly (FSDP2's, DTensor's, the ring's, the
+    sends), the last stage's ranks' mean loss against one process, each stage's traced rank's peak to the
+    byte by at() and the formula, every other rank's at most it."""
+    from parallel_cases import stage
+
+    from symacct.symbols import evaluate
+
+    B, S, m = 2, 16, 2
+    cfg = _llama(*MODEL[:-1], 4, S)
+    acct = symacct.derive(Llama(cfg), optimizer="adamw", context_parallel=2, tensor_parallel="megatron")
+    torch.manual_seed(0)
+    one = Llama(cfg)
+    loss = float(one(*Batch(m * B, S, 64)(one)).detach())
+    lay = make_layout(pp=2, cp=2, tp=2, schedule="gpipe", micro_batches=m)
+    par = derive_parallel(acct, lay)
+    pred = par.at(B=B, S=S)
+    got = gloo_world(Build(cfg), lay, Batch(m * B, S, 64), adamw, stack="layers", split=stage)
+    shards = [g.loss for g in got if g.loss is not None]
+    assert len(shards) == 4 and sum(shards) / 4 == pytest.approx(loss, rel=1e-5)
+    for g in got:  # rank = (pp_rank * cp + cp_rank) * tp + tp_rank
+        p, f = pred.ranks[g.rank // 4], par.ranks[g.rank // 4]
+        assert (g.params, g.grads, g.optimizer) == (p.params, p.grads, p.optimizer)
+        want = Counter((c.op, c.payload) for c in p.collectives for _ in range(c.count))
+        assert Counter((op, payload) for op, _phase, payload in g.collectives) == want, g.rank
+        assert evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})}) == p.peak
+        assert g.peak == p.peak if g.rank % 4 < 2 else g.peak <= p.peak, g.rank
+
+
 @pytest.mark.slow  # subprocesses: tens of seconds (CI's slow pass)
 def test_cli() -> None:
     """``symacct derive llama --cp 2 --tp 2`` prints the rank the API derives; a size the ring and the plan

@@ -121,7 +121,7 @@ def make_layout(
     """A checked ``Layout``: degrees positive, modes known, ``world = dp * tp * pp * cp`` when given.
 
     Context parallelism (``cp > 1``) is derived alone, with data parallelism (HSDP included), with tensor
-    parallelism or with a pipeline (FSDP2 over one: refused). Whether ``tp`` divides the model's sizes is the
+    parallelism, with a pipeline, or all of them. Whether ``tp`` divides the model's sizes is the
     derivation's to check (``Accounting.at`` refuses a size its constraints rule out: heads, F, V, S for
     sequence parallelism; S a multiple of ``2 * cp``)."""
     unknown = set(options) - {f.name for f in dataclasses.fields(Layout)}
@@ -165,7 +165,6 @@ def make_layout(
             # torch 2.13's runtime keeps three stages unsharded (_add_unshard_reshard): every chunk of a rank
             # from the step's start to its last action up to v = 3; more are evicted and gathered again
             (lay.stages_per_rank > 3, f"the interleaved schedule with v = {lay.stages_per_rank} > 3 chunks a rank"),
-            (lay.cp > 1, "context parallelism"),
             (bool(lay.reduce_dtype and not lay.param_dtype), "a MixedPrecisionPolicy's reduce_dtype alone"),
         ]
         for bad, what in unsupported:
