@@ -165,13 +165,12 @@ def make_layout(
             # torch 2.13's runtime keeps three stages unsharded (_add_unshard_reshard): every chunk of a rank
             # from the step's start to its last action up to v = 3; more are evicted and gathered again
             (lay.stages_per_rank > 3, f"the interleaved schedule with v = {lay.stages_per_rank} > 3 chunks a rank"),
-            (bool(lay.reduce_dtype and not lay.param_dtype), "a MixedPrecisionPolicy's reduce_dtype alone"),
         ]
         for bad, what in unsupported:
             if bad:
                 raise SymacctError(
-                    f"FSDP2 over a pipeline is derived for GPipe, 1F1B and the interleaved schedule with v <= 3 "
-                    f"(with param_dtype if any); not yet with {what}",
+                    f"FSDP2 over a pipeline is derived for GPipe, 1F1B and the interleaved schedule with v <= 3; "
+                    f"not yet with {what}",
                     hint="drop that option, or use dp_mode='ddp' over the pipeline",
                 )
     if lay.bucket_view and (lay.pp > 1 or lay.micro_batches > 1):

@@ -654,9 +654,9 @@ def derive_parallel(
                 "unsharded from the first backward, one reduce-scatter of each group at perform_reduce_grad, the "
                 "optimizer step on the shards (its temporaries the single device's scaled by the share)"
             )
-        if mode == "fsdp" and layout.replicas > 1 and _accumulates(layout):
+        if mode == "fsdp" and layout.replicas > 1 and _accumulates(layout, compute or acct):
             notes.append(
-                f"the policy's reduce_dtype ({layout.reduce_dtype}) is not its param_dtype: each group's "
+                f"the policy's reduce_dtype ({layout.reduce_dtype}) is not the gradients' dtype: each group's "
                 "post-backward moves its new gradients into unsharded accumulators of reduce_dtype, held to "
                 "perform_reduce_grad or REDUCE_GRAD (the first backward copies them in, each later one adds and "
                 "frees them)"
@@ -1389,7 +1389,7 @@ def _formulas(
         if layout.tp > 1:
             sharded = None
             if mode == "fsdp" and layout.replicas > 1:  # the gradient's dtype: the accumulators', param_dtype's
-                held = _accumulates(layout) and (piped or layout.micro_batches > 1)  # no sync at some backward
+                held = _accumulates(layout, run) and (piped or layout.micro_batches > 1)  # no sync at a backward
                 dtype = layout.reduce_dtype if held else layout.param_dtype
                 sharded = (rows, DTYPES[dtype][0].itemsize if dtype else None)
             colls += _traced_collectives(run, holds, piped, fsdp=sharded)
@@ -1412,13 +1412,15 @@ def _formulas(
             recv = 2 * v - int(holds["before"]) - int(holds["after"])
             runtime = recv * m * run.memory.boundary + (m - 1) * run.memory.inputs
             if stages is not None:
-                fs = _fsdp_stage(layout, mode, rows, stack_rows, n, gathered)
+                fs = _fsdp_stage(layout, mode, rows, stack_rows, n, gathered, _accumulates(layout, run))
                 per_chunk = {}
                 if fs is not None and v > 1:  # each chunk's module its own FSDP2 root, its blocks sharded
                     for ck in set(chunk_kinds(layout.pp, v, stage_rank(stage, layout.pp))):
                         own_rows = _stage_rows(mem, ck, L / (pp * v))
                         own_stack = [(rw, c) for rw, c in own_rows if _in_stack(rw)]
-                        per_chunk[ck] = _fsdp_stage(layout, mode, own_rows, own_stack, n, gathered)
+                        per_chunk[ck] = _fsdp_stage(
+                            layout, mode, own_rows, own_stack, n, gathered, _accumulates(layout, run)
+                        )
                 stages[stage] = StageParts(
                     stage, one, run.memory.boundary, head_out, run.memory.loss, runtime, fs, per_chunk
                 )
@@ -2006,12 +2008,13 @@ def _fsdp_stage(
     stack_rows: list[tuple[ParamRow, Expr]],
     n: Expr,
     sizes: Sizes | None,
+    accumulator: bool = False,
 ) -> FsdpStage | None:
-    """FSDP2 over a pipeline stage's module (``fully_shard`` each block, then the stage): its groups' bytes;
-    None for every other layout."""
+    """FSDP2 over a pipeline stage's module (``fully_shard`` each block, then the stage): its groups' bytes
+    (``accumulator``: the policy's reduce_dtype accumulators, ``_accumulates``); None for every other
+    layout."""
     if not (mode == "fsdp" and layout.replicas > 1 and layout.pp > 1):
         return None
-    accumulator = _accumulates(layout)
     reduce = DTYPES[layout.reduce_dtype][0].itemsize if accumulator and layout.reduce_dtype else None
 
     def itemsize(rw: ParamRow) -> int:
@@ -2033,12 +2036,21 @@ def _fsdp_stage(
     )
 
 
-def _accumulates(layout: Layout) -> bool:
-    """FSDP2's policy moves the unsharded gradients into accumulators when its reduce_dtype is not the
-    param_dtype backward makes them in: torch 2.13's ``FSDPParam.to_accumulated_grad_if_needed``, run at each
-    post-backward without a gradient sync (over a pipeline, a reduce_dtype comes with a param_dtype:
-    ``symacct.parallel.layout``)."""
-    return bool(layout.reduce_dtype and layout.param_dtype and layout.reduce_dtype != layout.param_dtype)
+def _accumulates(layout: Layout, run: Accounting) -> bool:
+    """FSDP2's policy moves the unsharded gradients into accumulators when its reduce_dtype is not the dtype
+    backward makes them in (the traced step's parameters': param_dtype's, or with a reduce_dtype alone the
+    model's own): torch 2.13's ``FSDPParam.to_accumulated_grad_if_needed``, run at each post-backward
+    without a gradient sync. Parameters of several dtypes under a reduce_dtype alone are refused."""
+    if not layout.reduce_dtype:
+        return False
+    found = {p.meta.dtype for p in run.step.placeholders if p.kind == "param"} if run.step is not None else set()
+    if len(found) != 1:
+        raise SymacctError(
+            f"FSDP2's reduce_dtype={layout.reduce_dtype} over parameters of {len(found)} dtypes is not derived "
+            "(which of them it accumulates in another dtype)",
+            hint="give the policy a param_dtype too, or the model one parameter dtype",
+        )
+    return DTYPES[layout.reduce_dtype][0] not in found
 
 
 def _group_bytes(part: list[tuple[ParamRow, Expr]], n: Expr, sizes: Sizes | None) -> GroupBytes:
