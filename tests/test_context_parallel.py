@@ -296,17 +296,19 @@ def test_verify_context_parallel_with_data_parallel_world_four() -> None:
 
 
 def test_planner_over_context_parallel_degrees() -> None:
-    """The planner lays dp x cp over the ring rank's derivation (data parallelism only: no pipeline, no HSDP);
-    every row's peak, step time and MFU are those of ``derive_parallel(...).at()`` and ``step_time``; a
-    degree whose ring cannot cut S into 2 cp chunks is left out, and a derivation of another degree is
-    refused."""
+    """The planner lays dp x cp x pp over the ring rank's derivation (DDP, ZeRO and FSDP2 without a pipeline,
+    HSDP over dp x cp, DDP, ZeRO-1 and FSDP2 over a pipeline's stages); every row's peak, step time and MFU
+    are those of ``derive_parallel(...).at()`` and ``step_time``; a degree whose ring cannot cut S into 2 cp
+    chunks is left out, and a derivation of another degree is refused."""
     from symacct.parallel.plan import layouts, plan, step_time
 
     one = symacct.derive(Llama(_llama(4, 2, 8, 32, 64, 2, 16)), optimizer="adamw")
     rows = plan(one, gpus=4, hardware="H100-SXM", global_batch=8, seq=16, context_parallel={2: _derived(2)})
     ring = [r for r in rows if r.layout.cp == 2]
     assert ring and {r.layout.dp_mode for r in ring} == {"ddp", "zero1", "zero2", "fsdp"}
-    assert all(r.layout.pp == 1 and r.layout.tp == 1 and not r.layout.hsdp_shard for r in ring)
+    assert all(r.layout.tp == 1 for r in ring)
+    assert {r.layout.dp_mode for r in ring if r.layout.pp == 2} == {"ddp", "zero1", "fsdp"}
+    assert any(r.layout.hsdp_shard for r in ring)
     for r in rows:
         assert r.layout.world == 4 and r.micro_batch * r.layout.micro_batches * r.layout.dp == 8
         exact = derive_parallel(_derived(2) if r.layout.cp > 1 else one, r.layout).at(B=r.micro_batch, S=16)

@@ -292,8 +292,8 @@ def layouts(
     (``schedule.step(return_outputs=False)``, what a training loop passes, is the default here).
     ``tensor_parallel``: tensor-parallel degrees to try, each with its rank's derivation (``derive(...,
     tensor_parallel=plan, tp=degree)``); ``context_parallel``: context-parallel degrees, each with its ring
-    rank's derivation (``derive(..., context_parallel=degree)``), tried with data parallelism alone (no
-    pipeline, no HSDP: what ``make_layout`` takes with cp). A degree that does not divide the GPUs (or, for
+    rank's derivation (``derive(..., context_parallel=degree)``), laid out as the others are (the
+    gradients reduced over ``dp x cp`` ranks; HSDP's shard group from 1 x cp). A degree that does not divide the GPUs (or, for
     cp, S into 2 cp chunks) or that the derivation's constraints refuse is left out, with the reason.
     ``context_tensor_parallel``: (tp, cp) pairs, each with its rank's derivation (``derive(...,
     tensor_parallel=plan, tp=tp, context_parallel=cp)``), tried as the context-parallel degrees are.
@@ -360,12 +360,14 @@ def _layouts_at(
     cp: int = 1,
     policy: tuple[str, str | None] | None = None,
 ) -> list[tuple[Layout, int]]:
-    """The (layout, micro-batch) pairs of ``gpus`` tensor-parallel groups of ``tp`` ranks (or context-parallel
-    rings of ``cp``: data parallelism over them, no pipeline, no HSDP); ``policy`` on the FSDP2 ones."""
+    """The (layout, micro-batch) pairs of ``gpus`` groups of ``tp x cp`` ranks (tensor-parallel groups, each
+    in a context-parallel ring of ``cp``): data parallelism, HSDP and pipelines over them; ``policy`` on the
+    FSDP2 ones."""
     out: list[tuple[Layout, int]] = []
     deg: dict[str, Any] = {"tp": tp, "sequence_parallel": sp} | ({"cp": cp} if cp > 1 else {})
     mixed = {"param_dtype": policy[0], "reduce_dtype": policy[1]} if policy else {}
-    for pp in _divisors(gpus) if cp == 1 else [1]:
+    hsdp_from = 0 if cp > 1 else 1  # with cp, a shard group of 1 x cp (sharded over the ring, replicated over dp)
+    for pp in _divisors(gpus):
         if pp > 1 and (L is None or L % pp):
             reasons.append(f"pp={pp}: does not divide the {L} layers" if L else f"pp={pp}: no layer stack")
             continue
@@ -376,20 +378,20 @@ def _layouts_at(
         for b in _divisors(global_batch // dp):
             m = global_batch // (dp * b)
             for mode in modes:
-                piped_fsdp = pp > 1 and dp > 1 and mode == "fsdp"  # FSDP2 (or HSDP) over a pipeline's stages
-                if dp * cp == 1 and mode != "ddp" or pp > 1 and mode == "zero2" and dp > 1:
+                piped_fsdp = pp > 1 and dp * cp > 1 and mode == "fsdp"  # FSDP2 (or HSDP) over a pipeline's stages
+                if dp * cp == 1 and mode != "ddp" or pp > 1 and mode == "zero2" and dp * cp > 1:
                     continue
                 own = mixed if mode == "fsdp" else {}
                 if pp == 1:
                     out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m, **deg, **own), b))
-                    if mode == "fsdp" and cp == 1:  # HSDP: sharded over each proper divisor of dp, replicated
-                        for shard in _divisors(dp)[1:-1]:
+                    if mode == "fsdp":  # HSDP: sharded over each proper divisor of dp (x cp), replicated
+                        for shard in _divisors(dp)[hsdp_from:-1]:
                             lay = make_layout(dp=dp, dp_mode=mode, micro_batches=m, hsdp_shard=shard, **deg, **own)
                             out.append((lay, b))
                     continue
                 kw = {"dp": dp, "pp": pp, "dp_mode": mode, "micro_batches": m, "return_outputs": return_outputs, **own}
                 # HSDP over each stage too: sharded over each proper divisor of dp, replicated
-                shards = [None, *_divisors(dp)[1:-1]] if piped_fsdp and cp == 1 else [None]
+                shards = [None, *_divisors(dp)[hsdp_from:-1]] if piped_fsdp else [None]
                 for shard in shards:
                     hsdp = {"hsdp_shard": shard} if shard else {}
                     out.append((make_layout(schedule="gpipe", **kw, **hsdp, **deg), b))
