@@ -293,8 +293,9 @@ def layouts(
     ``tensor_parallel``: tensor-parallel degrees to try, each with its rank's derivation (``derive(...,
     tensor_parallel=plan, tp=degree)``); ``context_parallel``: context-parallel degrees, each with its ring
     rank's derivation (``derive(..., context_parallel=degree)``), laid out as the others are (the
-    gradients reduced over ``dp x cp`` ranks; HSDP's shard group from 1 x cp). A degree that does not divide the GPUs (or, for
-    cp, S into 2 cp chunks) or that the derivation's constraints refuse is left out, with the reason.
+    gradients reduced over ``dp x cp`` ranks; HSDP's shard group from 1 x cp). A degree that does not
+    divide the GPUs (or, for cp, S into 2 cp chunks) or that the derivation's constraints refuse is left
+    out, with the reason.
     ``context_tensor_parallel``: (tp, cp) pairs, each with its rank's derivation (``derive(...,
     tensor_parallel=plan, tp=tp, context_parallel=cp)``), tried as the context-parallel degrees are.
     ``fsdp_policy``: (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy, on every FSDP2 and HSDP
