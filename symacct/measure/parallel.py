@@ -658,7 +658,7 @@ def _ddp(
         hooked.append(("all_reduce", "backward", buf.numel() * buf.element_size()))
         buckets[id(net), bucket.index()] = buf
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0].div_(layout.dp))
+        return fut.then(lambda f: f.value()[0].div_(layout.replicas))  # the mean over the dp x cp ranks
 
     # DDP checks the annotations as objects, which this module's postponed annotations are not
     hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
