@@ -184,6 +184,21 @@ def test_planner_over_context_and_tensor_parallel() -> None:
     assert {lay.cp for lay, _ in layouts(one, 6, 3, seq=16, context_tensor_parallel=both)} == {1}  # 4 ∤ 6
 
 
+def test_a_collective_of_neither_group_is_refused() -> None:
+    """Each traced collective is told to the tp or the cp group by its ``group_name``; one over a group that is
+    neither (here: the trace's record of its tp group dropped) is refused, naming the op and its module, never
+    counted in the other group."""
+    import copy
+
+    acct = copy.copy(_both("megatron"))
+    acct.step = copy.copy(acct.step)
+    acct.step.groups = {name: dim for name, dim in acct.step.groups.items() if dim == "cp"} | {"elsewhere": "x"}
+    acct.__dict__.pop("_parallel_formulas", None)
+    with pytest.raises(SymacctError, match="ran over a process group that is neither") as e:
+        derive_parallel(acct, make_layout(cp=2, tp=2, dp_mode="ddp"))
+    assert "_c10d_functional" in str(e.value)
+
+
 def test_sizes_refused() -> None:
     """S not in 2 cp chunks, and with sequence parallelism S/cp not split by tp: refused by ``at()``."""
     with pytest.raises(SymacctError, match="S=18 breaks 4 divides S"):
@@ -271,5 +286,25 @@ def test_cli() -> None:
     assert got["ranks"][0]["bytes"]["peak"] == pred.peak
     listed = sorted((c["op"], c["phase"], c["payload_bytes"], c["count"]) for c in got["ranks"][0]["collectives"])
     assert listed == sorted((c.op, c.phase, c.payload, c.count) for c in pred.collectives)
+    planned = subprocess.run(
+        [*run[:3], "plan", "llama", *flags, "--gpus", "8", "--hardware", "H100-SXM", "--seq", "16"]
+        + ["--global-batch", "4", "--tp", "2", "--cp", "2", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert planned.returncode == 0, planned.stderr
+    rows = [r for r in json.loads(planned.stdout)["layouts"] if r["cp"] == 2 and r["tp"] == 2]
+    assert rows and {r["pp"] for r in rows} == {1, 2}
+    low = symacct.derive(  # the plan's parameters in bf16 (its default)
+        Llama(_llama(*MODEL, 16)), optimizer="adamw", params_dtype="bf16", context_parallel=2,
+        tensor_parallel="megatron", tp=2,
+    )  # fmt: skip
+    for r in rows:  # each (cp, tp) row: the API's rank at its layout
+        lay = make_layout(
+            dp=r["dp"], cp=2, tp=2, pp=r["pp"], dp_mode=r["dp_mode"], micro_batches=r["micro_batches"],
+            hsdp_shard=r["hsdp_shard"], schedule=r["schedule"] or "1f1b", stages_per_rank=r["v"],
+        )  # fmt: skip
+        exact = derive_parallel(low, lay).at(B=r["micro_batch"], S=16)
+        assert r["peak_bytes"] == max(k.peak for k in exact.ranks)
     bad = subprocess.run([*run, "--cp", "2", "--tp", "2", "--seq", "18"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
