@@ -386,7 +386,7 @@ def gloo_world(
     for a pipeline). ``build``, ``inputs``, ``optimizer`` and ``split`` must be picklable (module-level).
 
     A world one of whose ranks dies of a native crash (SIGABRT, SIGSEGV, SIGBUS: no Python traceback) is run
-    once more, with a warning naming the rank and the signal. In each of three runs of the slow tests one
+    once more, with a warning naming the rank and the signal. In three of four runs of the slow tests one
     rank of one world aborted ("terminate called without an active exception", or glibc's "malloc():
     unaligned tcache chunk detected"), each test passing when run again (the same pipeline world alone: no
     crash in 40 runs of 4 processes); PyTorch reports gloo's worker threads holding work objects whose
