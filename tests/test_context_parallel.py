@@ -351,11 +351,15 @@ def test_cli() -> None:
     low = symacct.derive(
         Llama(_llama(4, 2, 8, 32, 64, 2, 16)), optimizer="adamw", params_dtype="bf16", context_parallel=2
     )
+    assert {r["pp"] for r in got_rows if r["cp"] == 2} == {1, 2}  # pipelines over the rings too
     for r in got_rows:  # the plan's parameters in bf16 (its default)
         if r["cp"] == 2:
-            lay = make_layout(dp=r["dp"], cp=2, dp_mode=r["dp_mode"], micro_batches=r["micro_batches"])
+            lay = make_layout(
+                dp=r["dp"], cp=2, pp=r["pp"], dp_mode=r["dp_mode"], micro_batches=r["micro_batches"],
+                hsdp_shard=r["hsdp_shard"], schedule=r["schedule"] or "1f1b", stages_per_rank=r["v"],
+            )  # fmt: skip
             exact = derive_parallel(low, lay).at(B=r["micro_batch"], S=16)
-            assert (r["pp"], r["hsdp_shard"], r["peak_bytes"]) == (1, None, max(k.peak for k in exact.ranks))
+            assert r["peak_bytes"] == max(k.peak for k in exact.ranks)
     bad = subprocess.run([*run, "--cp", "3"], capture_output=True, text=True)  # S = 16 is not in 6 chunks
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "2*cp = 6 chunks" in bad.stderr, bad.stderr
