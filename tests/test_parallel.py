@@ -585,16 +585,19 @@ def test_interleaved_fsdp_points_read_torchs_lowering() -> None:
     """FSDP2 over the interleaved schedule's stage chunks as torch 2.13's runtime lowers the compute actions
     (its own ``_add_unshard_reshard`` and ``_add_reduce_grad`` on its own action lists): up to v = 3 every
     chunk is unsharded before the rank's first action and resharded after its last, and its REDUCE_GRAD
-    follows its last backward, which ``interleaved_fsdp_points`` assumes; at v = 4 a chunk is resharded and
-    unsharded again within the step (refused by make_layout). The kinds, written out by hand for pp = 2,
-    m = 4, rank 0 (chunk 0: F0 F1 F2 F3 B0 B1 B2 B3; chunk 1: F0 F1 B0 B1 F2 F3 B2 B3): chunk 1's forward
-    after a forward after a backward gathers again ('F'), which GPipe and 1F1B never run."""
+    follows its last backward; at v = 4 a chunk is resharded and unsharded again within the step. The kinds,
+    written out by hand for pp = 2, m = 4, rank 0 (chunk 0: F0 F1 F2 F3 B0 B1 B2 B3; chunk 1: F0 F1 B0 B1 F2
+    F3 B2 B3): chunk 1's forward after a forward after a backward gathers again ('F'), which GPipe and 1F1B
+    never run. At v = 4, read by hand off PyTorch's lowering of rank 0 (chunk 0 unsharded before F0, resharded
+    after F1, unsharded before F2, resharded after F3, unsharded before B0 and before B2, resharded after B1):
+    each wait 'U' on an UNSHARD, the chunk's states, the gathers."""
     from torch.distributed.pipelining import schedules as sch
 
     from symacct.parallel.schedule import (
         CHUNK_STATES,
         _pipeline_order,
         chunk_gathers,
+        chunk_unshards,
         interleaved_fsdp_points,
         stage_kinds,
     )
@@ -620,18 +623,43 @@ def test_interleaved_fsdp_points_read_torchs_lowering() -> None:
     assert by_chunk == ["U Fw F F F B Bw Bw Bw R", "U Fw F B Bw Fw F B Bw R"]
     assert [p.states for p in points if p.kind == "R"] == [("all", "all"), ("all", "reduced")]
     assert points[-1].kind == "end" and points[-1].states == ("reduced", "reduced")
-    assert {state for p in points for state in p.states} == set(CHUNK_STATES)
+    assert {state for p in points for state in p.states} == set(CHUNK_STATES) - {"sharded"}  # v <= 3: never evicted
     assert chunk_gathers(2, 4, 2, 0, True) == (7, 3)  # per block: chunk 0 U F F F, B; chunk 1 U F F, B B
     assert chunk_gathers(2, 4, 2, 0, False) == (2, 0)  # the UNSHARD only
+    assert [chunk_unshards(2, 4, 2, 0, c) for c in (0, 1)] == [(1, 0), (1, 0)]
+    points = interleaved_fsdp_points(2, 4, 4, 0, True, True)
+    chunk0 = [p for p in points if p.held.chunk == 0]
+    assert " ".join(p.kind for p in chunk0) == "U Fw F U Fw F U Bw Bw U Bw Bw R"
+    # chunk 3 (stage 6) is unsharded only after chunk 0's first eviction; every chunk starts sharded
+    assert points[0].states == ("pending", "pending", "pending", "sharded")
+    waits = [p for p in chunk0 if p.kind == "U"]
+    assert [w.states[0] for w in waits] == ["pending"] * 4
+    # the wait before B2: chunk 0's gradients held (B0, B1 ran), B2's micro-batch still in its fwd_cache
+    assert waits[3].held.grads[0] and waits[3].held.held[0] == 2
+    assert chunk0[-1].states[0] == "all"  # REDUCE_GRAD finds root and blocks unsharded
+    evicted = [p.states[0] for p in points if p.held.chunk != 0]
+    assert "sharded" in evicted  # between F1 and F2, B1 and B2: nothing unsharded
+    assert {state for p in points for state in p.states} == set(CHUNK_STATES)
+    fwd0, bwd0 = chunk_unshards(2, 4, 4, 0, 0)
+    assert (fwd0, bwd0) == (2, 2)
+    # blocks: chunk 0 four forward gathers (U F U F), two backward (U U); the rank's four chunks summed
+    per_chunk = []
+    for c in range(4):
+        kinds = [p.kind for p in points if p.held.chunk == c]
+        nxt = [kinds[i + 1][0] if k == "U" else k[0] for i, k in enumerate(kinds) if k in ("U", "F", "B")]
+        per_chunk.append((nxt.count("F"), nxt.count("B")))
+    assert per_chunk[0] == (4, 2)
+    assert chunk_gathers(2, 4, 4, 0, True) == tuple(map(sum, zip(*per_chunk)))
     assert " ".join(stage_kinds(["F", "B", "F", "F", "B"], True)) == "F0 B Fw F B"
 
 
 def test_interleaved_fsdp_formula_equals_at() -> None:
-    """FSDP2 over the interleaved schedule (v = 2): each rank's peak formula equals at() where a chunk has more
-    than one block (every op and hook of each point's kind, the UNSHARD's wait, each REDUCE_GRAD, evaluated
-    two ways), over two and three ranks, with and without reshard_after_forward; at one block a chunk never
-    below; the blocks' all-gathers as chunk_gathers counts them, one reduce-scatter per group. The planner
-    ranks these layouts (HSDP over the stages too), each row's peak at()'s."""
+    """FSDP2 over the interleaved schedule (v = 2; and v = 4, 5, whose chunks are evicted and gathered again):
+    each rank's peak formula equals at() where a chunk has more than one block (every op and hook of each
+    point's kind, each wait on an UNSHARD, each REDUCE_GRAD, evaluated two ways), over two and three ranks,
+    with and without reshard_after_forward; at one block a chunk never below; the blocks' all-gathers as
+    chunk_gathers counts them, the roots' one per UNSHARD of their chunk, one reduce-scatter per group. The
+    planner ranks these layouts (HSDP over the stages too), each row's peak at()'s."""
     acct = symacct.derive(GPT2(dataclasses.replace(GPT2_PIPE, n_layer=12)), optimizer="adamw")
     rows = plan(acct, gpus=8, hardware="H100-SXM", global_batch=16, seq=16, dp_modes=("fsdp",))
     piped = [r for r in rows if r.layout.schedule == "interleaved" and r.layout.dp > 1]
@@ -639,26 +667,43 @@ def test_interleaved_fsdp_formula_equals_at() -> None:
     assert any(r.layout.hsdp_shard for r in piped)  # HSDP over the pipeline's stages too
     for r in piped:
         assert r.peak == max(k.peak for k in derive_parallel(acct, r.layout).at(B=r.micro_batch, S=16).ranks)
-    for pp, m, reshard in ((2, 4, True), (2, 2, False), (3, 3, True)):
+    from symacct.parallel.rank import stage_rank
+    from symacct.parallel.schedule import chunk_unshards
+
+    # pp * v stages must divide the model's layers: 24 for v = 2 and 4 (over two and three ranks), 10 for v = 5
+    accts = {n: symacct.derive(GPT2(dataclasses.replace(GPT2_PIPE, n_layer=n)), optimizer="adamw") for n in (24, 10)}
+    for pp, m, reshard, v in (
+        (2, 4, True, 2),
+        (2, 2, False, 2),
+        (3, 3, True, 2),
+        (2, 4, True, 4),
+        (2, 2, False, 4),
+        (3, 3, True, 4),
+        (2, 4, True, 5),
+    ):
         lay = make_layout(
             dp=2,
             pp=pp,
             dp_mode="fsdp",
             schedule="interleaved",
-            stages_per_rank=2,
+            stages_per_rank=v,
             micro_batches=m,
             reshard_after_forward=reshard,
         )
-        par = derive_parallel(acct, lay)
-        for L in (2 * pp, 4 * pp):
+        par = derive_parallel(accts[24 if 24 % (v * pp) == 0 else 10], lay)
+        for L in (v * pp, 2 * v * pp):
             pred = par.at(B=2, S=8, L=L)
             for p, f in zip(pred.ranks, par.ranks, strict=True):
                 formula = evaluate(f.peak, {**pred.values, **par.held.get(f.stage, {})})
-                assert formula == p.peak if L > 2 * pp else formula >= p.peak, (pp, m, L, p.stage)
+                assert formula == p.peak if L > v * pp else formula >= p.peak, (pp, m, v, L, p.stage)
                 blocks = sum(c.count for c in p.collectives if c.what == "block parameters")
-                chunk = L // (2 * pp)
+                chunk = L // (v * pp)
                 assert blocks == chunk * sum(chunk_gathers_of(lay, p.stage))
-                assert sum(c.count for c in p.collectives if c.op == "reduce_scatter") == 2 * chunk + (
+                roots = sum(c.count for c in p.collectives if c.what == "root parameters")
+                r = stage_rank(p.stage, pp)
+                own = {"first": [0], "last": [v - 1], "middle": []}[p.stage]
+                assert roots == sum(sum(chunk_unshards(pp, m, v, r, c)) for c in own)
+                assert sum(c.count for c in p.collectives if c.op == "reduce_scatter") == v * chunk + (
                     p.stage != "middle"
                 )
 
@@ -705,8 +750,6 @@ def test_fsdp_over_pipeline_formulas(gpt2_acct: symacct.Accounting) -> None:
                 gathers = sum(c.count for c in p.collectives if c.what == "block parameters")
                 assert gathers == sizes["L"] // 2 * (m + 1 if reshard else 1)
                 assert sum(c.count for c in p.collectives if c.op == "reduce_scatter") == sizes["L"] // 2 + 1
-    with pytest.raises(SymacctError, match="FSDP2 over a pipeline .*v = 4 > 3"):
-        make_layout(dp=4, pp=2, dp_mode="fsdp", micro_batches=2, schedule="interleaved", stages_per_rank=4)
     with pytest.raises(SymacctError, match="zero2 with a pipeline is not derived"):
         make_layout(dp=2, pp=2, dp_mode="zero2", micro_batches=2)
 
@@ -783,11 +826,15 @@ def test_gloo_interleaved_fsdp_pipeline() -> None:
     forward after a backward gathers its blocks again), of two at m = 4 without reshard_after_forward (the
     UNSHARD's gathers only), over three ranks (a middle rank: chunks without a root), with a
     MixedPrecisionPolicy (bf16 parameters, fp32 accumulators; and bf16 in place at one block a chunk),
-    HSDP (2 replicas of 2 shards, eight processes), and v = 3. Every rank's static bytes (its shards), each all-gather,
+    HSDP (2 replicas of 2 shards, eight processes), and v = 3; v = 4 and 5, where torch's lowering keeps three
+    chunks unsharded and evicts the others (two blocks a chunk, with and without the policy; over three ranks;
+    one block without resharding; v = 5 at one block). Every rank's static bytes (its shards), each all-gather,
     reduce-scatter and all-reduce with its count, the sends, the loss, and the peak to the byte by at() (the
     UNSHARD's outputs held from the step's start, each chunk's state at every point); the formula equal
     where a chunk has two blocks, never below at one."""
     eight, twelve = dataclasses.replace(GPT2_PIPE, n_layer=8), dataclasses.replace(GPT2_PIPE, n_layer=12)
+    ten, sixteen = dataclasses.replace(GPT2_PIPE, n_layer=10), dataclasses.replace(GPT2_PIPE, n_layer=16)
+    twenty_four = dataclasses.replace(GPT2_PIPE, n_layer=24)
     for cfg, pp, m, reshard, more in (
         (GPT2_PIPE, 2, 4, True, {}),
         (eight, 2, 4, False, {}),
@@ -796,6 +843,11 @@ def test_gloo_interleaved_fsdp_pipeline() -> None:
         (GPT2_PIPE, 2, 4, True, {"param_dtype": "bf16"}),
         (eight, 2, 2, True, {"dp": 4, "hsdp_shard": 2}),
         (twelve, 2, 2, True, {"stages_per_rank": 3}),  # three chunks a rank: every one unsharded at the start
+        (sixteen, 2, 4, True, {"stages_per_rank": 4}),  # four: evicted and gathered again within the step
+        (sixteen, 2, 4, True, {"stages_per_rank": 4, "param_dtype": "bf16", "reduce_dtype": "fp32"}),
+        (twenty_four, 3, 3, True, {"stages_per_rank": 4}),
+        (eight, 2, 4, False, {"stages_per_rank": 4}),
+        (ten, 2, 4, True, {"stages_per_rank": 5}),
     ):
         lay = make_layout(
             **{"dp": 2, "stages_per_rank": 2, **more},

@@ -160,19 +160,6 @@ def make_layout(
             "the micro-batches and reduces them once: FSDP2's way)",
             hint="with pp > 1 use dp_mode='ddp', 'zero1' or 'fsdp'",
         )
-    if lay.pp > 1 and lay.dp_mode == "fsdp" and lay.replicas > 1:
-        unsupported = [
-            # torch 2.13's runtime keeps three stages unsharded (_add_unshard_reshard): every chunk of a rank
-            # from the step's start to its last action up to v = 3; more are evicted and gathered again
-            (lay.stages_per_rank > 3, f"the interleaved schedule with v = {lay.stages_per_rank} > 3 chunks a rank"),
-        ]
-        for bad, what in unsupported:
-            if bad:
-                raise SymacctError(
-                    f"FSDP2 over a pipeline is derived for GPipe, 1F1B and the interleaved schedule with v <= 3; "
-                    f"not yet with {what}",
-                    hint="drop that option, or use dp_mode='ddp' over the pipeline",
-                )
     if lay.bucket_view and (lay.pp > 1 or lay.micro_batches > 1):
         raise SymacctError(
             "gradient_as_bucket_view with a pipeline or gradient accumulation is not derived yet (the gradients "

@@ -34,8 +34,9 @@ activations, the runtime's receive buffers, the outputs and input gradients its 
 stage's kept outputs and losses; ``_pipeline_peak``, ``Parallel.pipeline_peaks``), and the optimizer step (the
 stage's own parameters' ops); the interleaved schedule likewise, chunk by chunk
 (``schedule.interleaved_holds``: every send's work kept to the step's end; ``Parallel._chunks_peak``), with
-FSDP2 over its chunks each point's chunk states too (``schedule.interleaved_fsdp_points``: the UNSHARD's
-outputs from the step's start, each chunk's REDUCE_GRAD after its last backward; ``Parallel._chunks_fsdp_peak``). Every
+FSDP2 over its chunks each point's chunk states too (``schedule.interleaved_fsdp_points`` on PyTorch's own
+lowering: each UNSHARD's outputs until the chunk's next action, a RESHARD's eviction, each chunk's REDUCE_GRAD
+after its last backward; ``Parallel._chunks_fsdp_peak``). Every
 other layout: parameters and optimizer states of the rank plus the larger of (held activations + ``working`` —
 FSDP2's gathered root and one gathered block where the overlay does not apply — + ``transient``, the single-
 device peak's bytes beyond its parameters, states and saved bytes at its forward and backward points, + the
@@ -66,6 +67,7 @@ from symacct.parallel.layout import Layout, check_model
 from symacct.parallel.schedule import (
     actions,
     chunk_gathers,
+    chunk_unshards,
     in_flight,
     interleaved_fsdp_points,
     interleaved_holds,
@@ -637,9 +639,11 @@ def derive_parallel(
         ]
         if mode == "fsdp" and layout.replicas > 1 and layout.stages_per_rank > 1:
             notes.append(
-                "FSDP2 over each stage chunk (torch 2.13's _PipelineScheduleRuntime, v <= 3): every chunk's groups "
-                "all-gathered at the step's start (UNSHARD), each chunk's outputs held until its first action "
-                "waits on them and copies them out; then each compute action as the blocks' state has it (a "
+                "FSDP2 over each stage chunk (torch 2.13's _PipelineScheduleRuntime and its own lowering: at most "
+                "three chunks unsharded; up to v = 3 every chunk's groups all-gathered at the step's start, more "
+                "chunks resharded and gathered again within the step, their unsharded gradients kept): each "
+                "UNSHARD's outputs held until the chunk's next action waits on them and copies them out; then "
+                "each compute action as the blocks' state has it (a "
                 "forward that finds them resharded gathers them and, with reshard_after_forward, frees them after; "
                 "a backward keeps them), the gradients held unsharded from the chunk's first backward, and its "
                 "REDUCE_GRAD right after its last backward reduce-scatters and reshards every group of the chunk; "
@@ -1857,21 +1861,25 @@ def _chunk_fsdp_beside(
 ) -> Any:
     """An interleaved FSDP2 rank's bytes at a point beside the chunk in flight's own (``_chunk_point`` without
     the gradients): every other chunk's parameters as its state has them (pending or all unsharded: every
-    group; after a forward that resharded: the root; reduced: none) and its gradients (unsharded once a
-    backward ran, sharded once reduced); the chunk in flight's unsharded gradients at a compute action after
-    its first backward (its wait, its reduce phase and the end count their own)."""
+    group; after a forward that resharded: the root; sharded or reduced: none) and its gradients (unsharded
+    once a backward ran, sharded once reduced); the chunk in flight's unsharded gradients after its first
+    backward, at a compute action or the wait on a later UNSHARD (its reduce phase and the end count their
+    own)."""
     h = p.held
     got = _chunk_point(h._replace(grads=(False,) * len(kinds)), kinds, parts, boundary, loss, head, 0)
     for c, state in enumerate(p.states):
         g = groups[kinds[c]]
         if c == h.chunk:
-            if p.kind not in ("U", "R") and h.grads[c]:
+            if p.kind != "R" and h.grads[c]:
                 got += g.grads
             continue
         if state == "reduced":
             got += g.sharded
             continue
-        got += g.root if state == "root" else g.gathered
+        if state in ("pending", "all"):
+            got += g.gathered
+        elif state == "root":
+            got += g.root
         got += g.grads if h.grads[c] else 0
     return got
 
@@ -2217,10 +2225,16 @@ def _collectives(
             calls = {"root": (m, ZERO, m), "block": (m, m if layout.reshard_after_forward else ZERO, m)}
             if layout.pp > 1 and layout.stages_per_rank > 1:
                 # the actions that gather a chunk's blocks, summed over the rank's chunks (g_f in forward, g_b in
-                # backward: chunk_gathers, set per layout as k is), each chunk L / (pp v) blocks
+                # backward: chunk_gathers, set per layout as k is), each chunk L / (pp v) blocks; the root's by
+                # the UNSHARDs of its chunk (the first stage's or the last's), again after an eviction (v > 3)
                 v = layout.stages_per_rank
                 one = sympy.Integer(1)
-                calls = {"root": (one, ZERO, one), "block": (sym("g_f") / v, sym("g_b") / v, one)}
+                index = stage_rank(stage, layout.pp)
+                rf, rb = chunk_unshards(layout.pp, layout.micro_batches, v, index, 0 if stage == "first" else v - 1)
+                calls = {
+                    "root": (sympy.Integer(rf), sympy.Integer(rb), one),
+                    "block": (sym("g_f") / v, sym("g_b") / v, one),
+                }
             elif layout.pp > 1:  # FSDP2 over a stage (symacct.parallel.fsdp): the stage kinds' all-gathers
                 calls = {"root": (sympy.Integer(1), ZERO, sympy.Integer(1)), "block": _stage_gathers(layout, stage)}
             for what, part, count in (("root", root, sympy.Integer(1)), ("block", block, n_blocks)):

@@ -426,7 +426,7 @@ class ChunkHeld(NamedTuple):
 
 @functools.lru_cache(maxsize=512)
 def interleaved_holds(
-    pp: int, m: int, v: int, rank: int, keep_outputs: bool = True, reduce: bool = False
+    pp: int, m: int, v: int, rank: int, keep_outputs: bool = True, reduce: bool = False, waits: bool = False
 ) -> tuple[ChunkHeld, ...]:
     """Per compute action of pipeline rank ``rank`` (in the order it runs them), then the step's end, what it
     holds beyond its micro-batch in flight, as torch 2.13's ``_PipelineScheduleRuntime._step_microbatches``
@@ -437,7 +437,9 @@ def interleaved_holds(
     losses (``_internal_losses``) and, with ``keep_outputs``, its outputs (``output_chunks``) to the end,
     where ``step`` merges the outputs. The receive buffers are the stages' own (``Rank.runtime``). ``reduce``:
     a point 'R' after each chunk's last backward, where the runtime's REDUCE_GRAD action runs its
-    ``perform_reduce_grad`` (FSDP2's reduce-scatters; ``_add_reduce_grad`` puts it there)."""
+    ``perform_reduce_grad`` (FSDP2's reduce-scatters; ``_add_reduce_grad`` puts it there). ``waits``: a point
+    'U' before every compute action, what the rank holds before it starts (a backward's micro-batch still in
+    its chunk's ``fwd_cache``): where the runtime waits on the chunk's UNSHARD, if one is pending."""
     n = pp * v
     mine = list(range(rank, n, pp))
     chunk = {s: c for c, s in enumerate(mine)}
@@ -458,6 +460,8 @@ def interleaved_holds(
 
     for a in actions("interleaved", pp, m, v)[rank]:
         c = chunk[a.stage]
+        if waits:
+            point("U", c)
         if a.kind == "F":
             point("F", c)
             fwd[c] += 1
@@ -511,10 +515,40 @@ class FsdpPoint(NamedTuple):
     states: tuple[str, ...]
 
 
-# a chunk's parameters at a point: its UNSHARD's all-gather outputs waiting (before its first compute action),
-# the root unsharded (the blocks resharded after a forward), root and blocks unsharded, or resharded once its
-# gradients are reduced (REDUCE_GRAD: the post-backward of every group, reshard_after_backward set)
-CHUNK_STATES = ("pending", "root", "all", "reduced")
+# a chunk's parameters at a point: sharded (before its first UNSHARD, and after a RESHARD evicted it; its
+# unsharded gradients kept once a backward ran), its UNSHARD's all-gather outputs waiting (before the chunk's
+# next compute action), the root unsharded (the blocks resharded after a forward), root and blocks unsharded,
+# or resharded once its gradients are reduced (REDUCE_GRAD: the post-backward of every group,
+# reshard_after_backward set)
+CHUNK_STATES = ("sharded", "pending", "root", "all", "reduced")
+
+
+@functools.lru_cache(maxsize=256)
+def fsdp_lowering(pp: int, m: int, v: int, rank: int) -> tuple[tuple[str, int], ...]:
+    """Pipeline rank ``rank``'s actions of ``ScheduleInterleaved1F1B`` with FSDP2 stage chunks as torch 2.13's
+    ``_PipelineScheduleRuntime`` runs them: PyTorch's own lowering (``_add_unshard_reshard``, which keeps at most
+    three chunks unsharded, prefetching the next ones to compute and evicting the others, then
+    ``_add_reduce_grad``) of the class's compute order. Each action as (kind, the rank's chunk index); kind: F,
+    B, UNSHARD, RESHARD or REDUCE_GRAD."""
+    from torch.distributed.pipelining import schedules as sch
+
+    order = _pipeline_order(_compute_only(sch.ScheduleInterleaved1F1B), pp, m, v)[rank]
+    names = {
+        sch.FORWARD: "F",
+        sch.FULL_BACKWARD: "B",
+        sch.UNSHARD: "UNSHARD",
+        sch.RESHARD: "RESHARD",
+        sch.REDUCE_GRAD: "REDUCE_GRAD",
+    }
+    out = []
+    for a in sch._add_reduce_grad(sch._add_unshard_reshard(order), m):
+        if a is None:
+            continue
+        kind = names.get(a.computation_type)
+        if kind is None:
+            raise SymacctError(f"torch's FSDP lowering has an action symacct cannot read: {a}", internal=True)
+        out.append((kind, (a.stage_index - rank) // pp))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=512)
@@ -522,48 +556,83 @@ def interleaved_fsdp_points(
     pp: int, m: int, v: int, rank: int, keep_outputs: bool, reshard: bool
 ) -> tuple[FsdpPoint, ...]:
     """The points of pipeline rank ``rank`` of ``ScheduleInterleaved1F1B`` with FSDP2 over each stage chunk's
-    module, as torch 2.13's ``_PipelineScheduleRuntime`` runs them (v <= 3: ``_add_unshard_reshard``'s three
-    active stages hold every chunk of the rank, so each is unsharded before the step's first action and
-    resharded after its last; ``symacct.parallel.layout`` refuses more). The UNSHARD all-gathers every group of
-    every chunk at once (``unshard(async_op=True)``); a chunk's first compute action waits on it (point 'U':
-    each group copied out, its output then freed), so its first forward finds root and blocks unsharded
-    ('Fw'); each later action as ``stage_kinds`` has it (each forward's post-forward reshards the blocks with
-    ``reshard_after_forward``, a backward keeps them: the stage sets ``reshard_after_backward`` False); after
-    its last backward, REDUCE_GRAD (point 'R') reduce-scatters and reshards every group of the chunk."""
-    holds = interleaved_holds(pp, m, v, rank, keep_outputs, reduce=True)
-    seqs: list[list[str]] = [[] for _ in range(v)]
-    for h in holds:
-        if h.kind in ("F", "B"):
-            seqs[h.chunk].append(h.kind)
-    kinds = [["Fw" if k == "F0" else k for k in stage_kinds(seq, reshard)] for seq in seqs]
-    state = ["pending"] * v
-    done = [0] * v
+    module, as torch 2.13's runtime runs its lowering (``fsdp_lowering``): an UNSHARD all-gathers every group
+    of a chunk at once (``unshard(async_op=True)``, its outputs allocated then); the chunk's next compute action
+    waits on it (point 'U': each group copied out, its output then freed), so it finds root and blocks
+    unsharded ('Fw', 'Bw'); each later action as ``stage_kinds`` has it (each forward's post-forward reshards
+    the blocks with ``reshard_after_forward``, a backward keeps them: the stage sets ``reshard_after_backward``
+    False); a RESHARD reshards every group (its unsharded gradients kept: they are the parameters' ``.grad``);
+    after its last backward, REDUCE_GRAD (point 'R') reduce-scatters and reshards every group of the chunk. Up
+    to v = 3 every chunk is unsharded before the rank's first action and resharded after its last; with more,
+    chunks are evicted and gathered again within the step, before forwards and before backwards."""
+    holds = iter(interleaved_holds(pp, m, v, rank, keep_outputs, reduce=True, waits=True))
+    state = ["sharded"] * v
     out: list[FsdpPoint] = []
-    for h in holds:
-        c = h.chunk
-        if h.kind in ("F", "B"):
-            if state[c] == "pending":
-                out.append(FsdpPoint(h._replace(kind="U"), "U", tuple(state)))
-            out.append(FsdpPoint(h, kinds[c][done[c]], tuple(state)))
-            done[c] += 1
-            state[c] = "all" if h.kind == "B" or not reshard else "root"
-        elif h.kind == "R":
+    for kind, c in fsdp_lowering(pp, m, v, rank):
+        if kind == "UNSHARD":
+            state[c] = "pending"
+        elif kind == "RESHARD":
+            state[c] = "reduced" if state[c] == "reduced" else "sharded"
+        elif kind == "REDUCE_GRAD":
+            h = next(holds)
+            _same_action(h, "R", c)
             out.append(FsdpPoint(h, "R", tuple(state)))
             state[c] = "reduced"
         else:
-            out.append(FsdpPoint(h, "end", tuple(state)))
+            wait, h = next(holds), next(holds)
+            _same_action(wait, "U", c)
+            _same_action(h, kind, c)
+            if state[c] == "pending":
+                out.append(FsdpPoint(wait, "U", tuple(state)))
+                state[c] = "all"
+            if state[c] not in ("all", "root"):
+                raise SymacctError(f"torch's lowering computes on chunk {c} while it is {state[c]}", internal=True)
+            out.append(FsdpPoint(h, kind + ("w" if state[c] == "all" else ""), tuple(state)))
+            state[c] = "all" if kind == "B" or not reshard else "root"
+    end = next(holds)
+    _same_action(end, "end", -1)
+    out.append(FsdpPoint(end, "end", tuple(state)))
     return tuple(out)
+
+
+def _same_action(h: ChunkHeld, kind: str, chunk: int) -> None:
+    """``interleaved_holds`` and ``fsdp_lowering`` walk the same compute actions."""
+    if (h.kind, h.chunk) != (kind, chunk):
+        raise SymacctError(
+            f"the FSDP lowering's {kind} of chunk {chunk} meets the schedule's {h.kind} of chunk {h.chunk}",
+            internal=True,
+        )
 
 
 @functools.lru_cache(maxsize=512)
 def chunk_gathers(pp: int, m: int, v: int, rank: int, reshard: bool) -> tuple[int, int]:
     """All-gathers of one block of each of the rank's chunks per step, summed over its chunks, in forward and in
-    backward (``interleaved_fsdp_points``): the UNSHARD's (used by the first forward), each forward after a
-    forward with ``reshard_after_forward``, each backward after a forward."""
+    backward (``interleaved_fsdp_points``): each UNSHARD's (in the phase of the action that waits on it), each
+    forward after a forward with ``reshard_after_forward``, each backward after a forward. A chunk's root
+    is gathered by its UNSHARDs alone (``chunk_unshards``)."""
     fwd = bwd = 0
-    for p in interleaved_fsdp_points(pp, m, v, rank, True, reshard):
-        if p.kind in ("U", "F"):
+    for _p, kind in _waits_read(interleaved_fsdp_points(pp, m, v, rank, True, reshard)):
+        if kind in ("F", "UF"):
             fwd += 1
-        elif p.kind == "B":
+        elif kind in ("B", "UB"):
             bwd += 1
     return fwd, bwd
+
+
+@functools.lru_cache(maxsize=512)
+def chunk_unshards(pp: int, m: int, v: int, rank: int, chunk: int) -> tuple[int, int]:
+    """The UNSHARDs of the rank's chunk ``chunk`` per step waited on by a forward and by a backward: its
+    root's all-gathers (no post-forward reshards a root)."""
+    kinds = [k for p, k in _waits_read(interleaved_fsdp_points(pp, m, v, rank, True, True)) if p.held.chunk == chunk]
+    return kinds.count("UF"), kinds.count("UB")
+
+
+def _waits_read(points: tuple[FsdpPoint, ...]) -> list[tuple[FsdpPoint, str]]:
+    """Each point with its FSDP2 kind, a wait 'U' as 'UF' or 'UB' by the compute action that follows it."""
+    out = []
+    for i, p in enumerate(points):
+        kind = p.kind
+        if kind == "U":
+            kind += points[i + 1].kind[0]
+        out.append((p, kind))
+    return out
