@@ -2,7 +2,7 @@
 
 1. Llama-3-70B (bf16, AdamW, SDPA, activation checkpointing, on meta): derive alone, and derive followed
    by the per-rank figures of a layout (FSDP2 over 64 GPUs; then 8 x 8 ZeRO-1 x 1F1B; a tensor- and
-   sequence-parallel rank, tp = 8, traced on the fake process group, in ZeRO-1 dp = 4 x 1F1B pp = 2; a
+   sequence-parallel rank, tp = 8, traced on the fake process group, in FSDP2 dp = 4 x 1F1B pp = 2; a
    context-parallel rank, PyTorch's ring over cp = 2 and 8, in FSDP2 over dp x cp = 64): issue 14's target
    is at most 3x the single-device derive.
 2. The planner: every layout of that model on 64 H100s (S = 8192, global batch 1024), ranked, tp = 1,
@@ -134,7 +134,7 @@ def main() -> None:
         lambda a: derive_parallel(a, make_layout(dp=8, pp=8, dp_mode="zero1", micro_batches=128)).at(B=1, S=8192),
     )
     fsdp_pipe, _ = _median(_with(make_layout(dp=8, pp=8, dp_mode="fsdp", micro_batches=16)))
-    tp_lay = make_layout(dp=4, tp=8, pp=2, dp_mode="zero1", micro_batches=8, sequence_parallel=True)
+    tp_lay = make_layout(dp=4, tp=8, pp=2, dp_mode="fsdp", micro_batches=8, sequence_parallel=True)
     with_tp, _ = _median(_with(tp_lay, tensor_parallel="megatron-sp", tp=8))
     with_cp = {}
     for cp in (2, 8):

@@ -73,13 +73,23 @@ def _check_rank(acct: symacct.Accounting, plan: str, cp: int, tp: int, B: int, S
     assert got.flops == one.flops.hardware  # the CPU flash backward recomputes the scores
     assert got.first_peak == mem.peak
     assert got.rank.peak == acct.liveness.steady().evaluate(acct.values_at(B=B, S=S, tp=tp, **sizes))[0]
-    lay = make_layout(cp=cp, tp=tp, dp_mode="ddp", sequence_parallel=plan == "megatron-sp")
+    # FSDP2 over the cp ranks (data parallelism over tensor-parallel ranks is FSDP2's): the traced step's
+    # collectives as they are, except the optimizer's all-reduces of sequence parallelism's Partial norm
+    # gradients, which FSDP2's post-backward makes Replicate instead, once per parameter
+    lay = make_layout(cp=cp, tp=tp, dp_mode="fsdp", sequence_parallel=plan == "megatron-sp")
     rank = derive_parallel(acct, lay).at(B=B, S=S, **sizes).ranks[0]
     assert {c.group for c in rank.collectives} >= {"tp", "cp"}
+    moved = [c for c in rank.collectives if "FSDP2's post-backward" in c.what]
     traced = Counter(
-        (c.op, c.phase, c.payload) for c in rank.collectives if c.group in ("tp", "cp") for _ in range(c.count)
+        (c.op, c.phase, c.payload)
+        for c in rank.collectives
+        if c.group in ("tp", "cp") and c not in moved
+        for _ in range(c.count)
     )
-    assert Counter(got.rank.collectives) == traced
+    ran = Counter(c for c in got.rank.collectives if c[1] != "optimizer")
+    assert ran == traced
+    in_optimizer = {(op, payload) for op, phase, payload in got.rank.collectives if phase == "optimizer"}
+    assert in_optimizer == {(c.op, c.payload) for c in moved} and bool(moved) == (plan == "megatron-sp")
 
 
 @pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
@@ -138,14 +148,14 @@ def test_formulas_against_each_alone() -> None:
             }
         )
 
-    lay = make_layout(cp=2, tp=2, dp_mode="ddp")
+    lay = make_layout(cp=2, tp=2, dp_mode="fsdp")
     assert kinds(both, lay, "tp", {}) == kinds(tensor, make_layout(tp=2), "tp", {S: S / 2})
 
 
 def test_ring_payloads_are_the_ring_ranks_over_tp() -> None:
     """The ring's payloads, as formulas: the ring rank's divided by tp (the local heads' keys and values)."""
     tp = sym("tp")
-    both = derive_parallel(_both("megatron"), make_layout(cp=2, tp=2, dp_mode="ddp")).ranks[0]
+    both = derive_parallel(_both("megatron"), make_layout(cp=2, tp=2, dp_mode="fsdp")).ranks[0]
     ring = derive_parallel(
         symacct.derive(Llama(_llama(*MODEL, 16)), optimizer="adamw", context_parallel=2),
         make_layout(cp=2, dp_mode="ddp"),
@@ -165,7 +175,7 @@ def test_planner_over_context_and_tensor_parallel() -> None:
     both = {(2, 2): _both("megatron")}
     rows = plan(one, gpus=8, hardware="H100-SXM", global_batch=4, seq=16, context_tensor_parallel=both)
     mixed = [r for r in rows if r.layout.cp == 2 and r.layout.tp == 2]
-    assert mixed and {r.layout.dp_mode for r in mixed} == {"ddp", "zero1", "zero2", "fsdp"}
+    assert mixed and {r.layout.dp_mode for r in mixed} == {"fsdp"}  # data parallelism over tp ranks: FSDP2
     for r in mixed:
         assert r.layout.world == 8 and r.micro_batch * r.layout.micro_batches * r.layout.dp == 4
         exact = derive_parallel(_both("megatron"), r.layout).at(B=r.micro_batch, S=16)
@@ -195,7 +205,7 @@ def test_a_collective_of_neither_group_is_refused() -> None:
     acct.step.groups = {name: dim for name, dim in acct.step.groups.items() if dim == "cp"} | {"elsewhere": "x"}
     acct.__dict__.pop("_parallel_formulas", None)
     with pytest.raises(SymacctError, match="ran over a process group that is neither") as e:
-        derive_parallel(acct, make_layout(cp=2, tp=2, dp_mode="ddp"))
+        derive_parallel(acct, make_layout(cp=2, tp=2, dp_mode="fsdp"))
     assert "_c10d_functional" in str(e.value)
 
 
@@ -278,10 +288,11 @@ def test_cli() -> None:
     cfg = {"dim": H * hd, "n_layers": L, "n_heads": H, "n_kv_heads": H_kv, "vocab_size": V, "hidden_dim": F}
     flags = [a for k, v in {**cfg, "max_seq_len": 16, "sdpa": "true"}.items() for a in ("--config", f"{k}={v}")]
     run = [sys.executable, "-m", "symacct.cli", "derive", "llama", *flags, "--batch", "2"]
-    out = subprocess.run([*run, "--cp", "2", "--tp", "2", "--dp-mode", "ddp", "--json"], capture_output=True, text=True)
+    both = ["--cp", "2", "--tp", "2", "--dp-mode", "fsdp", "--json"]
+    out = subprocess.run([*run, *both], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
-    pred = derive_parallel(_both("megatron"), make_layout(cp=2, tp=2, dp_mode="ddp")).at(B=2, S=16).ranks[0]
+    pred = derive_parallel(_both("megatron"), make_layout(cp=2, tp=2, dp_mode="fsdp")).at(B=2, S=16).ranks[0]
     assert got["degrees"]["cp"] == 2 and got["degrees"]["tp"] == 2
     assert got["ranks"][0]["bytes"]["peak"] == pred.peak
     listed = sorted((c["op"], c["phase"], c["payload_bytes"], c["count"]) for c in got["ranks"][0]["collectives"])

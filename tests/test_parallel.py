@@ -598,6 +598,7 @@ def test_interleaved_fsdp_points_read_torchs_lowering() -> None:
         _pipeline_order,
         chunk_gathers,
         chunk_unshards,
+        fsdp_lowering,
         interleaved_fsdp_points,
         stage_kinds,
     )
@@ -618,6 +619,17 @@ def test_interleaved_fsdp_points_read_torchs_lowering() -> None:
                         assert not any(b.stage_index == a.stage_index and b.is_compute_op for b in later)
             else:
                 assert len(unshards) > v  # evicted and gathered again
+    # up to v = 3 symacct writes the lowering out itself (PyTorch's rescans the list at every action): the
+    # same actions in the same order, UNSHARD, RESHARD and REDUCE_GRAD included
+    names = {sch.FORWARD: "F", sch.FULL_BACKWARD: "B", sch.UNSHARD: "UNSHARD", sch.RESHARD: "RESHARD"}
+    names[sch.REDUCE_GRAD] = "REDUCE_GRAD"
+    for pp in (2, 3, 4):
+        for v in (2, 3):
+            for m in range(pp, 4 * pp + 1, pp):
+                for rank, compute in enumerate(_pipeline_order(sch.ScheduleInterleaved1F1B, pp, m, v)):
+                    lowered = sch._add_reduce_grad(sch._add_unshard_reshard(compute), m)
+                    theirs = tuple((names[a.computation_type], (a.stage_index - rank) // pp) for a in lowered)
+                    assert fsdp_lowering(pp, m, v, rank) == theirs, (pp, m, v, rank)
     points = interleaved_fsdp_points(2, 4, 2, 0, True, True)
     by_chunk = [" ".join(p.kind for p in points if p.held.chunk == c) for c in (0, 1)]
     assert by_chunk == ["U Fw F F F B Bw Bw Bw R", "U Fw F B Bw Fw F B Bw R"]

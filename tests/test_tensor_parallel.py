@@ -169,6 +169,58 @@ def test_gloo_tensor_parallel(model: str) -> None:
         assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
 
 
+def test_ddp_and_zero_over_tensor_parallel_ranks_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """DDP, ZeRO-1 and ZeRO-2 over tensor-parallel ranks (with dp, or with cp's ranks to reduce over) are
+    refused by name, in the API and on the command line (one line, exit 2); the planner lays data parallelism
+    over tensor-parallel ranks with FSDP2 (and HSDP) only; tp alone under the default mode stays derived."""
+    from symacct.cli import main
+    from symacct.parallel.plan import layouts
+
+    for mode in ("ddp", "zero1", "zero2"):
+        for degrees in ({"dp": 2, "tp": 2}, {"cp": 2, "tp": 2}, {"dp": 2, "tp": 2, "pp": 2}):
+            with pytest.raises(SymacctError, match=f"{mode} over tensor-parallel ranks is not derived"):
+                make_layout(dp_mode=mode, **degrees)  # type: ignore[arg-type]
+    assert make_layout(tp=2, dp_mode="ddp").replicas == 1
+    one = symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw")
+    laid = [lay for lay, _ in layouts(one, 8, 16, tensor_parallel={2: _derived("gpt2", "megatron", 0)}, seq=16)]
+    assert {lay.dp_mode for lay in laid if lay.tp > 1 and lay.replicas > 1} == {"fsdp"}
+    assert {lay.dp_mode for lay in laid if lay.tp == 1} == {"ddp", "zero1", "zero2", "fsdp"}
+    assert main(["derive", "gpt2", "--dp", "2", "--tp", "2", "--dp-mode", "ddp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ddp over tensor-parallel ranks is not derived" in err[0]
+
+
+@pytest.mark.slow
+def test_gloo_ddp_over_tensor_parallel_is_not_the_traced_rank() -> None:
+    """Why DDP over tensor-parallel ranks is refused, measured on four gloo processes (dp 2 x tp 2, PyTorch's
+    composition: ``_pre_dp_module_transform``, then DDP over the data-parallel group): every rank's gradients
+    are its parameters' shards, where the tensor-parallel rank traced alone holds more (the embedding's
+    whole-vocabulary gradient); with sequence parallelism each norm's gradient is all-reduced over tp in
+    backward, once, where the traced rank all-reduces it in the optimizer step. The loss is one process's."""
+    from symacct.measure.parallel import gloo_world
+    from symacct.parallel.layout import Layout
+
+    cfg = _llama(4, 2, 8, 32, 64, 2)
+    for sp in (False, True):
+        got = gloo_world(Build(cfg), Layout(dp=2, tp=2, dp_mode="ddp", sequence_parallel=sp), Batch(2, 8, 64), adamw)
+        alone = derive_parallel(
+            _derived("llama", "megatron-sp" if sp else "megatron", 1), make_layout(tp=2, sequence_parallel=sp)
+        ).at(B=2, S=8)
+        traced = alone.ranks[0]
+        assert traced.grads > traced.params
+        norms = 2 * cfg.n_layers + 1
+        for g in got:
+            assert (g.params, g.grads) == (traced.params, traced.params)
+            calls = Counter(g.collectives)
+            assert not any(phase == "optimizer" for _op, phase, _b in calls)
+            if sp:
+                assert calls["all_reduce", "backward", 4 * cfg.dim] == norms
+                assert sum(c.count for c in traced.collectives if c.op == "all_reduce" and c.phase == "optimizer")
+        torch.manual_seed(0)
+        one = Llama(cfg)
+        assert got[0].loss == pytest.approx(float(one(*Batch(2, 8, 64)(one)).detach()), rel=1e-5)
+
+
 @pytest.mark.slow
 def test_gloo_collective_buffers_freed_in_program_order(tmp_path: Path) -> None:
     """Two gloo processes: a real run's live bytes see a finished collective's buffers freed when the

@@ -114,9 +114,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def static_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int, int]:
-    """Distinct storage bytes of the rank's parameters, gradients and optimizer states (DTensors' local parts)."""
-    params = [_local(p) for p in model.parameters()]
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    """Distinct storage bytes of the rank's parameters, gradients and optimizer states (DTensors' local parts).
+    The parameters are the optimizer's: with tensor parallelism under DDP, PyTorch's ``_pre_dp_module_transform``
+    swaps the module's parameters for DTensor attributes at every forward, so ``model.parameters()`` no longer
+    lists them, while the optimizer and DDP's reducer hold the local ones."""
+    own = [p for g in opt.param_groups for p in g["params"]] or list(model.parameters())
+    params = [_local(p) for p in own]
+    grads = [_local(p.grad) for p in own if p.grad is not None]
     states = [_local(s) for s in _state_tensors(opt)]
     return _distinct_nbytes(params), _distinct_nbytes(grads), _distinct_nbytes(states)
 
@@ -518,10 +522,6 @@ def _layout_mesh(layout: Layout, model: nn.Module) -> tuple[Any, Any]:
 
     if layout.replicas > 1 and layout.dp_mode not in ("ddp", "fsdp"):
         raise SymacctError(f"no real run for {layout.dp_mode}", hint="ddp, fsdp (hsdp_shard for HSDP)")
-    if layout.tp > 1 and layout.replicas > 1 and layout.dp_mode != "fsdp":
-        raise SymacctError(
-            "a real run of tensor parallelism with data or context parallelism is FSDP2's", hint="--dp-mode fsdp"
-        )
     dims = [("pp", layout.pp)] if layout.pp > 1 else []
     dims += (
         [("replicate", layout.replicate), ("shard", layout.hsdp_shard)] if layout.hsdp_shard else [("dp", layout.dp)]
@@ -563,7 +563,13 @@ def _dp_step(
         net: nn.Module = model
     elif layout.dp_mode == "ddp":
         # with cp, each rank's sequence tables are its own shard: rank 0's must not be broadcast over them
-        net = _ddp(model, layout, None, hooked, buckets, broadcast_buffers=layout.cp == 1)
+        group = None
+        if layout.tp > 1:
+            from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+            _pre_dp_module_transform(model)
+            group = dp_mesh.get_group()
+        net = _ddp(model, layout, group, hooked, buckets, broadcast_buffers=layout.cp == 1)
     elif layout.dp_mode == "fsdp":
         net = shard(model, layout, stack, dp_mesh)
     else:

@@ -154,6 +154,18 @@ def make_layout(
                 f"the HSDP shard group ({lay.hsdp_shard}) does not divide dp={lay.dp}",
                 hint="dp must be shard * replicate",
             )
+    if lay.tp > 1 and lay.replicas > 1 and lay.dp_mode != "fsdp":
+        # measured (tests/test_tensor_parallel.py): under PyTorch's DDP + TP composition each DTensor gradient
+        # is redistributed to its parameter's placement in backward (the embedding's whole-vocabulary gradient
+        # sharded there, sequence parallelism's norm all-reduces moved from the optimizer into backward), so
+        # its gradients, collectives and peak are not the traced tensor-parallel rank's
+        raise SymacctError(
+            f"{lay.dp_mode} over tensor-parallel ranks is not derived: PyTorch composes data parallelism with "
+            "tensor parallelism by FSDP2 (torchtitan refuses DDP with a second mesh dimension); DDP over DTensor "
+            "parameters runs only through the private _pre_dp_module_transform, whose gradients and collectives "
+            "differ from the traced tensor-parallel rank's",
+            hint="dp_mode='fsdp' (--dp-mode fsdp; hsdp_shard for replicas), or tp=1",
+        )
     if lay.pp > 1 and lay.dp_mode == "zero2" and lay.replicas > 1:
         raise SymacctError(
             "zero2 with a pipeline is not derived (PyTorch's pipeline accumulates the gradients unsharded over "

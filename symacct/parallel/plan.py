@@ -384,6 +384,8 @@ def _layouts_at(
                 piped_fsdp = pp > 1 and dp * cp > 1 and mode == "fsdp"  # FSDP2 (or HSDP) over a pipeline's stages
                 if dp * cp == 1 and mode != "ddp" or pp > 1 and mode == "zero2" and dp * cp > 1:
                     continue
+                if tp > 1 and dp * cp > 1 and mode != "fsdp":  # data parallelism over tp ranks: FSDP2's
+                    continue
                 own = mixed if mode == "fsdp" else {}
                 if pp == 1:
                     out.append((make_layout(dp=dp, dp_mode=mode, micro_batches=m, **deg, **own), b))

@@ -20,7 +20,7 @@ visual spacing, not waits). The bubble is the makespan less the rank's own busy 
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -529,7 +529,13 @@ def fsdp_lowering(pp: int, m: int, v: int, rank: int) -> tuple[tuple[str, int], 
     ``_PipelineScheduleRuntime`` runs them: PyTorch's own lowering (``_add_unshard_reshard``, which keeps at most
     three chunks unsharded, prefetching the next ones to compute and evicting the others, then
     ``_add_reduce_grad``) of the class's compute order. Each action as (kind, the rank's chunk index); kind: F,
-    B, UNSHARD, RESHARD or REDUCE_GRAD."""
+    B, UNSHARD, RESHARD or REDUCE_GRAD.
+
+    Up to v = 3 the lowering is written out directly (``_lowering_up_to_three``), which
+    ``tests/test_parallel.py`` compares with PyTorch's action for action: ``_add_unshard_reshard`` rescans the
+    rest of the list at every action, seconds over a planner's long schedules."""
+    if v <= 3:
+        return _lowering_up_to_three(pp, m, v, rank)
     from torch.distributed.pipelining import schedules as sch
 
     order = _pipeline_order(_compute_only(sch.ScheduleInterleaved1F1B), pp, m, v)[rank]
@@ -549,6 +555,29 @@ def fsdp_lowering(pp: int, m: int, v: int, rank: int) -> tuple[tuple[str, int], 
             raise SymacctError(f"torch's FSDP lowering has an action symacct cannot read: {a}", internal=True)
         out.append((kind, (a.stage_index - rank) // pp))
     return tuple(out)
+
+
+def _lowering_up_to_three(pp: int, m: int, v: int, rank: int) -> tuple[tuple[str, int], ...]:
+    """``fsdp_lowering`` of a rank of at most three chunks: every chunk is among the next three to compute from
+    the first action on, so each is unsharded before it (in the order of the chunks' first actions) and
+    evicted before the first action after its last one (or at the end), each REDUCE_GRAD right after the
+    chunk's last backward."""
+    acts = actions("interleaved", pp, m, v)[rank]
+    chunks = [(a.stage - rank) // pp for a in acts]
+    last = {c: i for i, c in enumerate(chunks)}
+    backwards = Counter(c for a, c in zip(acts, chunks, strict=True) if a.kind == "B")
+    active = list(dict.fromkeys(chunks))
+    out = [("UNSHARD", c) for c in active]
+    for i, (a, c) in enumerate(zip(acts, chunks, strict=True)):
+        for gone in sorted(k for k in active if last[k] < i):
+            out.append(("RESHARD", gone))
+            active.remove(gone)
+        out.append((a.kind, c))
+        if a.kind == "B":
+            backwards[c] -= 1
+            if backwards[c] == 0:
+                out.append(("REDUCE_GRAD", c))
+    return tuple(out + [("RESHARD", c) for c in sorted(active)])
 
 
 @functools.lru_cache(maxsize=512)
