@@ -834,16 +834,16 @@ def test_gloo_interleaved_pipeline() -> None:
 @pytest.mark.slow
 def test_gloo_interleaved_fsdp_pipeline() -> None:
     """FSDP2 over each stage chunk of the interleaved schedule (v = 2; fully_shard each block, then the chunk's
-    module), dp x pp on real gloo processes: GPT-2 of one block a chunk at m = 4 (a chunk's forward after a
-    forward after a backward gathers its blocks again), of two at m = 4 without reshard_after_forward (the
-    UNSHARD's gathers only), over three ranks (a middle rank: chunks without a root), with a
-    MixedPrecisionPolicy (bf16 parameters, fp32 accumulators; and bf16 in place at one block a chunk),
-    HSDP (2 replicas of 2 shards, eight processes), and v = 3; v = 4 and 5, where torch's lowering keeps three
-    chunks unsharded and evicts the others (two blocks a chunk, with and without the policy; over three ranks;
-    one block without resharding; v = 5 at one block). Every rank's static bytes (its shards), each all-gather,
-    reduce-scatter and all-reduce with its count, the sends, the loss, and the peak to the byte by at() (the
-    UNSHARD's outputs held from the step's start, each chunk's state at every point); the formula equal
-    where a chunk has two blocks, never below at one."""
+    module), dp x pp on real gloo processes: GPT-2 of one block a chunk at m = 4 (a chunk's forward after a forward
+    after a backward gathers its blocks again), of two at m = 4 without reshard_after_forward (the UNSHARD's gathers
+    only), over three ranks (a middle rank: chunks without a root), with a MixedPrecisionPolicy (bf16 parameters,
+    fp32 accumulators; and bf16 in place at one block a chunk), HSDP (2 replicas of 2 shards, eight processes), and
+    v = 3; v = 4 and 5, where torch's lowering keeps three chunks unsharded and evicts the others (two blocks a
+    chunk, with and without the policy; over three ranks; one block without resharding; v = 5 at one block; HSDP 2 x
+    2 at two blocks, m = 2). Every rank's static bytes (its shards), each all-gather, reduce-scatter and all-reduce
+    with its count, the sends, the loss, and the peak to the byte by at() (the UNSHARD's outputs held from the
+    step's start, each chunk's state at every point); the formula equal where a chunk has two blocks, never below at
+    one."""
     eight, twelve = dataclasses.replace(GPT2_PIPE, n_layer=8), dataclasses.replace(GPT2_PIPE, n_layer=12)
     ten, sixteen = dataclasses.replace(GPT2_PIPE, n_layer=10), dataclasses.replace(GPT2_PIPE, n_layer=16)
     twenty_four = dataclasses.replace(GPT2_PIPE, n_layer=24)
@@ -860,6 +860,7 @@ def test_gloo_interleaved_fsdp_pipeline() -> None:
         (twenty_four, 3, 3, True, {"stages_per_rank": 4}),
         (eight, 2, 4, False, {"stages_per_rank": 4}),
         (ten, 2, 4, True, {"stages_per_rank": 5}),
+        (sixteen, 2, 2, True, {"dp": 4, "hsdp_shard": 2, "stages_per_rank": 4}),  # HSDP: eight processes
     ):
         lay = make_layout(
             **{"dp": 2, "stages_per_rank": 2, **more},

@@ -462,21 +462,23 @@ def test_fsdp_reduces_sequence_parallel_norm_gradients_in_backward(param_dtype: 
         ("llama", {"dp": 2, "pp": 2, "param_dtype": "bf16", "reduce_dtype": "fp32"}),
         ("llama", {"dp": 2, "pp": 2, "sequence_parallel": True, "schedule": "interleaved", "stages_per_rank": 2}),
         ("llama", {"dp": 4, "hsdp_shard": 2, "pp": 2, "schedule": "gpipe", "micro_batches": 2}),
+        # four chunks a rank: torch's lowering evicts chunks and gathers them again (8 layers: one a chunk)
+        ("llama8", {"dp": 2, "pp": 2, "sequence_parallel": True, "schedule": "interleaved", "stages_per_rank": 4}),
     ],
 )
 def test_gloo_tensor_parallel_pipeline(model: str, layout: dict[str, Any]) -> None:
-    """Tensor parallelism inside pipeline stages on real gloo processes (tp = 2 x pp = 2: 4 processes; with
-    FSDP2 over dp = 2: 8; HSDP 2 x 2: 16), as ``symacct verify --parallel`` runs them: each stage's static
-    bytes, every collective's payload and count (DTensor's, FSDP2's, the stages' sends), its peak to the
-    byte, the loss against one process. Found by this run: the last stage keeps the gathered logits, not its
-    shard; sequence parallelism's split of the stack's input runs in block 0 only (the first stage); FSDP2
-    holds a vocabulary-parallel embedding's gradient whole; it makes the norms' Partial gradients Replicate
-    once, in its post-backward."""
+    """Tensor parallelism inside pipeline stages on real gloo processes (tp = 2 x pp = 2: 4 processes; with FSDP2 over
+    dp = 2: 8, over the interleaved schedule's chunks with v = 2 and 4; HSDP 2 x 2: 16), as ``symacct verify
+    --parallel`` runs them: each stage's static bytes, every collective's payload and count (DTensor's, FSDP2's, the
+    stages' sends), its peak to the byte, the loss against one process. Found by this run: the last stage keeps the
+    gathered logits, not its shard; sequence parallelism's split of the stack's input runs in block 0 only (the
+    first stage); FSDP2 holds a vocabulary-parallel embedding's gradient whole; it makes the norms' Partial
+    gradients Replicate once, in its post-backward."""
     lay = make_layout(tp=2, micro_batches=layout.pop("micro_batches", 4), dp_mode="fsdp", **layout)
     net = (
         GPT2(dataclasses.replace(_gpt2(4, 4, 38, 4, 16), tie_weights=False))
         if model == "gpt2"
-        else Llama(_llama(4, 2, 8, 32, 64, 4))
+        else Llama(_llama(4, 2, 8, 32, 64, 8 if model == "llama8" else 4))
     )
     rows = verify_parallel(net, lay, B=2, S=8)
     assert sum("peak" in r.name for r in rows) == 2 and all(r.ok for r in rows), [r for r in rows if not r.ok]
