@@ -104,6 +104,38 @@ class HFLoss(nn.Module):
         return self.lm(input_ids=ids, labels=labels).loss
 
 
+def _exit_at_once() -> None:
+    """End a gloo rank that passed without the interpreter's teardown, as ``gloo_world``'s ranks end: gloo's
+    worker threads may still hold tensors that teardown would destroy (pytorch/pytorch#179291), which aborts
+    the process now and then (SIGABRT, seen once in a CI run of ``reduce_scatter_peak``)."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_gloo(fn: Any, args: tuple[Any, ...], store: Any) -> None:
+    """``fn(rank, store, *args)`` on two spawned gloo processes, run once more (with a RuntimeWarning) if one
+    was ended by a native crash (SIGABRT, SIGSEGV, SIGBUS), as ``gloo_world`` does; a failure again, or any
+    other failure, is raised. ``store``: a fresh path per attempt is made under it."""
+    import signal
+    import warnings
+
+    import torch.multiprocessing as mp
+
+    for attempt in (1, 2):
+        try:
+            mp.spawn(fn, args=(str(store / f"store{attempt}"), *args), nprocs=2, join=True)
+            return
+        except mp.ProcessExitedException as e:
+            crashed = e.signal_name in {signal.Signals(s).name for s in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)}
+            if attempt == 2 or not crashed:
+                raise
+            warnings.warn(f"a gloo rank ended by {e.signal_name}: run once more", RuntimeWarning, stacklevel=2)
+
+
 def released_collective_buffers(rank: int, store: str, rounds: int) -> None:
     """A gloo rank issuing functional collectives under a ``StorageTracker``: once the program drops a
     collective's input and output, the very next op reads them freed, every round (no race with gloo's
@@ -127,6 +159,7 @@ def released_collective_buffers(rank: int, store: str, rounds: int) -> None:
                 del z
     finally:
         dist.destroy_process_group()
+    _exit_at_once()
 
 
 def reduce_scatter_peak(rank: int, store: str) -> None:
@@ -148,3 +181,4 @@ def reduce_scatter_peak(rank: int, store: str) -> None:
         assert out.eq(2).all()
     finally:
         dist.destroy_process_group()
+    _exit_at_once()

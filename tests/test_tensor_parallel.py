@@ -24,7 +24,7 @@ import sympy
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from parallel_cases import Batch, Build, adamw, reduce_scatter_peak, released_collective_buffers
+from parallel_cases import Batch, Build, adamw, reduce_scatter_peak, released_collective_buffers, spawn_gloo
 
 import symacct
 from symacct.errors import SymacctError
@@ -225,18 +225,14 @@ def test_gloo_ddp_over_tensor_parallel_is_not_the_traced_rank() -> None:
 def test_gloo_collective_buffers_freed_in_program_order(tmp_path: Path) -> None:
     """Two gloo processes: a real run's live bytes see a finished collective's buffers freed when the
     program drops them, every time (the tensor-parallel peaks above are compared to the byte)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(released_collective_buffers, args=(str(tmp_path / "store"), 40), nprocs=2, join=True)
+    spawn_gloo(released_collective_buffers, (40,), tmp_path)
 
 
 @pytest.mark.slow
 def test_gloo_reduce_scatter_counts_what_nccl_holds(tmp_path: Path) -> None:
     """Two gloo processes: a reduce-scatter's peak is its input and output, gloo's own flat copy of the input
     left out (NCCL makes none; FSDP2 over a pipeline peaked there on gloo)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(reduce_scatter_peak, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+    spawn_gloo(reduce_scatter_peak, (), tmp_path)
 
 
 @pytest.mark.slow
