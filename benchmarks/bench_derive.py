@@ -6,12 +6,14 @@ Prints, with medians over repeats (this machine is shared and noisy):
    pass of the same step on meta tensors, measured in the same process: the
    first of each in a fresh process (cold: nothing cached), and the median of
    repeats after a warm-up derive of another size (warm: PyTorch's fake-tensor
-   dispatch cache and symacct's rule caches filled, as in a sweep or a
-   planner); with AdamW and the memory pass beside the FlopCounterMode pass of
+   dispatch cache, symacct's rule caches and its family memo filled, as in a
+   sweep, a planner or a second command; the user's model is still traced
+   and compared every time: symacct.memo), and the same with the memo off
+   (every trace taken); with AdamW and the memory pass beside the FlopCounterMode pass of
    the step with AdamW and beside the plain one (every derive runs the memory
    pass: liveness, phase points, the peak);
-1. derive time of a gpt2 training step at L = 2, 12, 96 (derive traces probe
-   models, so it must not grow with L) and the L=96 / L=2 ratio;
+1. derive time of a gpt2 training step at L = 2, 12, 96, the memo off (derive
+   traces probe models, so it must not grow with L) and the L=96 / L=2 ratio;
 2. peak RSS of deriving a Llama-3-405B config (in a fresh subprocess), and
    derive with AdamW and memory (liveness, peak) for a Llama-3-70B config;
 3. a sweep of N random (B, S, D, L) gpt2 configs: the derived formula
@@ -37,12 +39,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import symacct
+from symacct import memo
 from symacct.models import GPT2, GPT2Config
 
 SIDE_BY_SIDE = """
 import statistics, sys
 sys.path.insert(0, {here!r})
 import symacct
+from symacct import memo
 from yardstick import derive_seconds, flop_counter_pass, gpt2
 
 adamw = {adamw}
@@ -50,7 +54,9 @@ cold = (flop_counter_pass(False), flop_counter_pass(True), derive_seconds(adamw)
 symacct.derive(gpt2(2), optimizer="adamw" if adamw else None)
 runs = (lambda: flop_counter_pass(False), lambda: flop_counter_pass(True), lambda: derive_seconds(adamw))
 warm = [statistics.median(f() for _ in range({repeats})) for f in runs]
-print(*cold, *warm)
+memo.FAMILIES.enabled = False
+traced = statistics.median(derive_seconds(adamw) for _ in range({repeats}))
+print(*cold, *warm, traced)
 """
 
 RSS_CHILD = """
@@ -74,12 +80,15 @@ def gpt2(L: int, **kw: int) -> GPT2:
 
 
 def time_derive(L: int, repeats: int) -> float:
+    """The median time of a derive with every trace taken (the family memo off: symacct.memo)."""
+    memo.FAMILIES.enabled = False
     times = []
     for _ in range(repeats):
         model = gpt2(L)
         t = time.perf_counter()
         symacct.derive(model)
         times.append(time.perf_counter() - t)
+    memo.FAMILIES.enabled = True
     return statistics.median(times)
 
 
@@ -111,10 +120,15 @@ def main() -> None:
     for adamw in (False, True):
         code = SIDE_BY_SIDE.format(here=str(Path(__file__).parent), adamw=adamw, repeats=args.repeats)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        c_fc, c_fca, c_d, w_fc, w_fca, w_d = (float(x) for x in out.stdout.split())
+        c_fc, c_fca, c_d, w_fc, w_fca, w_d, t_d = (float(x) for x in out.stdout.split())
         what = "derive with AdamW" if adamw else "derive"
         target = 2.0 if adamw else 1.0
-        for label, fc, fca, d in (("cold (fresh process)", c_fc, c_fca, c_d), ("warm (median)", w_fc, w_fca, w_d)):
+        rows = (
+            ("cold (fresh process)", c_fc, c_fca, c_d),
+            ("warm, the family memoised (median)", w_fc, w_fca, w_d),
+            ("warm, memo off: every trace taken (median)", w_fc, w_fca, t_d),
+        )
+        for label, fc, fca, d in rows:
             line = f"   {what}, {label}: {d:.3f} s; FlopCounterMode {fc:.3f} s -> {d / fc:.2f}x (target <= {target})"
             if adamw:
                 line += f"; vs its pass with AdamW {fca:.3f} s -> {d / fca:.2f}x"

@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from yardstick import median_time
 
 import symacct
+from symacct import memo
 from symacct.models import GPT2, GPT2Config
 from symacct.symbols import sym
 
@@ -34,6 +35,7 @@ def count(module: torch.nn.Module, B: int, S: int, vocab: int) -> int:
 
 
 def main() -> None:
+    memo.FAMILIES.enabled = False  # every derivation traced afresh, as these figures have always been (symacct.memo)
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--n", type=int, default=20, help="sizes for section 2")

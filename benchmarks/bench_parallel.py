@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 import symacct
+from symacct import memo
 from symacct.measure.parallel import fake_rank
 from symacct.models.gpt2 import GPT2, GPT2Config
 from symacct.models.presets import PRESETS
@@ -126,6 +127,7 @@ def _planned() -> tuple[float, list[Any]]:
 
 
 def main() -> None:
+    memo.FAMILIES.enabled = False  # every derivation traced afresh, as these figures have always been (symacct.memo)
     print(f"torch {torch.__version__}, symacct {symacct.__version__}; each time the median of {REPEATS} runs")
     derive70b()  # warm-up: imports, caches
     single, _ = _median(derive70b)

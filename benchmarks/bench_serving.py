@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from yardstick import median_time
 
 import symacct
+from symacct import memo
 from symacct.models.presets import PRESETS
 from symacct.time.serving import serve
 
@@ -33,6 +34,7 @@ def decode_pass(model: torch.nn.Module, B: int, C: int) -> int:
 
 
 def main() -> None:
+    memo.FAMILIES.enabled = False  # every derivation traced afresh, as these figures have always been (symacct.memo)
     print(f"torch {torch.__version__}, symacct {symacct.__version__}")
     cls, make = PRESETS["llama3-8b"]
     with torch.device("meta"):

@@ -6,7 +6,10 @@ first-call caches are not counted); beside them, one FlopCounterMode pass of
 the same step on meta tensors, and the same step on bare fake tensors (no
 recording), the floor a trace cannot go below.
 
-    python benchmarks/profile_derive.py [--optimizer adamw] [--repeats 3]
+    python benchmarks/profile_derive.py [--optimizer adamw] [--repeats 3] [--memo]
+
+The family memo (symacct.memo) is off unless ``--memo``: with it, the warm-up derive fills it and the timed
+derives trace only the user's model.
 
 docs/profile-derive.md quotes its output.
 """
@@ -27,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from yardstick import flop_counter_pass, gpt2
 
 import symacct
+from symacct import memo
 from symacct.models import GPT2, GPT2Config
 
 DERIVE = importlib.import_module("symacct.pipeline")  # the module (symacct.derive is the function)
@@ -72,7 +76,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--optimizer", default=None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--memo", action="store_true", help="the family memo on (the warm-up fills it): a second derive")
     args = ap.parse_args()
+    memo.FAMILIES.enabled = args.memo  # off by default: every trace taken, each stage timed
     symacct.derive(gpt2(2), optimizer=args.optimizer)  # warm-up: imports, rule tables, fake-tensor caches
     runs: list[dict[str, float]] = []
     totals = []
@@ -92,7 +98,7 @@ def main() -> None:
         runs.append(table)
     total = statistics.median(totals)
     fc = statistics.median(flop_counter_pass(bool(args.optimizer)) for _ in range(args.repeats))
-    print(f"torch {torch.__version__}; gpt2-small (L=12) training step, optimizer={args.optimizer}")
+    print(f"torch {torch.__version__}; gpt2-small (L=12) training step, optimizer={args.optimizer}, memo {args.memo}")
     print(f"derive: {total:.3f} s (median of {args.repeats}); FlopCounterMode pass on meta: {fc:.3f} s")
     print(f"ratio derive / FlopCounterMode: {total / fc:.2f}\n")
     print(f"{'stage':<24}{'s':>8}{'share':>8}  what")

@@ -44,6 +44,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import networkx as nx
 import numpy as np
 import sympy
 import torch
@@ -55,16 +56,19 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from symacct import memo
 from symacct.accounting import Accounting, aggregate
 from symacct.cost.experts import expert_layers
 from symacct.cost.experts import note as experts_note
 from symacct.cost.graph import CostedOp, build_graph, cost_ops
 from symacct.cost.layers import METRICS, factor, find_stacks, generic_path, repeated
+from symacct.cost.rules import registry as rule_registry
 from symacct.errors import SymacctError
 from symacct.memory.liveness import Liveness, fill_phases, intervals, liveness
 from symacct.memory.reserved import Timeline
 from symacct.memory.static import Memory, static_and_activations
 from symacct.models.hf import (
+    carried_settings,
     carry_checkpointing,
     check_experts_path,
     check_routing,
@@ -130,6 +134,8 @@ class _Source:
     kept: list[str] = dataclasses.field(default_factory=list)  # own size fields kept at their values (the retry)
     inputs_given: bool = False  # the inputs come from inputs= (or a task), not from model.example_inputs
     seq: int | None = None  # S kept at this value, no symbol (a decode step: one new token)
+    # field values -> the config build() constructs the model with (a model with a config; else None)
+    config_at: Callable[[dict[str, int]], Any] | None = None
 
 
 def _config_items(config: Any) -> list[tuple[str, Any]]:
@@ -248,7 +254,7 @@ def _source(
     candidate: dict[str, str] = {}
     follow: dict[str, tuple[str, str | None]] = {}
 
-    def build(vals: dict[str, int]) -> nn.Module:
+    def config_at(vals: dict[str, int]) -> Any:
         # a per-layer list (one entry per layer) follows the layer count: all alike, it is resized; while the
         # layer count is looked for (candidate), a mixed one is repeated cyclically, only to count the repeats
         lfield = candidate.get("field") or next((f for f, letter in fields.items() if letter == "L"), None)
@@ -262,7 +268,10 @@ def _source(
                 extra[name] = vals[num]
             elif den is not None and (num in vals or den in vals):
                 extra[name] = vals.get(num, ints[num]) // vals.get(den, ints[den])
-        built = cls(_with_fields(config, {k: v for k, v in {**vals, **extra}.items() if k != TP}))
+        return _with_fields(config, {k: v for k, v in {**vals, **extra}.items() if k != TP})
+
+    def build(vals: dict[str, int]) -> nn.Module:
+        built = cls(config_at(vals))
         if is_transformers_model(model):
             carry_checkpointing(model, built)
         return built
@@ -275,6 +284,7 @@ def _source(
         lists=lists,
         candidate=candidate,
         follow=follow,
+        config_at=config_at,
     )
 
 
@@ -978,10 +988,19 @@ def _derive(
     try:
         src = read_source(model, req)
         probes = choose_probes(model, src, req)
-        first = trace_first(src, probes, req)
-        check_same_model(model, src, probes, first, req)
-        second = trace_check(src, probes, first, req)
-        memory, live = memory_pass(src, probes, first, second, req)
+        key = family_key(model, src, probes, kwargs)
+        known = from_memo(model, src, key, req)
+        if known is None:
+            first = trace_first(src, probes, req)
+            check_same_model(model, src, probes, first, req)
+            second = trace_check(src, probes, first, req)
+            memory, live = memory_pass(src, probes, first, second, req)
+            known = Known(probes, first, memory, live)
+            if key is not None:
+                graph = build_graph(first.trace, first.costed, first.counts, probes.first.to_expr, first.stacks)
+                constraints = learn_constraints(first.trace, probes.first.to_expr)
+                memo.FAMILIES.put(key, dataclasses.replace(known, graph=graph, constraints=constraints))
+                known = dataclasses.replace(known, memory=memory.copy(), graph=graph.copy(), constraints=constraints)
     except _FixLayers as why:  # exact for this L, not factored by it
         lfields = [f for f, letter in why.src.fields.items() if letter == "L"]
         acct = _derive(model, **{**kwargs, "fixed": [*req.fixed, *lfields]})
@@ -1024,7 +1043,7 @@ def _derive(
             raise  # the first failure, with its cause: neither retry was what the step needed
         acct.notes.insert(0, note)
         return acct
-    return account(model, src, probes, first, memory, live, req)
+    return account(model, src, known, req)
 
 
 # ---- the passes of a derivation, each from one result to the next ---------------------------------------------
@@ -1536,13 +1555,91 @@ def memory_pass(
     return memory, live
 
 
-def account(
-    model: Any, src: _Source, probes: Probes, first: FirstTrace, memory: Memory, live: Liveness, req: Request
-) -> Accounting:
+@dataclasses.dataclass(frozen=True)
+class Known:
+    """What passes 2, 3, 5 and 6 found for a family (``symacct.memo``): the probes (padded as read), the
+    first trace symbolised, the memory formulas and the liveness."""
+
+    probes: Probes
+    first: FirstTrace
+    memory: Memory
+    live: Liveness
+    graph: nx.DiGraph | None = None  # the step graph (pass 7's build_graph), copied for each accounting
+    constraints: list[Any] | None = None  # the size constraints the first trace teaches
+
+
+def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, Any]) -> Any:
+    """The memo key of a derivation (``symacct.memo``), or None (not memoised): the model's class, the
+    config each probe builds, the size fields and their letters, the probe sizes, derive's options, the cost
+    rules, and the global settings a trace reads (the default dtype, deterministic algorithms, SDPA's
+    backends). With CUDA kernels chosen by size (``_own_size``) the model's own sizes too. A model without
+    config, or a factory, is not memoised: its build reads the user's object."""
+    if src.config_at is None or src.configless:
+        return None
+    probe_list = (probes.first, probes.second)
+    configs = tuple(memo.fingerprint(src.config_at(_field_values(src, p))) for p in probe_list)
+    options = {k: v for k, v in options.items() if k != "routing"}  # read by the accounting pass only
+    named = memo.fingerprint(options)
+    if named is None or None in configs:
+        return None
+    cuda = options.get("device") not in (None, "cpu") or options.get("hardware") is not None
+    shape = (
+        sorted(src.fields.items()),
+        sorted(src.follow.items()),
+        tuple(src.kept),
+        tuple(src.constants),
+        src.input_dims,
+        src.seq,
+        src.strided,
+        tuple(src.repeat_counts),
+        sorted(src.values.items()) if cuda else None,
+    )
+    sized = tuple(
+        (sorted(p.values.items()), p.layers, p.strict, p.constants, p.offsets, p.cuts, sorted(p.padded.items()))
+        for p in probe_list
+    )
+    settings = (
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        tuple(f() for f in _SDPA_FLAGS),
+        rule_registry.generation(),
+        carried_settings(model) if is_transformers_model(model) else None,
+    )
+    return (type(model), configs, named, repr(shape), repr(sized), settings)
+
+
+_SDPA_FLAGS = (
+    torch.backends.cuda.flash_sdp_enabled,
+    torch.backends.cuda.mem_efficient_sdp_enabled,
+    torch.backends.cuda.math_sdp_enabled,
+    torch.backends.cuda.cudnn_sdp_enabled,
+)
+
+
+def from_memo(model: Any, src: _Source, key: Any, req: Request) -> Known | None:
+    """The family's results, when memoised and the user's model runs the memo's probe model's ops (pass 4,
+    run every time); a difference drops the entry and the derivation runs afresh (its own pass 4 decides).
+    The memory formulas are copied: the accounting hands them out."""
+    known = memo.FAMILIES.get(key)
+    if known is None:
+        return None
+    try:
+        check_same_model(model, src, known.probes, known.first, req)
+    except (SymacctError, _Degenerate):
+        memo.FAMILIES.drop(key)
+        return None
+    graph = known.graph.copy() if known.graph is not None else None
+    return dataclasses.replace(known, memory=known.memory.copy(), graph=graph)
+
+
+def account(model: Any, src: _Source, known: Known, req: Request) -> Accounting:
     """Pass 7: the graph and its totals (``symacct.accounting.aggregate``), with the memory, the constraints
-    on the sizes, the experts and the notes."""
-    probe1, stacks = probes.first, first.stacks
-    graph = build_graph(first.trace, first.costed, first.counts, probe1.to_expr, stacks)
+    on the sizes, the experts and the notes. The graph and the constraints are the memo's when it has them."""
+    first, memory, live = known.first, known.memory, known.live
+    probe1, stacks = known.probes.first, first.stacks
+    graph = known.graph
+    if graph is None:
+        graph = build_graph(first.trace, first.costed, first.counts, probe1.to_expr, stacks)
     defaults = {}
     field_names = {}
     for f, letter in src.fields.items():
@@ -1571,7 +1668,9 @@ def account(
     for f in src.values:  # the config field behind a tied letter, for the notation tables
         if letter_for_field(f) in acct.tied:
             acct.fields.setdefault(letter_for_field(f), f)
-    acct.constraints = learn_constraints(first.trace, probe1.to_expr)
+    acct.constraints = (
+        list(known.constraints) if known.constraints is not None else learn_constraints(first.trace, probe1.to_expr)
+    )
     if is_transformers_model(model):
         acct.constraints += window_constraints(model, probe1.values.get("S", src.seq), probe1.values.get("C"))
     # an input size defaults to S (a decoder as long as the encoder); C (cached positions) has no default

@@ -29,6 +29,7 @@ import copy
 import functools
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,15 +45,32 @@ Key = tuple[str, str, str]  # phase, op, module path within its block (or the fu
 def fake_copy(model: nn.Module, fake: FakeTensorMode, device: str = "cpu") -> nn.Module:
     """``model`` copied with fake parameters and buffers (nothing allocated); meta tensors, and tensors on
     another device than ``device`` (a CPU model derived for CUDA), become fake ones on ``device``, so that
-    the copy runs with the step's inputs."""
-    with FakeCopyMode(fake):
-        out = copy.deepcopy(model)
-    moved: dict[int, torch.Tensor] = {}
+    the copy runs with the step's inputs.
+
+    Those are made first, contiguous, and handed to ``copy.deepcopy`` in its memo, so the copy neither clones
+    them (FakeCopyMode's way, a dispatched op each) nor replaces them afterwards; tied weights stay tied (one
+    memo entry per tensor object). Tensors already on ``device``, and tensor subclasses, are copied by
+    FakeCopyMode with their strides."""
+    memo: dict[int, Any] = {}
+    kind = torch.device(device).type
     with fake:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for t in table.values():
+                    if t is None or id(t) in memo or type(t) not in (nn.Parameter, torch.Tensor):
+                        continue
+                    if t.device.type != "meta" and t.device.type == kind:
+                        continue
+                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+    with FakeCopyMode(fake):
+        out = copy.deepcopy(model, memo)
+    moved: dict[int, torch.Tensor] = {}
+    with fake:  # what the memo did not hold (a tensor subclass on the meta device)
         for module in out.modules():
             for table in (module._parameters, module._buffers):
                 for name, t in table.items():
-                    if t is None or (t.device.type != "meta" and t.device.type == torch.device(device).type):
+                    if t is None or (t.device.type != "meta" and t.device.type == kind):
                         continue
                     if id(t) not in moved:  # tied weights stay tied
                         new = torch.empty(t.shape, dtype=t.dtype, device=device)

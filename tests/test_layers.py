@@ -48,6 +48,7 @@ ORDER = [
     "models.hf",
     "models.loading",
     "sameness",
+    "memo",
     "pipeline",
     "parallel.layout",
     "parallel.schedule",

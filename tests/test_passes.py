@@ -12,6 +12,7 @@ import torch
 from symacct.errors import SymacctError
 from symacct.models import GPT2, GPT2Config
 from symacct.pipeline import (
+    Known,
     _request,
     account,
     check_same_model,
@@ -97,6 +98,6 @@ def test_each_pass_feeds_the_next():
     assert len(second.trace.ops) > len(first.trace.ops)  # one block more
     memory, live = memory_pass(src, probes, first, second, req)
     assert live.other is not None and live.layers == 4
-    acct = account(model, src, probes, first, memory, live, req)
+    acct = account(model, src, Known(probes, first, memory, live), req)
     assert acct.memory is memory and acct.liveness is live
     assert acct.flops.total.has(L) and acct.symbols["L"] == 3

@@ -54,6 +54,17 @@ class Memory:
     inputs: Expr = 0  # the step's input tensors (distinct storages)
     loss: Expr = 0  # the training step's loss tensor
 
+    def copy(self) -> Memory:
+        """A copy whose lists and dicts are its own (formulas are immutable, shared)."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: type(v)(v)
+                for f in dataclasses.fields(self)
+                if isinstance(v := getattr(self, f.name), (list, dict))
+            },
+        )
+
 
 @dataclass(frozen=True)
 class ParamRow:

@@ -281,6 +281,16 @@ def eager_paths(own_positions: Callable[[], bool]) -> Iterator[None]:
         masking.find_packed_sequence_indices = original
 
 
+def carried_settings(user: nn.Module) -> frozenset[tuple[Any, ...]]:
+    """What ``carry_checkpointing`` carries from the user's model: (module type, on, function) of each module
+    that can checkpoint."""
+    return frozenset(
+        (type(m), bool(getattr(m, "gradient_checkpointing", False)), getattr(m, "_gradient_checkpointing_func", None))
+        for m in user.modules()
+        if hasattr(m, "gradient_checkpointing")
+    )
+
+
 def carry_checkpointing(user: nn.Module, probe: nn.Module) -> None:
     """Gradient checkpointing enabled on the user's model (``gradient_checkpointing_enable()``) lives on its
     modules, not in the config: set it the same way on the model rebuilt at probe sizes.
@@ -288,11 +298,7 @@ def carry_checkpointing(user: nn.Module, probe: nn.Module) -> None:
     Only when every module that can checkpoint has the same setting (the usual all-layers case); otherwise the
     rebuilt model differs, and derive's comparison of the two refuses it.
     """
-    settings = {
-        (type(m), bool(getattr(m, "gradient_checkpointing", False)), getattr(m, "_gradient_checkpointing_func", None))
-        for m in user.modules()
-        if hasattr(m, "gradient_checkpointing")
-    }
+    settings = carried_settings(user)
     by_type = {t: (on, fn) for t, on, fn in settings}
     if len(by_type) != len(settings):
         return

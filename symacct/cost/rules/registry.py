@@ -130,6 +130,11 @@ def lookup(op: torch._ops.OpOverload) -> RuleFn | None:
     return None
 
 
+def generation() -> tuple[Any, ...]:
+    """The rules now registered, by identity (``symacct.memo``'s key: a rule added or replaced is another)."""
+    return (*_BY_OP.items(), *_BY_TAG.items())
+
+
 def registered_ops() -> list[str]:
     """Names of the ops with a rule of their own, sorted."""
     return sorted(str(op) for op in _BY_OP)

@@ -1,0 +1,174 @@
+"""The family memo (symacct.memo): a second derivation of a family reuses the probe traces and gives what a
+fresh derivation gives; anything that changes the traced step (options, rules, a patched class) is derived
+afresh."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import symacct
+from symacct import memo
+from symacct.cost.rules import registry
+from symacct.models import GPT2, GPT2Config
+from symacct.models.gpt2 import MLP
+from symacct.report import sheet
+
+SMALL = GPT2Config(n_layer=3, n_head=2, n_embd=8, vocab_size=16, block_size=16)
+OTHER = GPT2Config(n_layer=5, n_head=4, n_embd=32, vocab_size=64, block_size=32)
+
+
+def _gpt2(cfg: GPT2Config) -> GPT2:
+    with torch.device("meta"):
+        return GPT2(cfg)
+
+
+def _fresh(model: nn.Module, **options) -> symacct.Accounting:
+    """A derivation with the memo switched off: everything traced."""
+    memo.FAMILIES.enabled = False
+    try:
+        return symacct.derive(model, **options)
+    finally:
+        memo.FAMILIES.enabled = True
+
+
+def _everything(acct: symacct.Accounting) -> dict:
+    """What a user reads off an accounting, as text: totals, memory formulas, notes, constraints, values at
+    the model's sizes, the formula sheet."""
+    mem = {f.name: str(getattr(acct.memory, f.name)) for f in dataclasses.fields(acct.memory)}
+    at = acct.at(B=2, S=8)
+    page = sheet.render_md(sheet.build(acct, name="gpt2", B=2))
+    return {
+        "flops": str(acct.flops),
+        "memory": mem,
+        "notes": list(acct.notes),
+        "constraints": sorted(str(c) for c in acct.constraints),
+        "symbols": dict(acct.symbols),
+        "at": (str(at.flops), at.memory.peak, at.memory.activations, at.memory.peak_at),
+        "nodes": acct.graph.number_of_nodes(),
+        "sheet": page,
+    }
+
+
+def test_fingerprint_names_values_by_value_and_callables_by_identity():
+    f, g = (lambda x: x), (lambda x: x)
+    assert memo.fingerprint({"a": 1, "b": (2.0, "x")}) == memo.fingerprint({"a": 1, "b": (2.0, "x")})
+    assert memo.fingerprint({"a": 1}) != memo.fingerprint({"a": 2})
+    assert memo.fingerprint(1) != memo.fingerprint(True) and memo.fingerprint(1) != memo.fingerprint(1.0)
+    assert memo.fingerprint(torch.bfloat16) != memo.fingerprint(torch.float16)
+    assert memo.fingerprint(f) == memo.fingerprint(f) and memo.fingerprint(f) != memo.fingerprint(g)
+    assert memo.fingerprint(SMALL) == memo.fingerprint(dataclasses.replace(SMALL))
+    assert memo.fingerprint(SMALL) != memo.fingerprint(dataclasses.replace(SMALL, bias=not SMALL.bias))
+    # tensors and modules are state that can change under one identity: no key, not memoised
+    assert memo.fingerprint(torch.zeros(2)) is None
+    assert memo.fingerprint({"plan": [nn.Linear(2, 2)]}) is None
+
+
+def test_memo_keeps_the_most_recently_used():
+    m = memo.Memo(size=2)
+    m.put("a", 1)
+    m.put("b", 2)
+    assert m.get("a") == 1  # a is now the most recent
+    m.put("c", 3)
+    assert m.get("b") is None and m.get("a") == 1 and m.get("c") == 3
+    assert (m.hits, m.misses, len(m)) == (3, 1, 2)
+    m.put(None, 4)  # no key: nothing kept
+    assert len(m) == 2
+    m.drop("a")
+    m.drop("a")  # already gone: not counted again
+    assert m.stale == 1 and m.get("a") is None
+    m.enabled = False
+    m.put("d", 5)
+    assert m.get("d") is None and m.get("c") is None
+
+
+def test_another_size_of_a_family_is_memoised_and_gives_what_a_fresh_derivation_gives():
+    symacct.derive(_gpt2(SMALL))
+    assert (memo.FAMILIES.hits, memo.FAMILIES.misses, len(memo.FAMILIES)) == (0, 1, 1)
+    got = symacct.derive(_gpt2(OTHER))
+    assert memo.FAMILIES.hits == 1  # the probe traces were not taken again
+    assert _everything(got) == _everything(_fresh(_gpt2(OTHER)))
+
+
+def test_with_adamw_the_memoised_derivation_is_the_fresh_one():
+    symacct.derive(_gpt2(SMALL), optimizer="adamw")
+    got = symacct.derive(_gpt2(OTHER), optimizer="adamw")
+    assert memo.FAMILIES.hits == 1
+    assert _everything(got) == _everything(_fresh(_gpt2(OTHER), optimizer="adamw"))
+
+
+def test_other_options_are_another_family():
+    plain = symacct.derive(_gpt2(SMALL))
+    adamw = symacct.derive(_gpt2(SMALL), optimizer="adamw")
+    assert (memo.FAMILIES.hits, memo.FAMILIES.misses) == (0, 2)
+    assert adamw.memory.optimizer != 0 and plain.memory.optimizer == 0
+
+
+def test_each_accounting_has_its_own_memory_and_graph():
+    a = symacct.derive(_gpt2(SMALL))
+    b = symacct.derive(_gpt2(OTHER))
+    assert memo.FAMILIES.hits == 1
+    assert a.memory is not b.memory and a.memory.activations_by_module is not b.memory.activations_by_module
+    assert a.graph is not b.graph
+    a.memory.activations_by_module.clear()
+    a.graph.clear()
+    c = symacct.derive(_gpt2(OTHER))
+    assert c.memory.activations_by_module and c.graph.number_of_nodes() == b.graph.number_of_nodes()
+
+
+def test_a_class_patched_after_memoisation_is_derived_afresh(monkeypatch):
+    before = symacct.derive(_gpt2(SMALL))
+    original = MLP.forward
+
+    def forward(self, x):  # one more elementwise op a block, forward and backward
+        return original(self, x) * 2.0
+
+    monkeypatch.setattr(MLP, "forward", forward)
+    got = symacct.derive(_gpt2(SMALL))  # the memo's probe traces ran the old forward: the user's model differs
+    assert (memo.FAMILIES.hits, memo.FAMILIES.stale) == (1, 1)  # found, compared, dropped, derived afresh
+    assert got.flops.other_forward != before.flops.other_forward  # the new op counted
+    assert _everything(got) == _everything(_fresh(_gpt2(SMALL)))
+
+
+def test_a_rule_replaced_is_another_family(monkeypatch):
+    before = symacct.derive(_gpt2(SMALL))
+    packet = torch.ops.aten.addmm
+    rule = registry._BY_OP[packet]
+
+    def doubled(call):
+        cost = rule(call)
+        return dataclasses.replace(cost, flops=2 * cost.flops)
+
+    monkeypatch.setitem(registry._BY_OP, packet, doubled)
+    got = symacct.derive(_gpt2(SMALL))
+    assert memo.FAMILIES.hits == 0
+    assert got.flops.total != before.flops.total
+
+
+def test_a_model_without_config_is_not_memoised():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for _ in range(2):
+        symacct.derive(model, inputs=lambda m, B, S: (torch.randn(B, 8),), loss=lambda out: out.sum())
+    assert len(memo.FAMILIES) == 0 and memo.FAMILIES.hits == 0
+
+
+@pytest.mark.parametrize("L", [2, 96])
+def test_a_memoised_derivation_traces_four_blocks_of_the_users_model_whatever_its_depth(L, monkeypatch):
+    from symacct import pipeline
+
+    symacct.derive(_gpt2(SMALL))
+    blocks = []
+    original = pipeline._trace
+
+    def counting(*a, **k):
+        trace = original(*a, **k)
+        blocks.append(len({r.module.split(".")[1] for r in trace.ops if r.module.startswith("blocks.")}))
+        return trace
+
+    monkeypatch.setattr(pipeline, "_trace", counting)
+    symacct.derive(_gpt2(dataclasses.replace(SMALL, n_layer=L)))
+    assert memo.FAMILIES.hits == 1
+    assert blocks == [min(L, 4)]  # one trace: the user's model, shortened (symacct.sameness)
