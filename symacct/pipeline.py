@@ -951,6 +951,11 @@ def _derive(
             ``tensor_parallel`` too: rank 0 of a (cp, tp) mesh, tp innermost,
             the model sharded over its tp ranks and the ring over its cp ranks.
 
+    Memo: a derivation of a model family already derived in this process (the same class, config settings
+    and options, at other sizes or the same) reuses its probe traces and formulas (``symacct.memo``); the
+    given model is still traced and compared with the probe model, and derived afresh where it differs.
+    ``symacct.memo.clear()`` forgets them; ``SYMACCT_MEMO=0`` in the environment switches the memo off.
+
     Thread safety: one derivation runs at a time (a process-wide lock):
     PyTorch's module tracking and fake-tensor state are global, so two traces
     at once would corrupt each other; a second thread waits for the first.

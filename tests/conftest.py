@@ -16,9 +16,48 @@ settings.load_profile(os.environ.get("SYMACCT_PROFILE", "ci"))
 
 @pytest.fixture(autouse=True)
 def _fresh_memo():
-    """Each test derives afresh: a test that patches symacct or a model class must not meet a family memoised
-    by another test (symacct.memo; its own tests exercise it)."""
+    """Each test derives afresh: a test must not meet a family another test memoised (symacct.memo)."""
     from symacct import memo
 
     memo.clear()
     yield
+    memo.clear()
+
+
+class _Patching(pytest.MonkeyPatch):
+    """pytest's monkeypatch, forgetting memoised derivations at each patch and undo: a patch of symacct or of
+    a model between two derivations changes what the second computes, which the memo's key does not see.
+    (tests/test_memo.py patches with a plain ``pytest.MonkeyPatch`` where the memo's own reaction is tested.)"""
+
+    def setattr(self, *a, **k):
+        super().setattr(*a, **k)
+        _forget()
+
+    def setitem(self, *a, **k):
+        super().setitem(*a, **k)
+        _forget()
+
+    def delattr(self, *a, **k):
+        super().delattr(*a, **k)
+        _forget()
+
+    def delitem(self, *a, **k):
+        super().delitem(*a, **k)
+        _forget()
+
+    def undo(self):
+        super().undo()
+        _forget()
+
+
+def _forget() -> None:
+    from symacct import memo
+
+    memo.clear()
+
+
+@pytest.fixture
+def monkeypatch():
+    mp = _Patching()
+    yield mp
+    mp.undo()

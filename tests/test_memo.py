@@ -119,21 +119,22 @@ def test_each_accounting_has_its_own_memory_and_graph():
     assert c.memory.activations_by_module and c.graph.number_of_nodes() == b.graph.number_of_nodes()
 
 
-def test_a_class_patched_after_memoisation_is_derived_afresh(monkeypatch):
+def test_a_class_patched_after_memoisation_is_derived_afresh():
     before = symacct.derive(_gpt2(SMALL))
     original = MLP.forward
 
     def forward(self, x):  # one more elementwise op a block, forward and backward
         return original(self, x) * 2.0
 
-    monkeypatch.setattr(MLP, "forward", forward)
-    got = symacct.derive(_gpt2(SMALL))  # the memo's probe traces ran the old forward: the user's model differs
-    assert (memo.FAMILIES.hits, memo.FAMILIES.stale) == (1, 1)  # found, compared, dropped, derived afresh
-    assert got.flops.other_forward != before.flops.other_forward  # the new op counted
-    assert _everything(got) == _everything(_fresh(_gpt2(SMALL)))
+    with pytest.MonkeyPatch.context() as mp:  # a plain one: conftest's forgets the memo at each patch
+        mp.setattr(MLP, "forward", forward)
+        got = symacct.derive(_gpt2(SMALL))  # the memo's probe traces ran the old forward: the user's model differs
+        assert (memo.FAMILIES.hits, memo.FAMILIES.stale) == (1, 1)  # found, compared, dropped, derived afresh
+        assert got.flops.other_forward != before.flops.other_forward  # the new op counted
+        assert _everything(got) == _everything(_fresh(_gpt2(SMALL)))
 
 
-def test_a_rule_replaced_is_another_family(monkeypatch):
+def test_a_rule_replaced_is_another_family():
     before = symacct.derive(_gpt2(SMALL))
     packet = torch.ops.aten.addmm
     rule = registry._BY_OP[packet]
@@ -142,10 +143,11 @@ def test_a_rule_replaced_is_another_family(monkeypatch):
         cost = rule(call)
         return dataclasses.replace(cost, flops=2 * cost.flops)
 
-    monkeypatch.setitem(registry._BY_OP, packet, doubled)
-    got = symacct.derive(_gpt2(SMALL))
-    assert memo.FAMILIES.hits == 0
-    assert got.flops.total != before.flops.total
+    with pytest.MonkeyPatch.context() as mp:  # a plain one: conftest's forgets the memo at each patch
+        mp.setitem(registry._BY_OP, packet, doubled)
+        got = symacct.derive(_gpt2(SMALL))
+        assert (memo.FAMILIES.hits, memo.FAMILIES.misses) == (0, 2)  # the key names the rules
+        assert got.flops.total != before.flops.total
 
 
 def test_a_model_without_config_is_not_memoised():
@@ -156,7 +158,7 @@ def test_a_model_without_config_is_not_memoised():
 
 
 @pytest.mark.parametrize("L", [2, 96])
-def test_a_memoised_derivation_traces_four_blocks_of_the_users_model_whatever_its_depth(L, monkeypatch):
+def test_a_memoised_derivation_traces_four_blocks_of_the_users_model_whatever_its_depth(L):
     from symacct import pipeline
 
     symacct.derive(_gpt2(SMALL))
@@ -168,7 +170,8 @@ def test_a_memoised_derivation_traces_four_blocks_of_the_users_model_whatever_it
         blocks.append(len({r.module.split(".")[1] for r in trace.ops if r.module.startswith("blocks.")}))
         return trace
 
-    monkeypatch.setattr(pipeline, "_trace", counting)
-    symacct.derive(_gpt2(dataclasses.replace(SMALL, n_layer=L)))
+    with pytest.MonkeyPatch.context() as mp:  # a plain one: conftest's forgets the memo at each patch
+        mp.setattr(pipeline, "_trace", counting)
+        symacct.derive(_gpt2(dataclasses.replace(SMALL, n_layer=L)))
     assert memo.FAMILIES.hits == 1
     assert blocks == [min(L, 4)]  # one trace: the user's model, shortened (symacct.sameness)
