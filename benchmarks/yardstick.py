@@ -2,12 +2,18 @@
 tensors under FlopCounterMode, and the same step derived.
 
 Each function builds its model first and times only the pass (or the derive), in seconds. The package's
-names load on first use, so the derive module is imported here, before any timer.
+names load on first use, so the derive module is imported here, before any timer. Each timed section runs
+as ``timeit`` runs its statement: after a full garbage collection, with the collector paused (derive pauses
+it anyway; a collection of the process's objects inside the FlopCounterMode pass would add tenths of a
+second to it, at random).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -29,20 +35,37 @@ def flop_counter_pass(adamw: bool = False) -> float:
     with torch.device("meta"):
         idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
     opt = torch.optim.AdamW(model.parameters()) if adamw else None
-    t = time.perf_counter()
-    with FlopCounterMode(display=False):
-        model(idx, idx).backward()
-        if opt is not None:
-            opt.step()
-    return time.perf_counter() - t
+    with timed() as seconds:
+        with FlopCounterMode(display=False):
+            model(idx, idx).backward()
+            if opt is not None:
+                opt.step()
+    return seconds()
 
 
 def derive_seconds(adamw: bool = False) -> float:
     """One derive of the step, with AdamW when ``adamw`` (the memory pass is part of every derive)."""
     model = gpt2()
+    with timed() as seconds:
+        symacct.derive(model, optimizer="adamw" if adamw else None)
+    return seconds()
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[Callable[[], float]]:
+    """The wall time of the block (read after it), as ``timeit`` takes it: a full collection first, the
+    collector paused inside."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
     t = time.perf_counter()
-    symacct.derive(model, optimizer="adamw" if adamw else None)
-    return time.perf_counter() - t
+    end: list[float] = []
+    try:
+        yield lambda: end[0] - t
+    finally:
+        end.append(time.perf_counter())
+        if was:
+            gc.enable()
 
 
 def median_time(fn, repeats: int = 3) -> float:
