@@ -175,3 +175,30 @@ def test_a_memoised_derivation_traces_four_blocks_of_the_users_model_whatever_it
         symacct.derive(_gpt2(dataclasses.replace(SMALL, n_layer=L)))
     assert memo.FAMILIES.hits == 1
     assert blocks == [min(L, 4)]  # one trace: the user's model, shortened (symacct.sameness)
+
+
+def _hf_llama(hidden: int, layers: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")  # in the test extra; the skip shows when it is missing
+    config = transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=3 * hidden // 2, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_a_transformers_family_is_memoised_and_gives_what_a_fresh_derivation_gives():
+    symacct.derive(_hf_llama(64, 3))
+    got = symacct.derive(_hf_llama(128, 6))
+    assert (memo.FAMILIES.hits, memo.FAMILIES.stale) == (1, 0)
+    assert _everything(got) == _everything(_fresh(_hf_llama(128, 6)))
+
+
+def test_gradient_checkpointing_switched_on_is_another_family():
+    model = _hf_llama(64, 3)
+    plain = symacct.derive(model)
+    model.gradient_checkpointing_enable()  # on the modules, not in the config: carried to the probe model
+    got = symacct.derive(model)
+    assert (memo.FAMILIES.hits, memo.FAMILIES.misses) == (0, 2)
+    assert got.flops.recompute != plain.flops.recompute  # the blocks run their forward again in backward
+    assert _everything(got) == _everything(_fresh(model))
