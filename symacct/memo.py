@@ -10,7 +10,8 @@ than the memo's probe model (a method patched since, a module swapped) is derive
 
 Keys are built by ``fingerprint``: plain values (numbers, strings, dtypes, tuples, lists, dicts, dataclasses
 and plain objects of them) by value, functions and classes by identity (held by the key, so an identity is
-never reused). Anything else makes no key, and that derivation is not memoised.
+never reused), a function with the values it captured and the module globals it names. Anything else makes
+no key, and that derivation is not memoised.
 
 ``clear()`` empties the memo; ``enabled`` switches it off (``SYMACCT_MEMO=0`` in the environment, read at
 import).
@@ -32,7 +33,9 @@ import torch
 SIZE = 8  # families kept, the least recently used dropped first: each holds two traces (a few MB)
 _DEPTH = 6  # nested objects followed; deeper is no key
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format)
-_BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, torch._ops.OpOverload)
+# by identity: what cannot change its behaviour under one identity that a key could read (a class's methods
+# patched are seen by derive's comparison of the user's model with the probe model)
+_BY_IDENTITY = (types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, torch._ops.OpOverload)
 
 
 class _NoKey(Exception):
@@ -50,6 +53,8 @@ def fingerprint(value: Any) -> Hashable | None:
 def _name(x: Any, depth: int) -> Hashable:
     if isinstance(x, _PLAIN) or isinstance(x, enum.Enum):
         return (type(x), x)
+    if isinstance(x, types.FunctionType):
+        return _function(x, depth)
     if isinstance(x, _BY_IDENTITY) or callable(x) and not hasattr(x, "__dict__"):
         return ("id", x)
     if depth == 0:
@@ -68,6 +73,28 @@ def _name(x: Any, depth: int) -> Hashable:
             return ("id", x)  # a callable object (a loss module's __call__ aside): by identity
         return (type(x), _name(vars(x), depth - 1))
     raise _NoKey
+
+
+def _function(f: types.FunctionType, depth: int) -> Hashable:
+    """A function by identity and by what it reads that can change under one identity: the values its closure
+    captured, its defaults, and (for a function given as an option, not one it reaches) the module globals
+    its code names (``lambda m, B, S: (torch.randn(B, W),)`` with ``W`` reassigned between two derivations is
+    another key)."""
+    if depth == 0:
+        raise _NoKey
+    cells = tuple(_cell(c, depth - 1) for c in f.__closure__ or ())
+    read: tuple[Hashable, ...] = ()
+    if depth >= _DEPTH - 1:
+        read = tuple((n, _name(f.__globals__[n], depth - 1)) for n in f.__code__.co_names if n in f.__globals__)
+    return ("fn", f, cells, _name(f.__defaults__, depth - 1), _name(f.__kwdefaults__, depth - 1), read)
+
+
+def _cell(cell: Any, depth: int) -> Hashable:
+    try:
+        value = cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return ("empty",)
+    return _name(value, depth)
 
 
 @dataclasses.dataclass

@@ -79,7 +79,7 @@ from symacct.models.hf import (
 from symacct.models.hf import serving_inputs as hf_serving_inputs
 from symacct.models.hf import task as task_for
 from symacct.models.hf import tp_plan as hf_tp_plan
-from symacct.options import CACHE_DTYPES, optimizer_factory, torch_dtype
+from symacct.options import CACHE_DTYPES, OPTIMIZERS, optimizer_factory, torch_dtype
 from symacct.sameness import NOT_THE_SAME, TENSOR_PARALLEL_IGNORED, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import exact_form, letter_for_field, sym
@@ -1575,10 +1575,11 @@ class Known:
 
 def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, Any]) -> Any:
     """The memo key of a derivation (``symacct.memo``), or None (not memoised): the model's class, the
-    config each probe builds, the size fields and their letters, the probe sizes, derive's options, the cost
-    rules, and the global settings a trace reads (the default dtype, deterministic algorithms, SDPA's
-    backends). With CUDA kernels chosen by size (``_own_size``) the model's own sizes too. A model without
-    config, or a factory, is not memoised: its build reads the user's object."""
+    config each probe builds, the size fields and their letters, the probe sizes, derive's options (the
+    optimizer class a name stands for), the cost rules, and the global settings a trace reads (the default
+    dtype, deterministic algorithms, an autocast the caller entered, SDPA's backends). With CUDA kernels
+    chosen by size (``_own_size``) the model's own sizes too. A model without config, or a factory, is not
+    memoised: its build reads the user's object."""
     if src.config_at is None or src.configless:
         return None
     probe_list = (probes.first, probes.second)
@@ -1603,11 +1604,14 @@ def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, A
         (sorted(p.values.items()), p.layers, p.strict, p.constants, p.offsets, p.cuts, sorted(p.padded.items()))
         for p in probe_list
     )
+    optimizer = options.get("optimizer")
     settings = (
         torch.get_default_dtype(),
         torch.are_deterministic_algorithms_enabled(),
+        tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
         tuple(f() for f in _SDPA_FLAGS),
         rule_registry.generation(),
+        OPTIMIZERS.get(optimizer.lower()) if isinstance(optimizer, str) else None,  # the class a name stands for
         carried_settings(model) if is_transformers_model(model) else None,
     )
     return (type(model), configs, named, repr(shape), repr(sized), settings)

@@ -202,3 +202,31 @@ def test_gradient_checkpointing_switched_on_is_another_family():
     assert (memo.FAMILIES.hits, memo.FAMILIES.misses) == (0, 2)
     assert got.flops.recompute != plain.flops.recompute  # the blocks run their forward again in backward
     assert _everything(got) == _everything(_fresh(model))
+
+
+def test_a_function_is_named_with_what_it_captured_and_the_globals_it_reads():
+    space = {"W": 8}
+    read = eval("lambda m, B, S: (W * B,)", space)  # reads the global W
+    before = memo.fingerprint({"inputs": read})
+    space["W"] = 16  # reassigned between two derivations: another key
+    assert memo.fingerprint({"inputs": read}) != before
+    space["W"] = 8
+    assert memo.fingerprint({"inputs": read}) == before
+
+    def captured(w):
+        return lambda m, B, S: (w * B,)
+
+    f = captured(8)
+    assert memo.fingerprint(f) == memo.fingerprint(f) != memo.fingerprint(captured(8))  # by identity too
+    before = memo.fingerprint(f)
+    f.__closure__[0].cell_contents = 16  # the captured value changed in place
+    assert memo.fingerprint(f) != before
+    assert memo.fingerprint(captured(nn.Linear(2, 2))) is None  # a module captured: not memoised
+
+
+def test_an_autocast_the_caller_entered_is_another_family():
+    symacct.derive(_gpt2(SMALL))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = symacct.derive(_gpt2(OTHER))
+        assert (memo.FAMILIES.hits, memo.FAMILIES.misses) == (0, 2)
+        assert _everything(got) == _everything(_fresh(_gpt2(OTHER)))
