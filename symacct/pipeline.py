@@ -20,6 +20,10 @@
 7. ``account``: the graph and its totals, the constraints on the sizes, the
    experts, the notes (``symacct.accounting``).
 
+A family derived before in the process (``symacct.memo``, keyed by ``family_key``) takes passes 3, 5 and 6
+from the memo (``from_memo``); pass 4 still traces the user's model, against the memo's probe trace, and a
+difference drops the entry and derives afresh.
+
 A pass that finds the layer stack cannot be factored raises ``_FixLayers``:
 derive starts again with L fixed at its value. A failure with size fields of
 the model's own as symbols (no known name) is tried again with each
@@ -1562,8 +1566,9 @@ def memory_pass(
 
 @dataclasses.dataclass(frozen=True)
 class Known:
-    """What passes 2, 3, 5 and 6 found for a family (``symacct.memo``): the probes (padded as read), the
-    first trace symbolised, the memory formulas and the liveness."""
+    """What passes 3, 5 and 6 found for a family (``symacct.memo``): the probes (padded as pass 3 read them),
+    the first trace symbolised, the memory formulas and the liveness; in the memo, pass 7's graph and size
+    constraints too."""
 
     probes: Probes
     first: FirstTrace
