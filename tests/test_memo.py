@@ -8,6 +8,9 @@ import dataclasses
 
 import pytest
 import torch
+from cases import build, gpt2_cases, llama_cases
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from torch import nn
 
 import symacct
@@ -35,11 +38,11 @@ def _fresh(model: nn.Module, **options) -> symacct.Accounting:
         memo.FAMILIES.enabled = True
 
 
-def _everything(acct: symacct.Accounting) -> dict:
+def _everything(acct: symacct.Accounting, S: int = 8) -> dict:
     """What a user reads off an accounting, as text: totals, memory formulas, notes, constraints, values at
     the model's sizes, the formula sheet."""
     mem = {f.name: str(getattr(acct.memory, f.name)) for f in dataclasses.fields(acct.memory)}
-    at = acct.at(B=2, S=8)
+    at = acct.at(B=2, S=S)
     page = sheet.render_md(sheet.build(acct, name="gpt2", B=2))
     return {
         "flops": str(acct.flops),
@@ -230,3 +233,56 @@ def test_an_autocast_the_caller_entered_is_another_family():
         got = symacct.derive(_gpt2(OTHER))
         assert (memo.FAMILIES.hits, memo.FAMILIES.misses) == (0, 2)
         assert _everything(got) == _everything(_fresh(_gpt2(OTHER)))
+
+
+@st.composite
+def _families(draw: st.DrawFn) -> tuple[nn.Module, nn.Module, int]:
+    """Two configs of one family (every switch the same, the sizes drawn twice, degenerate ones included:
+    H = 1, H_kv = H, one block) and an S both can run. S_max is at least 4: a GPT-2 of S_max = 1 with two
+    heads is refused by derive's comparison, memo or not (a difference at a one-row position table)."""
+    cfg, _, _ = draw(st.one_of(gpt2_cases(), llama_cases()))
+    assume(getattr(cfg, "block_size", getattr(cfg, "max_seq_len", 0)) >= 4)
+    if isinstance(cfg, GPT2Config):
+        H = draw(st.integers(1, 4))
+        other = dataclasses.replace(
+            cfg, n_layer=draw(st.integers(1, 6)), n_head=H, n_embd=H * draw(st.integers(1, 6)),
+            vocab_size=draw(st.integers(2, 40)), block_size=draw(st.integers(4, 17)),
+        )  # fmt: skip
+        S = min(cfg.block_size, other.block_size)
+    else:
+        Hkv = draw(st.integers(1, 3))
+        H = Hkv * draw(st.integers(1, 3))
+        other = dataclasses.replace(
+            cfg, n_layers=draw(st.integers(1, 6)), n_heads=H, n_kv_heads=Hkv, dim=H * 2 * draw(st.integers(1, 4)),
+            vocab_size=draw(st.integers(2, 40)), hidden_dim=draw(st.integers(1, 30)),
+            max_seq_len=draw(st.integers(4, 15)),
+        )  # fmt: skip
+        S = min(cfg.max_seq_len, other.max_seq_len)
+    return build(cfg), build(other), S
+
+
+@given(_families())
+def test_a_memoised_derivation_is_the_fresh_one_at_any_sizes(pair):
+    """Whatever the sizes of the family's first derivation and of the next (a memo hit, or a difference that
+    derives afresh), the next gives what a fresh derivation gives: the same figures, or the same refusal (some
+    small sizes run another attention path than the probe's, which derive's comparison refuses)."""
+    first, other, S = pair
+    memo.clear()
+    try:
+        symacct.derive(first, optimizer="adamw")
+    except symacct.SymacctError:
+        pass  # refused, memo or not: nothing memoised
+
+    def derived(derive):
+        try:
+            return derive(other, optimizer="adamw"), S
+        except symacct.SymacctError as e:
+            return ("refused", e.what)
+
+    got = derived(symacct.derive)
+    fresh = derived(_fresh)
+    if isinstance(got, tuple) and got[0] == "refused":
+        assert got == fresh
+    else:
+        assert not (isinstance(fresh, tuple) and fresh[0] == "refused"), fresh
+        assert _everything(*got) == _everything(*fresh)
