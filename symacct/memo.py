@@ -45,8 +45,10 @@ class _NoKey(Exception):
 def fingerprint(value: Any) -> Hashable | None:
     """A hashable name of ``value`` equal exactly when the values are (see the module doc), or None."""
     try:
-        return _name(value, _DEPTH)
-    except _NoKey:
+        name = _name(value, _DEPTH)
+        hash(name)  # an object named by identity that cannot be hashed: no key
+        return name
+    except (_NoKey, TypeError, RecursionError):
         return None
 
 

@@ -286,3 +286,14 @@ def test_a_memoised_derivation_is_the_fresh_one_at_any_sizes(pair):
     else:
         assert not (isinstance(fresh, tuple) and fresh[0] == "refused"), fresh
         assert _everything(*got) == _everything(*fresh)
+
+
+def test_an_unhashable_callable_makes_no_key():
+    class Unhashable:
+        __slots__ = ()
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, out):
+            return out
+
+    assert memo.fingerprint({"loss": Unhashable()}) is None
