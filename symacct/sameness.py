@@ -55,14 +55,9 @@ def fake_copy(model: nn.Module, fake: FakeTensorMode, device: str = "cpu") -> nn
     kind = torch.device(device).type
     with fake:
         for module in model.modules():
-            for table in (module._parameters, module._buffers):
-                for t in table.values():
-                    if t is None or id(t) in memo or type(t) not in (nn.Parameter, torch.Tensor):
-                        continue
-                    if t.device.type != "meta" and t.device.type == kind:
-                        continue
-                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+            for t in (*module._parameters.values(), *module._buffers.values()):
+                if _elsewhere(t, kind) and id(t) not in memo and type(t) in (nn.Parameter, torch.Tensor):
+                    memo[id(t)] = _empty_like(t, device)
     with FakeCopyMode(fake):
         out = copy.deepcopy(model, memo)
     moved: dict[int, torch.Tensor] = {}
@@ -70,13 +65,24 @@ def fake_copy(model: nn.Module, fake: FakeTensorMode, device: str = "cpu") -> nn
         for module in out.modules():
             for table in (module._parameters, module._buffers):
                 for name, t in table.items():
-                    if t is None or (t.device.type != "meta" and t.device.type == kind):
+                    if not _elsewhere(t, kind):
                         continue
                     if id(t) not in moved:  # tied weights stay tied
-                        new = torch.empty(t.shape, dtype=t.dtype, device=device)
-                        moved[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+                        moved[id(t)] = _empty_like(t, device)
                     table[name] = moved[id(t)]
     return out
+
+
+def _elsewhere(t: torch.Tensor | None, kind: str) -> bool:
+    """A tensor on the meta device or on another device type than the step's."""
+    return t is not None and (t.device.type == "meta" or t.device.type != kind)
+
+
+def _empty_like(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A contiguous empty tensor of ``t``'s shape and dtype on ``device`` (a parameter for a parameter), made
+    inside the fake mode by the caller."""
+    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+    return nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
 
 
 def _keys(
