@@ -323,7 +323,9 @@ def _follow_heads(src: _Source, degenerate: bool, tp: int | None = None) -> list
     - a head width equal to D/H (``head_dim`` stored by transformers' configs): it follows D/H;
     - with ``degenerate`` (derive's second try, when the model rebuilt at probe sizes ran other ops than the
       user's): key/value heads equal to the heads follow H (code branches on H == H_kv: transformers'
-      ``repeat_kv`` returns at once), and sizes of 1 stay 1 (they broadcast and make transposes free);
+      ``repeat_kv`` returns at once), the width equal to the heads follows H (heads of width 1: their
+      transposes are free, so fewer copies run), and sizes of 1 stay 1 (they broadcast and make transposes
+      free);
     - with tensor parallelism of degree ``tp``, key/value heads equal to tp (one a rank) follow tp, on the
       first try: the probe's many heads a rank would run other ops.
     """
@@ -339,6 +341,12 @@ def _follow_heads(src: _Source, degenerate: bool, tp: int | None = None) -> list
         src.follow[kv] = (h, None)
         del src.fields[kv]
         notes.append(f"{kv} = {h} (no grouped heads): it follows H")
+    narrow = _width_one_head(src)
+    if degenerate and narrow is not None:
+        d, h = narrow
+        src.follow[d] = (h, None)
+        del src.fields[d]
+        notes.append(f"{d} = {h} (heads of width 1): it follows H")
     ones = sorted(f for f, letter in src.fields.items() if src.values[f] == 1 and letter != "L") if degenerate else []
     for f in ones:
         del src.fields[f]
@@ -374,6 +382,15 @@ def _heads_tie(src: _Source) -> tuple[str, str] | None:
     return (h, kv) if h is not None and kv is not None and src.values[h] == src.values[kv] else None
 
 
+def _width_one_head(src: _Source) -> tuple[str, str] | None:
+    """The (width, heads) fields when both are symbols with equal values above 1: heads of width D/H = 1, whose
+    transposes are free (a size-1 dimension's stride is not read), so the model copies less than at sizes
+    where a head is wider."""
+    by_letter = {letter: f for f, letter in src.fields.items()}
+    d, h = by_letter.get("D"), by_letter.get("H")
+    return (d, h) if d is not None and h is not None and src.values[d] == src.values[h] > 1 else None
+
+
 def _kv_per_rank_one(src: _Source, tp: int | None) -> str | None:
     """The key/value heads field when tensor parallelism leaves one key/value head a rank (H_kv == tp)."""
     kv = next((f for f, letter in src.fields.items() if letter == "H_kv"), None)
@@ -383,7 +400,7 @@ def _kv_per_rank_one(src: _Source, tp: int | None) -> str | None:
 def _degenerate_sizes(src: _Source) -> bool:
     """Whether the config has sizes that a second try ties or fixes (see _follow_heads)."""
     ones = any(src.values[f] == 1 and letter != "L" for f, letter in src.fields.items())
-    return _heads_tie(src) is not None or ones
+    return _heads_tie(src) is not None or _width_one_head(src) is not None or ones
 
 
 def _follow_head_width(src: _Source) -> list[str]:
@@ -458,6 +475,9 @@ def _not_sizes(src: _Source) -> list[str]:
     """
     if src.configless:
         return []
+    unknown = sorted(f for f, letter in src.fields.items() if letter == f and letter != "L")
+    if not unknown:  # every field a known size name or the layer count: nothing to build
+        return []
     lfield = next((f for f, letter in src.fields.items() if letter == "L"), None)
     small = {lfield: 2} if lfield is not None and src.values[lfield] > 2 else {}
     built = _shapes(src, small)
@@ -465,9 +485,7 @@ def _not_sizes(src: _Source) -> list[str]:
         return []
     base, types = built
     out = []
-    for f, letter in sorted(src.fields.items()):
-        if letter != f or letter == "L":
-            continue  # a known size name, or the layer count
+    for f in unknown:
         v = src.values[f]
         # 2v + 1, not v + 1: a size read through a floor (image_size // patch_size) may not move by one
         other = _shapes(src, {**small, f: 2 * v + 1 if v != -1 else v + 2})

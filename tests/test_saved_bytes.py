@@ -13,6 +13,7 @@ import torch
 from cases import build, cruncher_cases, derived, gpt2_cases, llama_cases, sizes
 from hypothesis import given
 
+import symacct
 from symacct.measure.run import measure_step
 from symacct.models import GPT2, GPT2Config
 
@@ -49,3 +50,24 @@ def test_size_one_is_flagged():
     assert at_one.saved_bytes != measured  # PyTorch skips the q/k/v copies when B*H == 1 ...
     assert any("size 1" in n or "sizes >= 2" in n for n in at_one.notes)  # ... and at() says so
     assert not any("sizes >= 2" in n for n in acct.at(B=2, **sizes).notes)
+
+
+def test_heads_of_width_one_follow_h():
+    """A model whose heads are 1 wide (D = H > 1) transposes them for free (a size-1 dimension's stride is
+    not read), so it copies less than the probe model, whose heads are wider: derive's second try lets D
+    follow H, and the formulas equal a real CPU step (saved_tensors_hooks, FlopCounterMode) at other B, S."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for dropout in (0.0, 0.1):
+        cfg = GPT2Config(n_layer=3, n_head=4, n_embd=4, vocab_size=16, block_size=8, dropout=dropout)
+        with torch.device("meta"):
+            acct = symacct.derive(GPT2(cfg))
+        assert "n_embd = n_head (heads of width 1): it follows H" in acct.notes
+        assert set(acct.symbols) == {"L", "H", "V", "S_max"}  # no D: it is H
+        model = GPT2(cfg)
+        for B, S in ((2, 8), (3, 5)):
+            torch.manual_seed(0)
+            assert acct.at(B=B, S=S).saved_bytes == measure_step(model, model.example_inputs(B, S)).saved_bytes
+            with FlopCounterMode(display=False) as fc:
+                model(*model.example_inputs(B, S)).backward()
+            assert acct.at(B=B, S=S).flops.total == fc.get_total_flops()
