@@ -8,7 +8,10 @@ Prints, with medians over repeats (this machine is shared and noisy):
    repeats after a warm-up derive of another size (warm: PyTorch's fake-tensor
    dispatch cache, symacct's rule caches and its family memo filled, as in a
    sweep, a planner or a second command; the user's model is still traced
-   and compared every time: symacct.memo), and the same with the memo off
+   and compared every time: symacct.memo), the same at widths not traced
+   before in the process (D = 64 H, H = 13, 14, ...: the user's trace then
+   misses the fake-tensor cache for its first block, beside FlopCounterMode
+   passes at those widths), and the same with the memo off
    (every trace taken); with AdamW and the memory pass beside the FlopCounterMode pass of
    the step with AdamW and beside the plain one (every derive runs the memory
    pass: liveness, phase points, the peak);
@@ -55,9 +58,13 @@ cold = (flop_counter_pass(False), flop_counter_pass(True), derive_seconds(adamw)
 symacct.derive(gpt2(2), optimizer="adamw" if adamw else None)
 runs = (lambda: flop_counter_pass(False), lambda: flop_counter_pass(True), lambda: derive_seconds(adamw))
 warm = [statistics.median(f() for _ in range({repeats})) for f in runs]
+fresh = [dict(n_embd=64 * h, n_head=h) for h in range(13, 13 + {repeats})]  # widths not traced before
+widths = [derive_seconds(adamw, **w) for w in fresh]
+widths_fc = [flop_counter_pass(False, **w) for w in fresh] + [flop_counter_pass(True, **w) for w in fresh]
+new = (statistics.median(widths_fc[:len(fresh)]), statistics.median(widths_fc[len(fresh):]), statistics.median(widths))
 memo.FAMILIES.enabled = False
 traced = statistics.median(derive_seconds(adamw) for _ in range({repeats}))
-print(*cold, *warm, traced)
+print(*cold, *warm, traced, *new)
 """
 
 RSS_CHILD = """
@@ -121,12 +128,13 @@ def main() -> None:
     for adamw in (False, True):
         code = SIDE_BY_SIDE.format(here=str(Path(__file__).parent), adamw=adamw, repeats=args.repeats)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        c_fc, c_fca, c_d, w_fc, w_fca, w_d, t_d = (float(x) for x in out.stdout.split())
+        c_fc, c_fca, c_d, w_fc, w_fca, w_d, t_d, n_fc, n_fca, n_d = (float(x) for x in out.stdout.split())
         what = "derive with AdamW" if adamw else "derive"
         target = 2.0 if adamw else 1.0
         rows = (
             ("cold (fresh process)", c_fc, c_fca, c_d),
             ("warm, the family memoised (median)", w_fc, w_fca, w_d),
+            ("warm, the family memoised, widths new to the process (median)", n_fc, n_fca, n_d),
             ("warm, memo off: every trace taken (median)", w_fc, w_fca, t_d),
         )
         for label, fc, fca, d in rows:

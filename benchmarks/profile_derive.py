@@ -7,6 +7,10 @@ the same step on meta tensors, and the same step on bare fake tensors (no
 recording), the floor a trace cannot go below.
 
     python benchmarks/profile_derive.py [--optimizer adamw] [--repeats 3] [--memo]
+    python benchmarks/profile_derive.py --floor [--repeats 5]
+
+``--floor`` prints only what one step costs before anything is recorded: on meta tensors (with and without
+FlopCounterMode) and on fake tensors (the dispatch cache hit, missed at new widths, or off).
 
 The family memo (symacct.memo) is off unless ``--memo``: with it, the warm-up derive fills it and the timed
 derives trace only the user's model.
@@ -62,14 +66,52 @@ def _timed(table: dict[str, float], name: str, fn: Callable[..., Any]) -> Callab
     return run
 
 
-def bare_fake(L: int) -> float:
-    """The forward and backward of the probe-sized gpt2 on fake tensors with nothing recorded."""
-    with FakeTensorMode():
-        model = GPT2(GPT2Config(n_layer=L))
+def bare_fake(L: int, cache: bool = True, **widths: int) -> float:
+    """The forward and backward of gpt2 (small, or ``widths``) on fake tensors with nothing recorded;
+    ``cache=False``: FakeTensorMode's dispatch cache off (every op runs its meta kernel)."""
+    with FakeTensorMode() as fake:
+        fake.cache_enabled = cache
+        model = GPT2(GPT2Config(n_layer=L, **widths))
         idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
         t = time.perf_counter()
         model(idx, idx).backward()
         return time.perf_counter() - t
+
+
+def bare_meta(L: int) -> float:
+    """The same step on meta tensors, no mode: what FlopCounterMode's pass runs under its counting."""
+    model = gpt2(L)
+    with torch.device("meta"):
+        idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
+    t = time.perf_counter()
+    model(idx, idx).backward()
+    return time.perf_counter() - t
+
+
+FIRST = (4, 5, 4)  # the blocks of a first derive's traces: the probe, the check at other sizes, the user's model
+
+
+def floor(repeats: int) -> None:
+    """What a trace costs before symacct records anything: the floor under derive's three traces."""
+    fresh = iter(range(13, 13 + 4 * repeats))  # heads: widths D = 64 H never traced before in the process
+
+    def new_widths(L: int = 4) -> float:
+        h = next(fresh)
+        return bare_fake(L, n_embd=64 * h, n_head=h)
+
+    rows = (
+        ("FlopCounterMode pass on meta, L=12 (the yardstick)", lambda: flop_counter_pass(False)),
+        ("meta tensors, no mode, L=12", lambda: bare_meta(12)),
+        ("meta tensors, no mode, L=4", lambda: bare_meta(4)),
+        ("fake tensors, L=4, widths traced before (dispatch cache hits)", lambda: bare_fake(4)),
+        ("fake tensors, L=4, widths new to the process (first block misses)", new_widths),
+        ("fake tensors, L=4, FakeTensorMode's dispatch cache off", lambda: bare_fake(4, cache=False)),
+        ("fake tensors, a first derive's three traces: L=4, 5, 4 at new widths", lambda: sum(map(new_widths, FIRST))),
+    )
+    bare_fake(4)  # the cache filled for gpt2-small's widths
+    print(f"\nthe floor: one forward+backward of gpt2, nothing recorded (median of {repeats})")
+    for label, fn in rows:
+        print(f"   {label:<72}{statistics.median(fn() for _ in range(repeats)):.3f} s")
 
 
 def main() -> None:
@@ -77,7 +119,11 @@ def main() -> None:
     ap.add_argument("--optimizer", default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--memo", action="store_true", help="the family memo on (the warm-up fills it): a second derive")
+    ap.add_argument("--floor", action="store_true", help="only the floor: one step on meta and fake tensors")
     args = ap.parse_args()
+    if args.floor:
+        floor(args.repeats)
+        return
     memo.FAMILIES.enabled = args.memo  # off by default: every trace taken, each stage timed
     symacct.derive(gpt2(2), optimizer=args.optimizer)  # warm-up: imports, rule tables, fake-tensor caches
     runs: list[dict[str, float]] = []
@@ -108,8 +154,8 @@ def main() -> None:
         accounted += s
         print(f"{name:<24}{s:>8.3f}{s / total:>8.0%}  {what}")
     print(f"{'(rest)':<24}{total - accounted:>8.3f}{(total - accounted) / total:>8.0%}  probe choice, config reading")
-    floor = {L: statistics.median(bare_fake(L) for _ in range(args.repeats)) for L in (4, 5)}
-    print(f"\nbare fake-tensor forward+backward (nothing recorded): L=4 {floor[4]:.3f} s, L=5 {floor[5]:.3f} s")
+    bare = {L: statistics.median(bare_fake(L) for _ in range(args.repeats)) for L in (4, 5)}
+    print(f"\nbare fake-tensor forward+backward (nothing recorded): L=4 {bare[4]:.3f} s, L=5 {bare[5]:.3f} s")
 
 
 if __name__ == "__main__":

@@ -24,14 +24,18 @@ from symacct.models import GPT2, GPT2Config
 _ = symacct.derive  # the package's names load on first use: loaded here, before any timer
 
 
-def gpt2(L: int = 12) -> GPT2:
+MEDIUM = {"n_embd": 1024, "n_head": 16}  # gpt2-medium's widths: another member of the family
+
+
+def gpt2(L: int = 12, **widths: int) -> GPT2:
+    """gpt2-small on the meta device (``widths``: other config fields, such as ``MEDIUM``)."""
     with torch.device("meta"):
-        return GPT2(GPT2Config(n_layer=L))
+        return GPT2(GPT2Config(n_layer=L, **widths))
 
 
-def flop_counter_pass(adamw: bool = False) -> float:
+def flop_counter_pass(adamw: bool = False, **widths: int) -> float:
     """One FlopCounterMode pass of the step (B=1, S=1024), with AdamW's step when ``adamw``."""
-    model = gpt2()
+    model = gpt2(**widths)
     with torch.device("meta"):
         idx = torch.zeros(1, model.config.block_size, dtype=torch.long)
     opt = torch.optim.AdamW(model.parameters()) if adamw else None
@@ -43,9 +47,9 @@ def flop_counter_pass(adamw: bool = False) -> float:
     return seconds()
 
 
-def derive_seconds(adamw: bool = False) -> float:
+def derive_seconds(adamw: bool = False, **widths: int) -> float:
     """One derive of the step, with AdamW when ``adamw`` (the memory pass is part of every derive)."""
-    model = gpt2()
+    model = gpt2(**widths)
     with timed() as seconds:
         symacct.derive(model, optimizer="adamw" if adamw else None)
     return seconds()

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 from cases import build, gpt2_cases, llama_cases
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -238,15 +238,13 @@ def test_an_autocast_the_caller_entered_is_another_family():
 @st.composite
 def _families(draw: st.DrawFn) -> tuple[nn.Module, nn.Module, int]:
     """Two configs of one family (every switch the same, the sizes drawn twice, degenerate ones included:
-    H = 1, H_kv = H, one block) and an S both can run. S_max is at least 4: a GPT-2 of S_max = 1 with two
-    heads is refused by derive's comparison, memo or not (a difference at a one-row position table)."""
+    H = 1, H_kv = H, heads of width 1, one block, a one-row position table) and an S both can run."""
     cfg, _, _ = draw(st.one_of(gpt2_cases(), llama_cases()))
-    assume(getattr(cfg, "block_size", getattr(cfg, "max_seq_len", 0)) >= 4)
     if isinstance(cfg, GPT2Config):
         H = draw(st.integers(1, 4))
         other = dataclasses.replace(
             cfg, n_layer=draw(st.integers(1, 6)), n_head=H, n_embd=H * draw(st.integers(1, 6)),
-            vocab_size=draw(st.integers(2, 40)), block_size=draw(st.integers(4, 17)),
+            vocab_size=draw(st.integers(2, 40)), block_size=draw(st.integers(1, 17)),
         )  # fmt: skip
         S = min(cfg.block_size, other.block_size)
     else:
@@ -255,7 +253,7 @@ def _families(draw: st.DrawFn) -> tuple[nn.Module, nn.Module, int]:
         other = dataclasses.replace(
             cfg, n_layers=draw(st.integers(1, 6)), n_heads=H, n_kv_heads=Hkv, dim=H * 2 * draw(st.integers(1, 4)),
             vocab_size=draw(st.integers(2, 40)), hidden_dim=draw(st.integers(1, 30)),
-            max_seq_len=draw(st.integers(4, 15)),
+            max_seq_len=draw(st.integers(1, 15)),
         )  # fmt: skip
         S = min(cfg.max_seq_len, other.max_seq_len)
     return build(cfg), build(other), S
