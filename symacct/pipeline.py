@@ -84,7 +84,7 @@ from symacct.models.hf import serving_inputs as hf_serving_inputs
 from symacct.models.hf import task as task_for
 from symacct.models.hf import tp_plan as hf_tp_plan
 from symacct.options import CACHE_DTYPES, OPTIMIZERS, optimizer_factory, torch_dtype
-from symacct.sameness import NOT_THE_SAME, TENSOR_PARALLEL_IGNORED, fake_copy, shortened
+from symacct.sameness import NOT_THE_SAME, TENSOR_PARALLEL_IGNORED, compare_parameters, fake_copy, shortened
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import exact_form, letter_for_field, sym
 from symacct.time.hardware import get as get_hardware
@@ -686,16 +686,29 @@ def _own_size(src: _Source, probe: Probe) -> Callable[[int], int]:
     """A traced dimension as the user's model has it, for the kernel choices that read sizes: its reading in
     symbols at the model's own values (a head D/H, 232 wide at the probe, is 128 in a model with D = 4096 and
     H = 32); a dimension with no reading, or in symbols the model leaves free (B, S), as traced."""
-    own = {sym(letter): src.values[f] for f, letter in src.fields.items() if f in src.values}
+    read = _at_own_sizes(src, probe)
 
     def size(n: int) -> int:
-        expr = probe.to_expr(n)
-        if expr is None:
-            return n
-        value = sympy.sympify(expr).subs(own)
-        return int(value) if value.is_Integer else n
+        own = read(n)
+        return n if own is None else own
 
     return size
+
+
+def _at_own_sizes(src: _Source, probe: Probe) -> Callable[[int], int | None]:
+    """A probe size as the user's model has it: its reading in symbols at the model's own values; None where
+    it has no reading or the reading names a symbol the model leaves free (B, S)."""
+    own = {sym(letter): src.values[f] for f, letter in src.fields.items() if f in src.values}
+
+    @functools.cache
+    def read(n: int) -> int | None:
+        expr = probe.to_expr(n)
+        if expr is None:
+            return None
+        value = sympy.sympify(expr).subs(own)
+        return int(value) if value.is_Integer else None
+
+    return read
 
 
 def _same_model(
@@ -741,6 +754,8 @@ def _same_model(
         tp = precision.get(TP)
         return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims, tp_world=tp)
 
+    if not src.configless:  # (a model without config is copied as it is: its parameters are the user's)
+        compare_parameters(model, trace.param_shapes, stacks, probe.layers or 1, _at_own_sizes(src, probe))
     ignore = TENSOR_PARALLEL_IGNORED if TP in precision else frozenset()
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
         compare_ops(user_trace(True), trace, stacks, probe.layers or 1, ignore)

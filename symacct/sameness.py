@@ -28,7 +28,7 @@ import contextlib
 import copy
 import functools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -165,6 +165,73 @@ def compare(
 
 
 NOT_THE_SAME = "the model rebuilt from its config at probe sizes is not the model given"
+
+
+def compare_parameters(
+    model: nn.Module,
+    probe_shapes: dict[str, tuple[int, ...]],
+    stacks: list[str],
+    probe_blocks: int,
+    read: Callable[[int], int | None],
+) -> None:
+    """Refuse when a parameter of the user's ``model`` is not the shape its counterpart in the probe model has,
+    read in symbols and taken at the model's own sizes (``read``: a probe size -> that size in the user's
+    model, None where it has no reading, which is then not compared).
+
+    The op comparison counts ops, not sizes: a module resized after construction (an MLP pruned to another
+    width) or a constructor patched since the family was memoised runs the same ops at other sizes, and would
+    otherwise be derived as the config's model. A parameter of block i of a layer stack is compared with the
+    probe's block in the same position (the first, a middle one, the last; block i itself when both have as
+    many blocks); a parameter with no counterpart is left to the op comparison.
+    """
+    counts = {}
+    for path in stacks:
+        try:
+            counts[path] = len(model.get_submodule(path)) if path else len(model)  # type: ignore[arg-type]
+        except (AttributeError, TypeError):
+            continue
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            continue
+        shape = tuple(int(d) for d in p.shape)
+        targets = [probe_shapes[n] for n in _probe_names(name, counts, probe_blocks) if n in probe_shapes]
+        if not targets or any(_fits(shape, t, read) for t in targets):
+            continue
+        want = tuple(read(d) if read(d) is not None else "?" for d in targets[0])
+        module, _, _ = name.rpartition(".")
+        raise SymacctError(
+            f"{NOT_THE_SAME}: parameter {name} is {shape} in the given model and {want} in the rebuilt one at "
+            "the given model's sizes",
+            module=module,
+            shapes=[shape, want],
+            hint="a module replaced or resized after construction, or a constructor changed since the model was "
+            "built, makes another model than type(model)(config): build the model from its config, or pass a "
+            "factory with dims={...}",
+        )
+
+
+def _probe_names(name: str, counts: dict[str, int], probe_blocks: int) -> list[str]:
+    """The names a parameter of the user's model has in the probe model (see ``compare_parameters``)."""
+    for path, n in counts.items():
+        prefix = f"{path}." if path else ""
+        if not name.startswith(prefix):
+            continue
+        head, _, rest = name[len(prefix) :].partition(".")
+        if not head.isdigit() or not rest:
+            continue
+        i = int(head)
+        if n == probe_blocks:
+            js = [i]
+        elif n == 1:
+            js = [0, probe_blocks - 1]
+        else:
+            js = [0] if i == 0 else [probe_blocks - 1] if i == n - 1 else [1]
+        return [f"{prefix}{j}.{rest}" for j in js]
+    return [name]
+
+
+def _fits(shape: tuple[int, ...], probe: tuple[int, ...], read: Callable[[int], int | None]) -> bool:
+    return len(shape) == len(probe) and all(read(d) in (None, s) for s, d in zip(shape, probe))
 KEEP = 4  # blocks of the user's model traced: the first three and the last (the probe has 4)
 
 

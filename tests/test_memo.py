@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import sympy
 import torch
 from cases import build, gpt2_cases, llama_cases
 from hypothesis import given
@@ -19,6 +20,7 @@ from symacct.cost.rules import registry
 from symacct.models import GPT2, GPT2Config
 from symacct.models.gpt2 import MLP
 from symacct.report import sheet
+from symacct.symbols import sym
 
 SMALL = GPT2Config(n_layer=3, n_head=2, n_embd=8, vocab_size=16, block_size=16)
 OTHER = GPT2Config(n_layer=5, n_head=4, n_embd=32, vocab_size=64, block_size=32)
@@ -134,6 +136,28 @@ def test_a_class_patched_after_memoisation_is_derived_afresh():
         got = symacct.derive(_gpt2(SMALL))  # the memo's probe traces ran the old forward: the user's model differs
         assert (memo.FAMILIES.hits, memo.FAMILIES.stale) == (1, 1)  # found, compared, dropped, derived afresh
         assert got.flops.other_forward != before.flops.other_forward  # the new op counted
+        assert _everything(got) == _everything(_fresh(_gpt2(SMALL)))
+
+
+def test_a_constructor_patched_after_memoisation_is_derived_afresh():
+    """The same ops at other sizes (an MLP 3D wide instead of 4D): the op comparison cannot see it, the
+    parameters' shapes at the model's own sizes do."""
+    before = symacct.derive(_gpt2(SMALL))
+
+    def narrow(self, config):
+        nn.Module.__init__(self)
+        self.c_fc = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(3 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    with pytest.MonkeyPatch.context() as mp:  # a plain one: conftest's forgets the memo at each patch
+        mp.setattr(MLP, "__init__", narrow)
+        got = symacct.derive(_gpt2(SMALL))
+        assert (memo.FAMILIES.hits, memo.FAMILIES.stale) == (1, 1)  # found, compared, dropped, derived afresh
+        B, S, D, L = (sym(x) for x in "BSDL")
+        # two matmuls a block each lose D*D of width per token: 2 * 2 * B*S*D^2 forward, twice that backward
+        assert sympy.expand(got.flops.total - before.flops.total) == -12 * B * S * D**2 * L
         assert _everything(got) == _everything(_fresh(_gpt2(SMALL)))
 
 

@@ -60,6 +60,29 @@ def test_sweep_refuses_what_at_refuses(gpt2):
     assert list(gpt2.sweep("flops.total", B=np.array([2.0]), S=8)) == [gpt2.at(B=2, S=8).flops.total]
 
 
+# ---- the model derived must be the model given --------------------------------------------------
+
+
+def test_a_module_resized_after_construction_is_refused(gpt2):
+    """MLPs swapped for narrower ones after construction run the ops the config's model runs, so comparing ops
+    passes; the config's formula would be silently wrong (the real step counts other FLOPs). The parameters'
+    shapes at the model's own sizes tell them apart."""
+    model = GPT2(GPT2Config(**SMALL))
+    for block in model.blocks:  # 4D = 64 wide in the config's model; 24 here
+        block.mlp.c_fc, block.mlp.c_proj = nn.Linear(16, 24), nn.Linear(24, 16)
+    with FlopCounterMode(display=False) as fc:
+        model(*model.example_inputs(2, 8)).backward()
+    assert fc.get_total_flops() != gpt2.at(B=2, S=8).flops.total
+    with pytest.raises(SymacctError, match=r"parameter blocks\.0\.mlp\.c_fc\.weight is \(24, 16\) in the given model "
+                       r"and \(64, 16\) in the rebuilt one"):  # fmt: skip
+        symacct.derive(model)
+    with torch.device("meta"):  # on the meta device too, and whatever the depth (the stack shortened)
+        deep = GPT2(GPT2Config(**{**SMALL, "n_layer": 7}))
+    deep.blocks[3].mlp.c_fc, deep.blocks[3].mlp.c_proj = nn.Linear(16, 24), nn.Linear(24, 16)
+    with pytest.raises(SymacctError, match=r"parameter blocks\.3\.mlp\.c_fc\.weight"):
+        symacct.derive(deep)
+
+
 # ---- sizes the model cannot run ----------------------------------------------------------------
 
 

@@ -123,6 +123,8 @@ class StepTrace:
     storage_shape: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     external_storages: set[int] = field(default_factory=set)  # params, buffers, inputs
     param_names: dict[int, list[str]] = field(default_factory=dict)  # storage -> names
+    # parameter name (tied ones under each name) -> its shape as built (a DTensor's: the whole, unsharded)
+    param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     module_names: list[str] = field(default_factory=list)  # named_modules order
     module_types: dict[str, str] = field(default_factory=dict)  # path -> class name
     # memory bookkeeping
@@ -769,6 +771,7 @@ def record_step(
         for name, p in model.named_parameters(remove_duplicate=False):
             m = ids.meta(p)
             trace.param_names.setdefault(m.storage, []).append(name)
+            trace.param_shapes[name] = tuple(int(d) for d in p.shape)
         for name, p in model.named_parameters():
             m = ids.meta(p)
             trace.owner[m.storage] = name
