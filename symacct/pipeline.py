@@ -15,14 +15,18 @@
    is refused, after one more try with degenerate sizes tied or kept.
 5. ``trace_check``: the probe model at the second probe's sizes with one block
    more, costed in plain integers; every total must equal the formulas there.
+   Then ``check_parameters`` (pass 4's second half, once the readings are
+   confirmed): every parameter of the user's model has the probe model's
+   shape at the model's own sizes (a module resized after construction runs
+   the same ops at other sizes).
 6. ``memory_pass``: static bytes, saved activations, live bytes factored by L
    (the checking trace gives the block more), the phase points and the peak.
 7. ``account``: the graph and its totals, the constraints on the sizes, the
    experts, the notes (``symacct.accounting``).
 
 A family derived before in the process (``symacct.memo``, keyed by ``family_key``) takes passes 3, 5 and 6
-from the memo (``from_memo``); pass 4 still traces the user's model, against the memo's probe trace, and a
-difference drops the entry and derives afresh.
+from the memo (``from_memo``); pass 4 still traces the user's model, against the memo's probe trace, and
+compares its parameters' shapes; a difference drops the entry and derives afresh.
 
 A pass that finds the layer stack cannot be factored raises ``_FixLayers``:
 derive starts again with L fixed at its value. A failure with size fields of
@@ -754,8 +758,6 @@ def _same_model(
         tp = precision.get(TP)
         return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims, tp_world=tp)
 
-    if not src.configless:  # (a model without config is copied as it is: its parameters are the user's)
-        compare_parameters(model, trace.param_shapes, stacks, probe.layers or 1, _at_own_sizes(src, probe))
     ignore = TENSOR_PARALLEL_IGNORED if TP in precision else frozenset()
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
         compare_ops(user_trace(True), trace, stacks, probe.layers or 1, ignore)
@@ -1036,6 +1038,7 @@ def _derive(
             first = trace_first(src, probes, req)
             check_same_model(model, src, probes, first, req)
             second = trace_check(src, probes, first, req)
+            check_parameters(model, src, probes, first, req)  # the probe's readings checked by now
             memory, live = memory_pass(src, probes, first, second, req)
             known = Known(probes, first, memory, live)
             if key is not None:
@@ -1530,6 +1533,15 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
         raise _Degenerate(e) from None
 
 
+def check_parameters(model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request) -> None:
+    """Pass 4, after the check at other sizes has confirmed the first probe's readings: the user's parameters
+    have the probe model's shapes at the model's own sizes (``symacct.sameness.compare_parameters``). Skipped
+    as pass 4 is: a model without config is copied as it is, a factory's model is the factory's."""
+    if not src.configless and req.dims is None:
+        read = _at_own_sizes(src, probes.first)
+        compare_parameters(model, first.trace.param_shapes, first.stacks, probes.first.layers or 1, read)
+
+
 def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:
     """Refuse a tensor-parallel degree the user's model cannot be split by: the constraints the probe rank's
     trace teaches (tp dividing the heads, F, V; S with sequence parallelism) at the model's own sizes."""
@@ -1672,6 +1684,7 @@ def from_memo(model: Any, src: _Source, key: Any, req: Request) -> Known | None:
         return None
     try:
         check_same_model(model, src, known.probes, known.first, req)
+        check_parameters(model, src, known.probes, known.first, req)
     except (SymacctError, _Degenerate):
         memo.FAMILIES.drop(key)
         return None
