@@ -88,7 +88,14 @@ from symacct.models.hf import serving_inputs as hf_serving_inputs
 from symacct.models.hf import task as task_for
 from symacct.models.hf import tp_plan as hf_tp_plan
 from symacct.options import CACHE_DTYPES, OPTIMIZERS, optimizer_factory, torch_dtype
-from symacct.sameness import NOT_THE_SAME, TENSOR_PARALLEL_IGNORED, compare_parameters, fake_copy, shortened
+from symacct.sameness import (
+    NOT_THE_SAME,
+    TENSOR_PARALLEL_IGNORED,
+    compare_parameters,
+    compare_settings,
+    fake_copy,
+    shortened,
+)
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import exact_form, letter_for_field, sym
 from symacct.time.hardware import get as get_hardware
@@ -734,6 +741,7 @@ def _same_model(
     S is kept below the user's position table (S_max) when the model has one, as the probe's S is below its
     S_max (``x[:, :S]`` of a whole table runs no slice op).
     """
+    compare_settings(model, trace, dtypes=precision.get("params_dtype") is None, grads=step == "train")
     B, S = probe.values["B"], probe.values.get("S", src.seq)
     dims = _input_dims(src, probe)
     for f, letter in src.fields.items():

@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
 from symacct.cost.layers import op_blocks
 from symacct.errors import SymacctError
+from symacct.options import dtype_key
 from symacct.trace.record import StepTrace
 
 Key = tuple[str, str, str]  # phase, op, module path within its block (or the full path outside blocks)
@@ -167,6 +168,55 @@ def compare(
 NOT_THE_SAME = "the model rebuilt from its config at probe sizes is not the model given"
 
 
+def compare_settings(model: nn.Module, probe: StepTrace, dtypes: bool, grads: bool) -> None:
+    """Refuse, before any op is compared, when a parameter of the user's ``model`` differs from the probe
+    model's in what the op comparison would report only as an op count:
+
+    - with ``dtypes`` (no ``params_dtype`` given), its dtype: a model cast to bf16 runs the fp32 model's ops,
+      and would otherwise be derived with fp32 bytes;
+    - with ``grads`` (a training step), whether it requires a gradient: a frozen part of the model is not
+      trained by the probe model, which trains every parameter its config builds.
+    """
+    for name, p in model.named_parameters(remove_duplicate=False):
+        frozen = name in probe.param_frozen
+        if grads and name in probe.param_dtypes and p.requires_grad == frozen:
+            state = "requires a gradient" if frozen else "requires no gradient (frozen)"
+            other = "keeps it frozen" if frozen else "trains it"
+            raise SymacctError(
+                f"the given model's parameter {name} {state}; the model rebuilt from its config {other}",
+                module=name.rpartition(".")[0],
+                hint="derive traces the step of the config's model: pass a factory with dims={...} that builds "
+                "the model at the sizes given and freezes the same parameters, or derive the model as built",
+            )
+    if dtypes:
+        _compare_dtypes(model, probe.param_dtypes)
+
+
+def _compare_dtypes(model: nn.Module, probe_dtypes: dict[str, torch.dtype]) -> None:
+    floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        want = probe_dtypes.get(name)
+        if want is None or p.dtype == want:
+            continue
+        short = dtype_key(p.dtype)
+        if len(floats) > 1:
+            raise SymacctError(
+                f"the given model's parameters mix {', '.join(sorted(str(d) for d in floats))}; the model rebuilt "
+                f"from its config builds {name} in {want}, the given one has it in {p.dtype}",
+                module=name.rpartition(".")[0],
+                hint="derive traces one parameter dtype: give the model in one dtype, with params_dtype= (or "
+                "autocast=) for low precision",
+            )
+        raise SymacctError(
+            f"the given model's parameter {name} is {p.dtype} where the model rebuilt from its config builds it "
+            f"in {want}",
+            module=name.rpartition(".")[0],
+            hint=f"pass params_dtype='{short}' (--params-dtype {short}) to derive a step with the parameters in "
+            f"{p.dtype}, as the given model's are; for mixed precision (fp32 parameters, {short} compute) give "
+            f"the {want} model with autocast='{short}'",
+        )
+
+
 def compare_parameters(
     model: nn.Module,
     probe_shapes: dict[str, tuple[int, ...]],
@@ -232,6 +282,8 @@ def _probe_names(name: str, counts: dict[str, int], probe_blocks: int) -> list[s
 
 def _fits(shape: tuple[int, ...], probe: tuple[int, ...], read: Callable[[int], int | None]) -> bool:
     return len(shape) == len(probe) and all(read(d) in (None, s) for s, d in zip(shape, probe))
+
+
 KEEP = 4  # blocks of the user's model traced: the first three and the last (the probe has 4)
 
 

@@ -83,6 +83,49 @@ def test_a_module_resized_after_construction_is_refused(gpt2):
         symacct.derive(deep)
 
 
+def test_a_model_cast_to_bf16_is_refused_and_derived_with_params_dtype():
+    """model.to(bfloat16) runs the fp32 model's ops: derived as its config's (fp32) model it would get fp32
+    bytes, twice the real step's. Refused, naming params_dtype; with it, the real CPU step's bytes exactly."""
+    from symacct.measure.run import measure_step
+
+    model = GPT2(GPT2Config(**SMALL)).to(torch.bfloat16)
+    with pytest.raises(SymacctError, match=r"wte\.weight is torch\.bfloat16 where .* builds it in torch\.float32.*"
+                       r"params_dtype='bf16'"):  # fmt: skip
+        symacct.derive(model)
+    acct = symacct.derive(model, params_dtype="bf16")
+    for B, S in ((2, 8), (3, 5)):
+        torch.manual_seed(0)
+        assert acct.at(B=B, S=S).saved_bytes == measure_step(model, model.example_inputs(B, S)).saved_bytes
+    mixed = GPT2(GPT2Config(**SMALL))
+    mixed.blocks[1].to(torch.bfloat16)
+    with pytest.raises(SymacctError, match=r"parameters mix torch\.bfloat16, torch\.float32"):
+        symacct.derive(mixed)
+
+
+def test_a_frozen_parameter_is_refused_and_a_factory_that_freezes_it_is_derived():
+    """A frozen embedding takes no weight gradient: the probe model, built from the config, trains every
+    parameter. Refused by name before any op is compared; a factory that freezes it is derived, and its
+    FLOPs equal FlopCounterMode's on the real step (4 B S D V for the head and no embedding gradient)."""
+    model = GPT2(GPT2Config(**SMALL))
+    model.wte.weight.requires_grad_(False)
+    with pytest.raises(SymacctError, match=r"parameter wte\.weight requires no gradient \(frozen\); the model "
+                       r"rebuilt from its config trains it.*dims="):  # fmt: skip
+        symacct.derive(model)
+    assert symacct.derive(model, step="forward").flops.total  # a forward step trains nothing: not compared
+
+    def frozen(D: int, L: int, V: int, S_max: int) -> GPT2:
+        m = GPT2(GPT2Config(**{**SMALL, "n_embd": D, "n_layer": L, "vocab_size": V, "block_size": S_max}))
+        m.wte.weight.requires_grad_(False)
+        return m
+
+    acct = symacct.derive(
+        frozen, dims={"D": 16, "L": 2, "V": 32, "S_max": 16}, inputs=lambda m, B, S: m.example_inputs(B, S)
+    )
+    with FlopCounterMode(display=False) as fc:
+        model(*model.example_inputs(2, 8)).backward()
+    assert acct.at(B=2, S=8).flops.total == fc.get_total_flops()
+
+
 # ---- sizes the model cannot run ----------------------------------------------------------------
 
 

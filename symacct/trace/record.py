@@ -125,6 +125,8 @@ class StepTrace:
     param_names: dict[int, list[str]] = field(default_factory=dict)  # storage -> names
     # parameter name (tied ones under each name) -> its shape as built (a DTensor's: the whole, unsharded)
     param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # parameter name -> its dtype as traced
+    param_frozen: set[str] = field(default_factory=set)  # parameters that require no gradient
     module_names: list[str] = field(default_factory=list)  # named_modules order
     module_types: dict[str, str] = field(default_factory=dict)  # path -> class name
     # memory bookkeeping
@@ -772,6 +774,9 @@ def record_step(
             m = ids.meta(p)
             trace.param_names.setdefault(m.storage, []).append(name)
             trace.param_shapes[name] = tuple(int(d) for d in p.shape)
+            trace.param_dtypes[name] = p.dtype
+            if not p.requires_grad:
+                trace.param_frozen.add(name)
         for name, p in model.named_parameters():
             m = ids.meta(p)
             trace.owner[m.storage] = name
