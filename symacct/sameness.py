@@ -188,8 +188,38 @@ def compare_settings(model: nn.Module, probe: StepTrace, dtypes: bool, grads: bo
                 hint="derive traces the step of the config's model: pass a factory with dims={...} that builds "
                 "the model at the sizes given and freezes the same parameters, or derive the model as built",
             )
+    _compare_ties(model, probe)
     if dtypes:
         _compare_dtypes(model, probe.param_dtypes)
+
+
+def _compare_ties(model: nn.Module, probe: StepTrace) -> None:
+    """Parameters shared under several names (tied weights) are shared alike in both models, among the names
+    both have (the probe's blocks are fewer than the user's)."""
+    both = set(probe.param_dtypes)
+    theirs: dict[str, frozenset[str]] = {}
+    for names in probe.param_names.values():
+        group = frozenset(n for n in names if n in both)
+        theirs.update(dict.fromkeys(group, group))
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    for names in by_tensor.values():
+        mine = frozenset(n for n in names if n in both)
+        for n in sorted(mine):
+            if theirs.get(n, mine) != mine:
+                given, rebuilt = (_sharing(group) for group in (mine, theirs[n]))
+                raise SymacctError(
+                    f"the given model's parameter {n} {given}; in the model rebuilt from its config it {rebuilt}",
+                    module=n.rpartition(".")[0],
+                    hint="weights tied or untied after construction make another model than type(model)(config) "
+                    "(another parameter count, another backward): set the config's own tying field, or pass a "
+                    "factory with dims={...}",
+                )
+
+
+def _sharing(group: frozenset[str]) -> str:
+    return "is a parameter of its own" if len(group) == 1 else f"is shared by {', '.join(sorted(group))}"
 
 
 def _compare_dtypes(model: nn.Module, probe_dtypes: dict[str, torch.dtype]) -> None:

@@ -126,6 +126,14 @@ def test_a_frozen_parameter_is_refused_and_a_factory_that_freezes_it_is_derived(
     assert acct.at(B=2, S=8).flops.total == fc.get_total_flops()
 
 
+def test_weights_untied_after_construction_are_refused_by_name():
+    model = GPT2(GPT2Config(**SMALL))  # tie_weights: the head is the embedding
+    model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())  # one more V x D matrix
+    with pytest.raises(SymacctError, match=r"wte\.weight is a parameter of its own; in the model rebuilt from its "
+                       r"config it is shared by lm_head\.weight, wte\.weight"):  # fmt: skip
+        symacct.derive(model, step="forward")
+
+
 # ---- sizes the model cannot run ----------------------------------------------------------------
 
 
