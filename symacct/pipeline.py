@@ -10,9 +10,11 @@
    blocks, its step recorded on fake tensors (``symacct.trace.record``), every size
    read back as a product of symbols and every op costed (``symacct.cost.rules``),
    the layer stacks factored (``symacct.cost.layers``).
-4. ``check_same_model``: the user's own model (a fake copy, blocks 0, 1, 2 and
-   the last) runs the probe model's ops (``symacct.sameness``); a difference
-   is refused, after one more try with degenerate sizes tied or kept.
+4. ``check_same_model``: the user's own parameters have the probe model's
+   dtypes, gradient flags and tying, and the user's own model (a fake copy,
+   blocks 0, 1, 2 and the last) runs the probe model's ops
+   (``symacct.sameness``); a difference is refused, after one more try with
+   degenerate sizes tied or kept.
 5. ``trace_check``: the probe model at the second probe's sizes with one block
    more, costed in plain integers; every total must equal the formulas there.
    Then ``check_parameters`` (pass 4's second half, once the readings are
