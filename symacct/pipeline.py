@@ -343,23 +343,20 @@ def _follow_heads(src: _Source, degenerate: bool, tp: int | None = None) -> list
       first try: the probe's many heads a rank would run other ops.
     """
     notes = []
+
+    def follow(field: str, leader: str, why: str) -> None:
+        src.follow[field] = (leader, None)
+        del src.fields[field]
+        notes.append(f"{field} = {leader} ({why}): it follows {'tp' if leader == TP else 'H'}")
+
     kv_one = _kv_per_rank_one(src, tp)
     if kv_one is not None:  # at once: a single head a rank takes views where several copy (never the same ops)
-        src.follow[kv_one] = (TP, None)
-        del src.fields[kv_one]
-        notes.append(f"{kv_one} = tp (one key/value head a rank): it follows tp")
-    tie = _heads_tie(src)
+        follow(kv_one, TP, "one key/value head a rank")
+    tie, narrow = _heads_tie(src), _width_one_head(src)
     if degenerate and tie is not None:
-        h, kv = tie
-        src.follow[kv] = (h, None)
-        del src.fields[kv]
-        notes.append(f"{kv} = {h} (no grouped heads): it follows H")
-    narrow = _width_one_head(src)
+        follow(tie[1], tie[0], "no grouped heads")
     if degenerate and narrow is not None:
-        d, h = narrow
-        src.follow[d] = (h, None)
-        del src.fields[d]
-        notes.append(f"{d} = {h} (heads of width 1): it follows H")
+        follow(narrow[0], narrow[1], "heads of width 1")
     ones = sorted(f for f, letter in src.fields.items() if src.values[f] == 1 and letter != "L") if degenerate else []
     for f in ones:
         del src.fields[f]
