@@ -142,9 +142,7 @@ def compare(
     if found is None and stacks:
         n = max(u_blocks, default=-1) + 1
         for i in range(n):
-            targets = [0] if i == 0 else [probe_blocks - 1] if i == n - 1 else [1]
-            if n == 1:
-                targets = [0, probe_blocks - 1]
+            targets = _positions(i, n, probe_blocks)
             diffs = [_first_difference(u_blocks.get(i, Counter()), p_blocks.get(j, Counter())) for j in targets]
             if all(d is not None for d in diffs):
                 found, where = diffs[0], f"in block {i} of the layer stack"
@@ -166,6 +164,14 @@ def compare(
 
 
 NOT_THE_SAME = "the model rebuilt from its config at probe sizes is not the model given"
+
+
+def _positions(i: int, n: int, probe_blocks: int) -> list[int]:
+    """The probe blocks that block i of a stack of n stands for: the first, the last, a middle one (both ends
+    when n is 1)."""
+    if n == 1:
+        return [0, probe_blocks - 1]
+    return [0] if i == 0 else [probe_blocks - 1] if i == n - 1 else [1]
 
 
 def compare_settings(model: nn.Module, probe: StepTrace, dtypes: bool, grads: bool) -> None:
@@ -300,12 +306,7 @@ def _probe_names(name: str, counts: dict[str, int], probe_blocks: int) -> list[s
         if not head.isdigit() or not rest:
             continue
         i = int(head)
-        if n == probe_blocks:
-            js = [i]
-        elif n == 1:
-            js = [0, probe_blocks - 1]
-        else:
-            js = [0] if i == 0 else [probe_blocks - 1] if i == n - 1 else [1]
+        js = [i] if n == probe_blocks else _positions(i, n, probe_blocks)
         return [f"{prefix}{j}.{rest}" for j in js]
     return [name]
 
