@@ -740,7 +740,8 @@ def _same_model(
     S is kept below the user's position table (S_max) when the model has one, as the probe's S is below its
     S_max (``x[:, :S]`` of a whole table runs no slice op).
     """
-    compare_settings(model, trace, dtypes=precision.get("params_dtype") is None, grads=step == "train")
+    blocks = probe.layers or 1
+    compare_settings(model, trace, stacks, blocks, dtypes=precision.get("params_dtype") is None, grads=step == "train")
     B, S = probe.values["B"], probe.values.get("S", src.seq)
     dims = _input_dims(src, probe)
     for f, letter in src.fields.items():
@@ -767,9 +768,9 @@ def _same_model(
 
     ignore = TENSOR_PARALLEL_IGNORED if TP in precision else frozenset()
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
-        compare_ops(user_trace(True), trace, stacks, probe.layers or 1, ignore)
+        compare_ops(user_trace(True), trace, stacks, blocks, ignore)
     except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
-        compare_ops(user_trace(False), trace, stacks, probe.layers or 1, ignore)
+        compare_ops(user_trace(False), trace, stacks, blocks, ignore)
 
 
 def _terms(costed: list[CostedOp], counts: list[Any]) -> dict[tuple[str, str], list[Any]]:
@@ -1546,7 +1547,7 @@ def check_parameters(model: Any, src: _Source, probes: Probes, first: FirstTrace
     as pass 4 is: a model without config is copied as it is, a factory's model is the factory's."""
     if not src.configless and req.dims is None:
         read = _at_own_sizes(src, probes.first)
-        compare_parameters(model, first.trace.param_shapes, first.stacks, probes.first.layers or 1, read)
+        compare_parameters(model, first.trace, first.stacks, probes.first.layers or 1, read)
 
 
 def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:

@@ -28,7 +28,7 @@ import contextlib
 import copy
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -174,18 +174,28 @@ def _positions(i: int, n: int, probe_blocks: int) -> list[int]:
     return [0] if i == 0 else [probe_blocks - 1] if i == n - 1 else [1]
 
 
-def compare_settings(model: nn.Module, probe: StepTrace, dtypes: bool, grads: bool) -> None:
-    """Refuse, before any op is compared, when a parameter of the user's ``model`` differs from the probe
-    model's in what the op comparison would report only as an op count:
+def compare_settings(
+    model: nn.Module, probe: StepTrace, stacks: list[str], probe_blocks: int, dtypes: bool, grads: bool
+) -> None:
+    """Refuse, before any op is compared, when the user's ``model`` differs from the probe model in what the op
+    comparison would report only as an op count, or not at all:
 
-    - with ``dtypes`` (no ``params_dtype`` given), its dtype: a model cast to bf16 runs the fp32 model's ops,
-      and would otherwise be derived with fp32 bytes;
-    - with ``grads`` (a training step), whether it requires a gradient: a frozen part of the model is not
-      trained by the probe model, which trains every parameter its config builds.
+    - its parameters and buffers, by name: one added after construction and never used in the step (an
+      adapter not yet wired in, a lookup table) still takes memory the probe model does not have, and one
+      removed frees some; block i of a layer stack is compared with the probe's block in its position;
+    - with ``grads`` (a training step), whether a parameter requires a gradient: a frozen part of the model is
+      not trained by the probe model, which trains every parameter its config builds;
+    - how parameters are tied;
+    - with ``dtypes`` (no ``params_dtype`` given), the dtype of every parameter and buffer: a model cast to
+      bf16 runs the fp32 model's ops, and would otherwise be derived with fp32 bytes.
     """
+    counts = _stack_counts(model, stacks)
+    if len(counts) == len(stacks):  # every stack found in the user's model: its names map onto the probe's
+        _compare_names(model, probe, counts, probe_blocks)
     for name, p in model.named_parameters(remove_duplicate=False):
-        frozen = name in probe.param_frozen
-        if grads and name in probe.param_dtypes and p.requires_grad == frozen:
+        theirs = [n for n in _probe_names(name, counts, probe_blocks) if n in probe.param_dtypes]
+        if grads and theirs and all(p.requires_grad == (n in probe.param_frozen) for n in theirs):
+            frozen = theirs[0] in probe.param_frozen
             state = "requires a gradient" if frozen else "requires no gradient (frozen)"
             other = "keeps it frozen" if frozen else "trains it"
             raise SymacctError(
@@ -196,7 +206,54 @@ def compare_settings(model: nn.Module, probe: StepTrace, dtypes: bool, grads: bo
             )
     _compare_ties(model, probe)
     if dtypes:
-        _compare_dtypes(model, probe.param_dtypes)
+        _compare_dtypes(model, probe, counts, probe_blocks)
+
+
+def _compare_names(model: nn.Module, probe: StepTrace, counts: dict[str, int], probe_blocks: int) -> None:
+    for kind, named, theirs in (
+        ("parameter", model.named_parameters(remove_duplicate=False), probe.param_dtypes),
+        ("buffer", model.named_buffers(remove_duplicate=False), probe.buffer_dtypes),
+    ):
+        mine = [name for name, _ in named]
+        for name in mine:
+            if not any(n in theirs for n in _probe_names(name, counts, probe_blocks)):
+                _refuse_name(kind, name, "the given model has", "has none")
+        lost = _missing(set(mine), theirs, counts, probe_blocks)
+        if lost is not None:
+            _refuse_name(kind, lost, "the model rebuilt from its config has", "has none: it was removed")
+
+
+def _refuse_name(kind: str, name: str, who: str, other: str) -> None:
+    raise SymacctError(
+        f"{NOT_THE_SAME}: {who} a {kind} {name}; the other {other}",
+        module=name.rpartition(".")[0],
+        hint=f"a {kind} added or removed after construction makes another model than type(model)(config) "
+        "(other bytes held, even where no op uses it): build the model from its config, or pass a factory "
+        "with dims={...}",
+    )
+
+
+def _missing(mine: set[str], theirs: Iterable[str], counts: dict[str, int], probe_blocks: int) -> str | None:
+    """The first name of the probe model's (parameters or buffers) that the user's model lacks: outside the
+    layer stacks by name, in block i of a stack those of the probe block(s) in its position (``_positions``)."""
+    rests: dict[tuple[str, int], set[str]] = {}
+    for name in sorted(theirs):
+        at = _in_stack(name, counts)
+        if at is None:
+            if name not in mine:
+                return name
+            continue
+        path, j, rest = at
+        rests.setdefault((path, j), set()).add(rest)
+    for path, n in counts.items():
+        prefix = f"{path}." if path else ""
+        for i in range(n):
+            js = [i] if n == probe_blocks else _positions(i, n, probe_blocks)
+            need = set.intersection(*(rests.get((path, j), set()) for j in js))
+            for rest in sorted(need):
+                if f"{prefix}{i}.{rest}" not in mine:
+                    return f"{prefix}{i}.{rest}"
+    return None
 
 
 def _compare_ties(model: nn.Module, probe: StepTrace) -> None:
@@ -228,87 +285,119 @@ def _sharing(group: frozenset[str]) -> str:
     return "is a parameter of its own" if len(group) == 1 else f"is shared by {', '.join(sorted(group))}"
 
 
-def _compare_dtypes(model: nn.Module, probe_dtypes: dict[str, torch.dtype]) -> None:
+def _compare_dtypes(model: nn.Module, probe: StepTrace, counts: dict[str, int], probe_blocks: int) -> None:
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        want = probe_dtypes.get(name)
-        if want is None or p.dtype == want:
-            continue
-        short = dtype_key(p.dtype)
-        if len(floats) > 1:
-            raise SymacctError(
-                f"the given model's parameters mix {', '.join(sorted(str(d) for d in floats))}; the model rebuilt "
-                f"from its config builds {name} in {want}, the given one has it in {p.dtype}",
-                module=name.rpartition(".")[0],
-                hint="derive traces one parameter dtype: give the model in one dtype, with params_dtype= (or "
-                "autocast=) for low precision",
-            )
+    for kind, named, theirs in (
+        ("parameter", model.named_parameters(remove_duplicate=False), probe.param_dtypes),
+        ("buffer", model.named_buffers(remove_duplicate=False), probe.buffer_dtypes),
+    ):
+        for name, t in named:
+            wants = [theirs[n] for n in _probe_names(name, counts, probe_blocks) if n in theirs]
+            if wants and t.dtype not in wants:
+                _refuse_dtype(kind, name, t.dtype, wants[0], floats)
+
+
+def _refuse_dtype(kind: str, name: str, dtype: torch.dtype, want: torch.dtype, floats: set[torch.dtype]) -> None:
+    module = name.rpartition(".")[0]
+    if kind == "buffer":
         raise SymacctError(
-            f"the given model's parameter {name} is {p.dtype} where the model rebuilt from its config builds it "
-            f"in {want}",
-            module=name.rpartition(".")[0],
-            hint=f"pass params_dtype='{short}' (--params-dtype {short}) to derive a step with the parameters in "
-            f"{p.dtype}, as the given model's are; for mixed precision (fp32 parameters, {short} compute) give "
-            f"the {want} model with autocast='{short}'",
+            f"the given model's buffer {name} is {dtype} where the model rebuilt from its config builds it in {want}",
+            module=module,
+            hint="a buffer cast after construction makes another model than type(model)(config) (other bytes, "
+            "other ops): build the model from its config, with params_dtype= (or autocast=) for low precision",
         )
+    if len(floats) > 1:
+        raise SymacctError(
+            f"the given model's parameters mix {', '.join(sorted(str(d) for d in floats))}; the model rebuilt "
+            f"from its config builds {name} in {want}, the given one has it in {dtype}",
+            module=module,
+            hint="derive traces one parameter dtype: give the model in one dtype, with params_dtype= (or "
+            "autocast=) for low precision",
+        )
+    short = dtype_key(dtype)
+    raise SymacctError(
+        f"the given model's parameter {name} is {dtype} where the model rebuilt from its config builds it in {want}",
+        module=module,
+        hint=f"pass params_dtype='{short}' (--params-dtype {short}) to derive a step with the parameters in "
+        f"{dtype}, as the given model's are; for mixed precision (fp32 parameters, {short} compute) give the "
+        f"{want} model with autocast='{short}'",
+    )
 
 
-def compare_parameters(
-    model: nn.Module,
-    probe_shapes: dict[str, tuple[int, ...]],
-    stacks: list[str],
-    probe_blocks: int,
-    read: Callable[[int], int | None],
-) -> None:
-    """Refuse when a parameter of the user's ``model`` is not the shape its counterpart in the probe model has,
-    read in symbols and taken at the model's own sizes (``read``: a probe size -> that size in the user's
-    model, None where it has no reading, which is then not compared).
-
-    The op comparison counts ops, not sizes: a module resized after construction (an MLP pruned to another
-    width) or a constructor patched since the family was memoised runs the same ops at other sizes, and would
-    otherwise be derived as the config's model. A parameter of block i of a layer stack is compared with the
-    probe's block in the same position (the first, a middle one, the last; block i itself when both have as
-    many blocks); a parameter with no counterpart is left to the op comparison.
-    """
+def _stack_counts(model: nn.Module, stacks: list[str]) -> dict[str, int]:
+    """Stack path -> its number of blocks in ``model`` (a path the model lacks is left out)."""
     counts = {}
     for path in stacks:
         try:
             counts[path] = len(model.get_submodule(path)) if path else len(model)  # type: ignore[arg-type]
         except (AttributeError, TypeError):
             continue
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if isinstance(p, nn.parameter.UninitializedParameter):
-            continue
-        shape = tuple(int(d) for d in p.shape)
-        targets = [probe_shapes[n] for n in _probe_names(name, counts, probe_blocks) if n in probe_shapes]
-        if not targets or any(_fits(shape, t, read) for t in targets):
-            continue
-        want = tuple(read(d) if read(d) is not None else "?" for d in targets[0])
-        module, _, _ = name.rpartition(".")
-        raise SymacctError(
-            f"{NOT_THE_SAME}: parameter {name} is {shape} in the given model and {want} in the rebuilt one at "
-            "the given model's sizes",
-            module=module,
-            shapes=[shape, want],
-            hint="a module replaced or resized after construction, or a constructor changed since the model was "
-            "built, makes another model than type(model)(config): build the model from its config, or pass a "
-            "factory with dims={...}",
-        )
+    return counts
 
 
-def _probe_names(name: str, counts: dict[str, int], probe_blocks: int) -> list[str]:
-    """The names a parameter of the user's model has in the probe model (see ``compare_parameters``)."""
-    for path, n in counts.items():
+def compare_parameters(
+    model: nn.Module,
+    probe: StepTrace,
+    stacks: list[str],
+    probe_blocks: int,
+    read: Callable[[int], int | None],
+) -> None:
+    """Refuse when a parameter or buffer of the user's ``model`` is not the shape its counterpart in the probe
+    model has, read in symbols and taken at the model's own sizes (``read``: a probe size -> that size in the
+    user's model, None where it has no reading, which is then not compared).
+
+    The op comparison counts ops, not sizes: a module resized after construction (an MLP pruned to another
+    width, a longer mask or rotary table) or a constructor patched since the family was memoised runs the same
+    ops at other sizes, and would otherwise be derived as the config's model. A tensor of block i of a layer
+    stack is compared with the probe's block in the same position (the first, a middle one, the last; block i
+    itself when both have as many blocks); one with no counterpart is refused by ``compare_settings``.
+    """
+    counts = _stack_counts(model, stacks)
+    for kind, named, probe_shapes in (
+        ("parameter", model.named_parameters(remove_duplicate=False), probe.param_shapes),
+        ("buffer", model.named_buffers(remove_duplicate=False), probe.buffer_shapes),
+    ):
+        for name, t in named:
+            if isinstance(t, nn.parameter.UninitializedParameter | nn.parameter.UninitializedBuffer):
+                continue
+            shape = tuple(int(d) for d in t.shape)
+            targets = [probe_shapes[n] for n in _probe_names(name, counts, probe_blocks) if n in probe_shapes]
+            if not targets or any(_fits(shape, target, read) for target in targets):
+                continue
+            want = tuple(read(d) if read(d) is not None else "?" for d in targets[0])
+            raise SymacctError(
+                f"{NOT_THE_SAME}: {kind} {name} is {shape} in the given model and {want} in the rebuilt one at "
+                "the given model's sizes",
+                module=name.rpartition(".")[0],
+                shapes=[shape, want],
+                hint="a module replaced or resized after construction, or a constructor changed since the model "
+                "was built, makes another model than type(model)(config): build the model from its config, or "
+                "pass a factory with dims={...}",
+            )
+
+
+def _in_stack(name: str, counts: dict[str, int]) -> tuple[str, int, str] | None:
+    """(stack path, block index, name within the block) of a name inside a layer stack, else None."""
+    for path in counts:
         prefix = f"{path}." if path else ""
         if not name.startswith(prefix):
             continue
         head, _, rest = name[len(prefix) :].partition(".")
-        if not head.isdigit() or not rest:
-            continue
-        i = int(head)
-        js = [i] if n == probe_blocks else _positions(i, n, probe_blocks)
-        return [f"{prefix}{j}.{rest}" for j in js]
-    return [name]
+        if head.isdigit() and rest:
+            return path, int(head), rest
+    return None
+
+
+def _probe_names(name: str, counts: dict[str, int], probe_blocks: int) -> list[str]:
+    """The names a parameter or buffer of the user's model has in the probe model (see ``compare_parameters``)."""
+    at = _in_stack(name, counts)
+    if at is None:
+        return [name]
+    path, i, rest = at
+    n = counts[path]
+    prefix = f"{path}." if path else ""
+    js = [i] if n == probe_blocks else _positions(i, n, probe_blocks)
+    return [f"{prefix}{j}.{rest}" for j in js]
 
 
 def _fits(shape: tuple[int, ...], probe: tuple[int, ...], read: Callable[[int], int | None]) -> bool:

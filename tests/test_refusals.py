@@ -134,6 +134,69 @@ def test_weights_untied_after_construction_are_refused_by_name():
         symacct.derive(model, step="forward")
 
 
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_buffers_resized_or_added_after_construction_are_refused(gpt2):
+    """Buffers take memory the op comparison does not see: a longer causal mask slices to the same ops, an
+    unused buffer or parameter runs none. Derived as the config's model, the held bytes were silently short
+    (512 B of masks where the model holds 2,048). The untouched model's bytes equal what it holds."""
+    model = GPT2(GPT2Config(**SMALL))
+    at = gpt2.at(B=2, S=8)
+    assert (at.memory.params, at.memory.buffers) == (_nbytes(model.parameters()), _nbytes(model.buffers()))
+    for block in model.blocks:  # (S_max, S_max) = (16, 16) in the config's model; (32, 32) here
+        block.attn.mask = torch.ones(32, 32, dtype=torch.bool).tril()
+    assert _nbytes(model.buffers()) == 2048 != at.memory.buffers
+    with pytest.raises(SymacctError, match=r"buffer blocks\.0\.attn\.mask is \(32, 32\) in the given model and "
+                       r"\(16, 16\) in the rebuilt one"):  # fmt: skip
+        symacct.derive(model)
+    for where, add in (
+        ("blocks.1.extra", lambda m: m.blocks[1].register_buffer("extra", torch.zeros(100))),
+        ("extra", lambda m: m.register_parameter("extra", nn.Parameter(torch.zeros(100)))),
+    ):
+        model = GPT2(GPT2Config(**SMALL))
+        add(model)
+        kind = "buffer" if "1" in where else "parameter"
+        with pytest.raises(SymacctError, match=rf"the given model has a {kind} {where}; the other has none"):
+            symacct.derive(model)
+    model = GPT2(GPT2Config(**SMALL))
+    w = model.blocks[1].ln_1.weight
+    del model.blocks[1].ln_1.weight  # a plain tensor now: no longer a parameter the model holds or trains
+    model.blocks[1].ln_1.weight = w.detach()
+    with pytest.raises(SymacctError, match=r"the model rebuilt from its config has a parameter "
+                       r"blocks\.1\.ln_1\.weight; the other has none: it was removed"):  # fmt: skip
+        symacct.derive(model)
+
+
+def test_a_buffer_cast_after_construction_is_refused():
+    model = Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=64, hidden_dim=48,
+                              max_seq_len=16))  # fmt: skip
+    model.cos, model.sin = model.cos.double(), model.sin.double()
+    with pytest.raises(SymacctError, match=r"buffer cos is torch\.float64 where the model rebuilt from its config "
+                       r"builds it in torch\.float32"):  # fmt: skip
+        symacct.derive(model)
+
+
+def test_a_deep_stacks_middle_block_is_compared_by_name():
+    """Blocks beyond the probe's four are compared with the probe block in their position: a frozen or bf16
+    sixth block of eight, or its longer mask, is named (before: an op count, or nothing for the mask)."""
+    cfg = GPT2Config(**{**SMALL, "n_layer": 8})
+    cases = (
+        (lambda m: [p.requires_grad_(False) for p in m.blocks[5].parameters()],
+         r"parameter blocks\.5\.ln_1\.weight requires no gradient \(frozen\)"),
+        (lambda m: m.blocks[5].to(torch.bfloat16),
+         r"parameters mix torch\.bfloat16, torch\.float32; .* builds blocks\.5\.ln_1\.weight in torch\.float32"),
+        (lambda m: setattr(m.blocks[5].attn, "mask", torch.ones(32, 32, dtype=torch.bool).tril()),
+         r"buffer blocks\.5\.attn\.mask is \(32, 32\)"),
+    )  # fmt: skip
+    for change, message in cases:
+        model = GPT2(cfg)
+        change(model)
+        with pytest.raises(SymacctError, match=message):
+            symacct.derive(model)
+
+
 # ---- sizes the model cannot run ----------------------------------------------------------------
 
 

@@ -127,6 +127,8 @@ class StepTrace:
     param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # parameter name -> its dtype as traced
     param_frozen: set[str] = field(default_factory=set)  # parameters that require no gradient
+    buffer_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # buffer name (shared: each) -> shape
+    buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # buffer name -> its dtype as traced
     module_names: list[str] = field(default_factory=list)  # named_modules order
     module_types: dict[str, str] = field(default_factory=dict)  # path -> class name
     # memory bookkeeping
@@ -783,6 +785,9 @@ def record_step(
             trace.placeholders.append(Placeholder("param", name, m))
             trace.external_storages.add(m.storage)
             trace.note_storage(m.storage, p)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            trace.buffer_shapes[name] = tuple(int(d) for d in b.shape)
+            trace.buffer_dtypes[name] = b.dtype
         state_keys = set(model.state_dict(keep_vars=True))
         for name, b in model.named_buffers():
             m = ids.meta(b)
