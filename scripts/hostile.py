@@ -118,6 +118,16 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         with torch.no_grad():
             return symacct.derive(GPT2(small)).flops.total
 
+    mask32 = torch.ones(32, 32, dtype=torch.bool).tril()  # (S_max, S_max) is (16, 16) in the config's model
+
+    def changed(how: Callable[[Any], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            model = GPT2(small)
+            how(model)
+            return symacct.derive(model).at(B=2, S=8).memory.peak
+
+        return run
+
     return [
         ("derive an int", lambda: symacct.derive(123), REFUSE),
         ("derive optimizer instance", lambda: symacct.derive(GPT2(small), optimizer=opt), REFUSE),
@@ -134,6 +144,9 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("derive unknown option", lambda: symacct.derive(GPT2(small), optimiser="adamw"), REFUSE),
         ("derive compiled", lambda: symacct.derive(torch.compile(GPT2(small))), REFUSE),
         ("derive in no_grad", in_no_grad, lambda v: v == g.flops.total),
+        ("derive mask longer", changed(lambda m: setattr(m.blocks[0].attn, "mask", mask32)), REFUSE),
+        ("derive unused buffer", changed(lambda m: m.register_buffer("extra", torch.zeros(99))), REFUSE),
+        ("derive heads set", changed(lambda m: setattr(m.blocks[1].attn, "n_head", 8)), REFUSE),
         ("at B 0", lambda: g.at(B=0, S=8), REFUSE),
         ("at B 1.5", lambda: g.at(B=1.5, S=8), REFUSE),
         ("at B True", lambda: g.at(B=True, S=8), REFUSE),

@@ -91,10 +91,12 @@ from symacct.models.hf import task as task_for
 from symacct.models.hf import tp_plan as hf_tp_plan
 from symacct.options import CACHE_DTYPES, OPTIMIZERS, optimizer_factory, torch_dtype
 from symacct.sameness import (
+    AT_OWN_SIZES,
     NOT_THE_SAME,
     TENSOR_PARALLEL_IGNORED,
     compare_parameters,
     compare_settings,
+    compare_shapes,
     fake_copy,
     shortened,
 )
@@ -705,10 +707,12 @@ def _own_size(src: _Source, probe: Probe) -> Callable[[int], int]:
     return size
 
 
-def _at_own_sizes(src: _Source, probe: Probe) -> Callable[[int], int | None]:
-    """A probe size as the user's model has it: its reading in symbols at the model's own values; None where
-    it has no reading or the reading names a symbol the model leaves free (B, S)."""
+def _at_own_sizes(src: _Source, probe: Probe, free: Mapping[str, int] | None = None) -> Callable[[int], int | None]:
+    """A probe size as the user's model has it: its reading in symbols at the model's own values (and the
+    sizes in ``free`` for the symbols the model leaves free: B, S); None where it has no reading or the reading
+    names a symbol without a value."""
     own = {sym(letter): src.values[f] for f, letter in src.fields.items() if f in src.values}
+    own.update({sym(letter): v for letter, v in (free or {}).items()})
 
     @functools.cache
     def read(n: int) -> int | None:
@@ -721,6 +725,17 @@ def _at_own_sizes(src: _Source, probe: Probe) -> Callable[[int], int | None]:
     return read
 
 
+@dataclasses.dataclass(frozen=True)
+class UserRun:
+    """The user's own model traced in pass 4 (ops and the shapes they return), the sizes of the symbols it
+    leaves free that it ran at (B, S, other input sizes, the tensor-parallel degree), and the ops left out of
+    the comparison."""
+
+    trace: StepTrace
+    sizes: dict[str, int]
+    ignore: frozenset[str]
+
+
 def _same_model(
     model: nn.Module,
     src: _Source,
@@ -731,8 +746,9 @@ def _same_model(
     loss: Any,
     precision: dict[str, Any],
     optimizer: Any = None,
-) -> None:
-    """Trace the user's own model (a fake copy) at the probe's B and S and compare its ops with the probe's.
+) -> UserRun:
+    """Trace the user's own model (a fake copy) at the probe's B and S and compare its ops with the probe's;
+    the trace that passed and the sizes it ran at (for ``compare_shapes``, once the readings are checked).
 
     The optimizer is built on it too (hooks it registers, such as the mixed recipe's fp32 gradient casts, run
     in the backward); its step is not run, as its phase is not compared.
@@ -767,10 +783,16 @@ def _same_model(
         return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims, tp_world=tp)
 
     ignore = TENSOR_PARALLEL_IGNORED if TP in precision else frozenset()
+    sizes = {"B": B, "S": S, **dims}
+    if TP in precision:
+        sizes[TP] = precision[TP]
     try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
-        compare_ops(user_trace(True), trace, stacks, blocks, ignore)
+        user = user_trace(True)
+        compare_ops(user, trace, stacks, blocks, ignore)
     except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
-        compare_ops(user_trace(False), trace, stacks, blocks, ignore)
+        user = user_trace(False)
+        compare_ops(user, trace, stacks, blocks, ignore)
+    return UserRun(user, sizes, ignore)
 
 
 def _terms(costed: list[CostedOp], counts: list[Any]) -> dict[tuple[str, str], list[Any]]:
@@ -1044,9 +1066,9 @@ def _derive(
         known = from_memo(model, src, key, req)
         if known is None:
             first = trace_first(src, probes, req)
-            check_same_model(model, src, probes, first, req)
+            user = check_same_model(model, src, probes, first, req)
             second = trace_check(src, probes, first, req)
-            check_parameters(model, src, probes, first, req)  # the probe's readings checked by now
+            check_parameters(model, src, probes, first, req, user)  # the probe's readings checked by now
             memory, live = memory_pass(src, probes, first, second, req)
             known = Known(probes, first, memory, live)
             if key is not None:
@@ -1063,7 +1085,7 @@ def _derive(
         try:
             return _derive(model, **{**kwargs, "_degenerate": True})
         except SymacctError as again:
-            if again.what.startswith(NOT_THE_SAME):
+            if again.what.startswith(NOT_THE_SAME) and AT_OWN_SIZES not in again.what:
                 raise first_difference.error from None  # still another model: the first difference is the one
             raise
     except SymacctError as failed:
@@ -1525,14 +1547,15 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
     return FirstTrace(trace, stacks, costed, counts, param_counts, notes, min_layers)
 
 
-def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request) -> None:
-    """Pass 4: the user's own model runs the probe model's ops (``symacct.sameness``)."""
+def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request) -> UserRun | None:
+    """Pass 4: the user's own model runs the probe model's ops (``symacct.sameness``); its trace, or None
+    where pass 4 is skipped."""
     if src.configless or req.dims is not None:
-        return
+        return None
     if TP in req.precision:
         _check_degree(src, probes.first, first.trace, req.precision[TP])
     try:
-        _same_model(
+        return _same_model(
             model, src, probes.first, first.trace, first.stacks, req.step, src.loss, req.precision, req.make_opt
         )
     except SymacctError as e:
@@ -1541,13 +1564,21 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
         raise _Degenerate(e) from None
 
 
-def check_parameters(model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request) -> None:
+def check_parameters(
+    model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request, user: UserRun | None
+) -> None:
     """Pass 4, after the check at other sizes has confirmed the first probe's readings: the user's parameters
-    have the probe model's shapes at the model's own sizes (``symacct.sameness.compare_parameters``). Skipped
-    as pass 4 is: a model without config is copied as it is, a factory's model is the factory's."""
-    if not src.configless and req.dims is None:
-        read = _at_own_sizes(src, probes.first)
-        compare_parameters(model, first.trace, first.stacks, probes.first.layers or 1, read)
+    and buffers have the probe model's shapes at the model's own sizes (``symacct.sameness.compare_parameters``),
+    and each op of the user's trace returns the shapes its counterpart does at the sizes that trace ran at
+    (``compare_shapes``). Skipped as pass 4 is: a model without config is copied as it is, a factory's model
+    is the factory's."""
+    if src.configless or req.dims is not None or user is None:
+        return
+    blocks = probes.first.layers or 1
+    compare_parameters(model, first.trace, first.stacks, blocks, _at_own_sizes(src, probes.first))
+    if CP not in req.precision:  # context parallelism runs the user's model at its own S (the tables' rows)
+        read = _at_own_sizes(src, probes.first, user.sizes)
+        compare_shapes(user.trace, first.trace, first.stacks, blocks, read, user.ignore)
 
 
 def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:
@@ -1691,8 +1722,8 @@ def from_memo(model: Any, src: _Source, key: Any, req: Request) -> Known | None:
     if known is None:
         return None
     try:
-        check_same_model(model, src, known.probes, known.first, req)
-        check_parameters(model, src, known.probes, known.first, req)
+        user = check_same_model(model, src, known.probes, known.first, req)
+        check_parameters(model, src, known.probes, known.first, req, user)
     except (SymacctError, _Degenerate):
         memo.FAMILIES.drop(key)
         return None

@@ -20,6 +20,14 @@ before anything is refused.
 
 Counts, not order: a different order of the same ops changes no total.
 A difference is refused, naming the first op that differs.
+
+Counts alone miss a model that runs the same ops at other sizes or holds
+other tensors, so around them (``symacct.pipeline`` runs each where its
+inputs are known): before the ops, the parameters and buffers by name,
+dtype, ``requires_grad`` and tying (``compare_settings``); once the second
+probe has confirmed the readings, their shapes (``compare_parameters``) and
+the shapes every op returns (``compare_shapes``), read in symbols and taken
+at the user's sizes.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from symacct.cost.layers import op_blocks
 from symacct.errors import SymacctError
 from symacct.options import dtype_key
-from symacct.trace.record import StepTrace
+from symacct.trace.record import OpRecord, StepTrace
 
 Key = tuple[str, str, str]  # phase, op, module path within its block (or the full path outside blocks)
 
@@ -86,26 +94,42 @@ def _empty_like(t: torch.Tensor, device: str) -> torch.Tensor:
     return nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
 
 
-def _keys(
-    trace: StepTrace, stacks: list[str], ignore: frozenset[str] = frozenset()
-) -> tuple[Counter[Key], dict[int, Counter[Key]]]:
-    """Op counts outside the blocks, and per block index (ops named in ``ignore`` left out)."""
+Groups = tuple[dict[Key, list[OpRecord]], dict[int, dict[Key, list[OpRecord]]]]
+
+
+def _grouped(trace: StepTrace, stacks: list[str], ignore: frozenset[str] = frozenset()) -> Groups:
+    """The forward and backward ops by key, in the order they ran: outside the blocks, and per block index
+    (ops named in ``ignore`` left out). Kept on the trace: its ops are final once recorded."""
+    key = (tuple(stacks), ignore)
+    if key not in trace.op_groups:
+        trace.op_groups[key] = _group(trace, stacks, ignore)
+    return trace.op_groups[key]
+
+
+def _group(trace: StepTrace, stacks: list[str], ignore: frozenset[str]) -> Groups:
     blocks = op_blocks(trace.ops, stacks)
-    outside: Counter[Key] = Counter()
-    per: dict[int, Counter[Key]] = {}
+    outside: dict[Key, list[OpRecord]] = {}
+    per: dict[int, dict[Key, list[OpRecord]]] = {}
     for rec, b in zip(trace.ops, blocks):
         if rec.phase not in ("forward", "backward"):  # the optimizer is symacct's own, built the same for both
             continue
-        if str(rec.op) in ignore:
-            continue
         op = str(rec.op)
+        if op in ignore:
+            continue
         if b is None:
-            outside[(rec.phase, op, rec.module)] += 1
+            outside.setdefault((rec.phase, op, rec.module), []).append(rec)
             continue
         stack, i = b
         prefix = f"{stack}.{i}" if stack else str(i)
-        per.setdefault(i, Counter())[(rec.phase, op, rec.module[len(prefix) :])] += 1
+        per.setdefault(i, {}).setdefault((rec.phase, op, rec.module[len(prefix) :]), []).append(rec)
     return outside, per
+
+
+def _keys(groups: Groups) -> tuple[Counter[Key], dict[int, Counter[Key]]]:
+    """Op counts outside the blocks, and per block index."""
+    outside, per = groups
+    count = lambda by_key: Counter({key: len(recs) for key, recs in by_key.items()})  # noqa: E731
+    return count(outside), {i: count(by_key) for i, by_key in per.items()}
 
 
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
@@ -135,8 +159,8 @@ def compare(
 ) -> None:
     """Refuse when the user's model and the probe model do not run the same ops (see the module doc); ops
     named in ``ignore`` (``TENSOR_PARALLEL_IGNORED``) are not compared."""
-    u_out, u_blocks = _keys(user, stacks, ignore)
-    p_out, p_blocks = _keys(probe, stacks, ignore)
+    u_out, u_blocks = _keys(_grouped(user, stacks, ignore))
+    p_out, p_blocks = _keys(_grouped(probe, stacks, ignore))
     found = _first_difference(u_out, p_out)
     where = "outside the layer stack"
     if found is None and stacks:
@@ -163,7 +187,87 @@ def compare(
     )
 
 
+def compare_shapes(
+    user: StepTrace,
+    probe: StepTrace,
+    stacks: list[str],
+    probe_blocks: int,
+    read: Callable[[int], int | None],
+    ignore: frozenset[str] = frozenset(),
+) -> None:
+    """Refuse when an op of the user's model returns tensors of other shapes than its counterpart in the probe
+    model, read in symbols and taken at the sizes of the user's trace (``read``, as in ``compare_parameters``).
+
+    ``compare`` has found the same op counts; this finds the same ops run at other sizes with the same
+    parameters: an attribute changed after construction (an attention module's head count, which splits the
+    same width into more heads and saves a larger score matrix; an MoE layer's top-k). Ops are paired in the
+    order they ran within each (phase, op, module) key, else matched in any order.
+    """
+    u_out, u_blocks = _grouped(user, stacks, ignore)
+    p_out, p_blocks = _grouped(probe, stacks, ignore)
+    found = _shape_difference(u_out, p_out, read)
+    where = "outside the layer stack"
+    if found is None and stacks:
+        n = max(u_blocks, default=-1) + 1
+        for i in range(n):
+            diffs = [
+                _shape_difference(u_blocks.get(i, {}), p_blocks.get(j, {}), read)
+                for j in _positions(i, n, probe_blocks)
+            ]
+            if all(d is not None for d in diffs):
+                found, where = diffs[0], f"in block {i} of the layer stack"
+                break
+    if found is None:
+        return
+    rec, got, want = found
+    raise SymacctError(
+        f"{NOT_THE_SAME}: {rec.op} returns {_shapes_text(got)} in the given model and {_shapes_text(want)} "
+        f"{AT_OWN_SIZES} ({rec.phase}, {where})",
+        module=rec.module,
+        op=str(rec.op),
+        shapes=list(got),
+        hint="an attribute that sets a size (a head count, a top-k, a window) changed after construction makes "
+        "another model than type(model)(config), with the same ops at other sizes: set it in the config, or pass "
+        "a factory with dims={...}",
+    )
+
+
+def _shape_difference(
+    user: dict[Key, list[OpRecord]], probe: dict[Key, list[OpRecord]], read: Callable[[int], int | None]
+) -> tuple[OpRecord, tuple[tuple[int, ...], ...], tuple[Any, ...]] | None:
+    """The first op of ``user`` (forward first) with no op of the same key in ``probe`` that returns its
+    shapes: (the user's op, its shapes, the shapes of the probe's op in its place, read)."""
+    for key in sorted(user, key=lambda k: (_PHASES.get(k[0], 3), k)):
+        mine, theirs = user[key], probe.get(key, [])
+        gots = [r.out_shapes for r in mine]
+        wants = [tuple(tuple(m.shape) for m in p.outputs) for p in theirs]
+        if len(gots) == len(wants) and all(_returns(g, w, read) for g, w in zip(gots, wants)):
+            continue
+        left = list(range(len(wants)))  # the same ops in another order
+        for i, (r, got) in enumerate(zip(mine, gots)):
+            match = next((j for j in left if _returns(got, wants[j], read)), None)
+            if match is None:
+                want = wants[i] if i < len(wants) else ()
+                return r, got, tuple(tuple(read(d) if read(d) is not None else "?" for d in w) for w in want)
+            left.remove(match)
+    return None
+
+
+def _returns(
+    got: tuple[tuple[int, ...], ...], want: tuple[tuple[int, ...], ...], read: Callable[[int], int | None]
+) -> bool:
+    if len(got) != len(want):  # a split into a number of chunks that is a size (the tensor-parallel degree)
+        return len(set(got)) == len(set(want)) == 1 and _fits(got[0], want[0], read)
+    return all(_fits(g, w, read) for g, w in zip(got, want))
+
+
+def _shapes_text(shapes: tuple[Any, ...]) -> str:
+    return ", ".join(str(tuple(s)) for s in shapes) or "nothing"
+
+
 NOT_THE_SAME = "the model rebuilt from its config at probe sizes is not the model given"
+# in the refusals of the checks after the op counts (compare_parameters, compare_shapes): the shapes differ
+AT_OWN_SIZES = "in the rebuilt one at the given model's sizes"
 
 
 def _positions(i: int, n: int, probe_blocks: int) -> list[int]:
@@ -366,8 +470,7 @@ def compare_parameters(
                 continue
             want = tuple(read(d) if read(d) is not None else "?" for d in targets[0])
             raise SymacctError(
-                f"{NOT_THE_SAME}: {kind} {name} is {shape} in the given model and {want} in the rebuilt one at "
-                "the given model's sizes",
+                f"{NOT_THE_SAME}: {kind} {name} is {shape} in the given model and {want} {AT_OWN_SIZES}",
                 module=name.rpartition(".")[0],
                 shapes=[shape, want],
                 hint="a module replaced or resized after construction, or a constructor changed since the model "

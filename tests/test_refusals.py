@@ -134,6 +134,23 @@ def test_weights_untied_after_construction_are_refused_by_name():
         symacct.derive(model, step="forward")
 
 
+def test_a_head_count_changed_after_construction_is_refused():
+    """Attention heads set to 8 after construction (the config builds 4 over the same width): the same ops on
+    the same parameters, at other shapes, saving an 8-head score matrix. Derived as the config's model, the
+    saved bytes were silently short of the real step's; now refused, naming the op whose shapes differ."""
+    from symacct.measure.run import measure_step
+
+    derived = symacct.derive(GPT2(GPT2Config(**SMALL))).at(B=2, S=8).saved_bytes
+    for depth, block in ((2, 0), (8, 5)):  # the probe's block in position too (a deep stack, shortened)
+        model = GPT2(GPT2Config(**{**SMALL, "n_layer": depth}))
+        model.blocks[block].attn.n_head = 8
+        if depth == 2:
+            assert measure_step(model, model.example_inputs(2, 8)).saved_bytes > derived
+        shapes = r"aten\._softmax\.default returns \(\d+, 8, \d+, \d+\) in the given model and \(\d+, 4, \d+, \d+\)"
+        with pytest.raises(SymacctError, match=rf"{shapes} in the rebuilt one .*in block {block} of the layer stack"):
+            symacct.derive(model)
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -237,6 +237,24 @@ def test_a_module_swapped_after_construction_is_refused() -> None:
         symacct.derive(model)
 
 
+def test_a_top_k_raised_after_construction_is_refused() -> None:
+    """Each token sent to 3 experts where the config sends it to 2: the same ops on the same parameters,
+    with longer grouped matmuls. Derived as the config's model, the FLOPs were silently the top-2 figure
+    (short of the real step's); now refused, naming the grouped matmul whose shapes differ."""
+    sizes = {"H": 2, "H_kv": 2, "D": 16, "L": 1, "V": 30, "F": 20, "S_max": 32, "E": 4, "k": 2}
+    model = FAMILIES["mixtral"][0](sizes, "eager")
+    derived = symacct.derive(model).at(B=2, S=8).flops.hardware
+    for m in model.modules():
+        if hasattr(m, "top_k"):
+            m.top_k = 3
+    step = task(model)
+    counted = measure_step(model, step.inputs(model, 2, 8), loss=step.loss)
+    assert counted.flops_total + counted.grouped_forward + counted.grouped_backward > derived
+    with pytest.raises(SymacctError, match=r"aten\._grouped_mm\.default returns .* in the given model and .* in the "
+                       r"rebuilt one"):  # fmt: skip
+        symacct.derive(model)
+
+
 def test_forward_step_takes_no_labels() -> None:
     model = FAMILIES["gpt2"][0]({"H": 2, "H_kv": 2, "D": 16, "L": 2, "V": 30, "F": 20, "S_max": 32}, "eager")
     acct = symacct.derive(model, step="forward")

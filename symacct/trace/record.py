@@ -99,6 +99,7 @@ class OpRecord:
     inputs: list[TMeta]  # flattened tensor arguments
     is_view: bool  # every output aliases an input without writing it
     mutated: list[TMeta]  # arguments the op writes in place
+    out_shapes: tuple[tuple[int, ...], ...] = ()  # ``only_ops``: the shapes of the tensors it returns (else empty)
 
 
 @dataclass
@@ -146,6 +147,8 @@ class StepTrace:
     # SDPA kernels run on CUDA (how the note describes each -> calls); symacct.trace.sdpa
     sdpa_kernels: dict[str, int] = field(default_factory=dict)
     groups: dict[str, str] = field(default_factory=dict)  # process group name -> its mesh dimension (tp, cp)
+    # (stacks, ops left out) -> the forward and backward ops by key (symacct.sameness; a memoised probe's reused)
+    op_groups: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def note_storage(self, st: int, t: torch.Tensor) -> None:
         """Record the bytes of storage ``st`` and, when ``t`` spans it, the shape they come from."""
@@ -617,7 +620,7 @@ class _Recorder(TorchDispatchMode):
         out = _eager_strides(func, args, out)
         for a, k, o in _split_lists(func, args, kwargs, out):
             if self.only_ops:
-                self._record_op(func)
+                self._record_op(func, o)
             else:
                 self._record(func, a, k, o)
         if self.phase == "forward":
@@ -629,11 +632,16 @@ class _Recorder(TorchDispatchMode):
             self.seq_seen = max(self.seq_seen, last)
         return out
 
-    def _record_op(self, func: Any) -> None:
-        """The op, its module and its phase; nothing of its tensors."""
+    def _record_op(self, func: Any, out: Any) -> None:
+        """The op, its module, its phase and the shapes it returns; nothing else of its tensors."""
         phase = "recompute" if self.phase == "backward" and self.recomputing else self.phase
         index = len(self.trace.ops)
-        self.trace.ops.append(OpRecord(index, func, self.module(), phase, (), {}, None, [], [], False, []))
+        if isinstance(out, torch.Tensor):
+            shapes: tuple[tuple[int, ...], ...] = (tuple(out.shape),)
+        else:
+            shapes = tuple(tuple(o.shape) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
+        rec = OpRecord(index, func, self.module(), phase, (), {}, None, [], [], False, [], shapes)
+        self.trace.ops.append(rec)
 
     def _record(self, func, args, kwargs, out) -> None:
         phase = "recompute" if self.phase == "backward" and self.recomputing else self.phase
@@ -766,6 +774,9 @@ def record_step(
                 f"could not build the inputs: {type(e).__name__}: {e}",
                 hint="pass inputs=lambda B, S: (...) returning the positional inputs of one step",
             ) from e
+        for name, b in model.named_buffers(remove_duplicate=False):  # as built (context parallelism shards some)
+            trace.buffer_shapes[name] = tuple(int(d) for d in b.shape)
+            trace.buffer_dtypes[name] = b.dtype
         if step_context is not None:
             around.enter_context(step_context(model, args))
         if step == "train":
@@ -785,9 +796,6 @@ def record_step(
             trace.placeholders.append(Placeholder("param", name, m))
             trace.external_storages.add(m.storage)
             trace.note_storage(m.storage, p)
-        for name, b in model.named_buffers(remove_duplicate=False):
-            trace.buffer_shapes[name] = tuple(int(d) for d in b.shape)
-            trace.buffer_dtypes[name] = b.dtype
         state_keys = set(model.state_dict(keep_vars=True))
         for name, b in model.named_buffers():
             m = ids.meta(b)
