@@ -240,7 +240,7 @@ def _shape_difference(
     for key in sorted(user, key=lambda k: (_PHASES.get(k[0], 3), k)):
         mine, theirs = user[key], probe.get(key, [])
         gots = [r.out_shapes for r in mine]
-        wants = [tuple(tuple(m.shape) for m in p.outputs) for p in theirs]
+        wants = [p.out_shapes for p in theirs]
         if len(gots) == len(wants) and all(_returns(g, w, read) for g, w in zip(gots, wants)):
             continue
         left = list(range(len(wants)))  # the same ops in another order

@@ -99,7 +99,7 @@ class OpRecord:
     inputs: list[TMeta]  # flattened tensor arguments
     is_view: bool  # every output aliases an input without writing it
     mutated: list[TMeta]  # arguments the op writes in place
-    out_shapes: tuple[tuple[int, ...], ...] = ()  # ``only_ops``: the shapes of the tensors it returns (else empty)
+    out_shapes: tuple[tuple[int, ...], ...] = ()  # the shapes of the tensors it returns
 
 
 @dataclass
@@ -459,7 +459,8 @@ def op_record(
     # a view: writes nothing and every output shares an input's storage
     # (by storage, not schema: aten._unsafe_view has no alias annotation)
     is_view = not mutated and bool(outputs) and all(m.storage in in_storages for m in outputs)
-    return OpRecord(index, func, module, phase, margs, mkwargs, mout, outputs, inputs, is_view, mutated)
+    shapes = tuple(tuple(m.shape) for m in outputs)
+    return OpRecord(index, func, module, phase, margs, mkwargs, mout, outputs, inputs, is_view, mutated, shapes)
 
 
 def _tmetas(x: Any, found: list[TMeta]) -> None:
@@ -638,6 +639,8 @@ class _Recorder(TorchDispatchMode):
         index = len(self.trace.ops)
         if isinstance(out, torch.Tensor):
             shapes: tuple[tuple[int, ...], ...] = (tuple(out.shape),)
+        elif isinstance(out, tuple) and all(isinstance(o, torch.Tensor) for o in out):
+            shapes = tuple(tuple(o.shape) for o in out)
         else:
             shapes = tuple(tuple(o.shape) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
         rec = OpRecord(index, func, self.module(), phase, (), {}, None, [], [], False, [], shapes)
