@@ -37,7 +37,7 @@ import copy
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ from symacct.errors import SymacctError
 from symacct.options import dtype_key
 from symacct.trace.record import OpRecord, StepTrace
 
+D = TypeVar("D")
 Key = tuple[str, str, str]  # phase, op, module path within its block (or the full path outside blocks)
 
 
@@ -154,31 +155,47 @@ def _first_difference(a: Counter[Key], b: Counter[Key]) -> tuple[Key, int, int] 
 TENSOR_PARALLEL_IGNORED = frozenset({"aten.slice.Tensor"})
 
 
+def _difference(
+    user: tuple[Any, dict[int, Any]],
+    probe: tuple[Any, dict[int, Any]],
+    stacks: list[str],
+    probe_blocks: int,
+    differ: Callable[[Any, Any], D | None],
+) -> tuple[D, int | None] | None:
+    """The first difference ``differ`` finds between the ops outside the blocks, else in the first block of the
+    user's stack that differs from every probe block in its position (``_positions``): (it, the block index,
+    None outside the blocks). ``user`` and ``probe``: (outside, per block index), as ``_grouped`` gives them."""
+    (u_out, u_blocks), (p_out, p_blocks) = user, probe
+    found = differ(u_out, p_out)
+    if found is not None:
+        return found, None
+    n = max(u_blocks, default=-1) + 1 if stacks else 0
+    for i in range(n):
+        diffs = [differ(u_blocks.get(i, {}), p_blocks.get(j, {})) for j in _positions(i, n, probe_blocks)]
+        if all(d is not None for d in diffs):
+            return diffs[0], i
+    return None
+
+
+def _where(block: int | None) -> str:
+    return "outside the layer stack" if block is None else f"in block {block} of the layer stack"
+
+
 def compare(
     user: StepTrace, probe: StepTrace, stacks: list[str], probe_blocks: int, ignore: frozenset[str] = frozenset()
 ) -> None:
     """Refuse when the user's model and the probe model do not run the same ops (see the module doc); ops
     named in ``ignore`` (``TENSOR_PARALLEL_IGNORED``) are not compared."""
-    u_out, u_blocks = _keys(_grouped(user, stacks, ignore))
-    p_out, p_blocks = _keys(_grouped(probe, stacks, ignore))
-    found = _first_difference(u_out, p_out)
-    where = "outside the layer stack"
-    if found is None and stacks:
-        n = max(u_blocks, default=-1) + 1
-        for i in range(n):
-            targets = _positions(i, n, probe_blocks)
-            diffs = [_first_difference(u_blocks.get(i, Counter()), p_blocks.get(j, Counter())) for j in targets]
-            if all(d is not None for d in diffs):
-                found, where = diffs[0], f"in block {i} of the layer stack"
-                key, a, b = found
-                found = ((key[0], key[1], (f"{stacks[0]}.{i}" if stacks[0] else str(i)) + key[2]), a, b)
-                break
-    if found is None:
+    at = _difference(_keys(_grouped(user, stacks, ignore)), _keys(_grouped(probe, stacks, ignore)), stacks,
+                     probe_blocks, _first_difference)  # fmt: skip
+    if at is None:
         return
-    (phase, op, module), n_user, n_probe = found
+    ((phase, op, module), n_user, n_probe), i = at
+    if i is not None:
+        module = (f"{stacks[0]}.{i}" if stacks[0] else str(i)) + module
     raise SymacctError(
         f"{NOT_THE_SAME}: {op} runs {n_user} times "
-        f"in the given model and {n_probe} times in the rebuilt one ({phase}, {where})",
+        f"in the given model and {n_probe} times in the rebuilt one ({phase}, {_where(i)})",
         module=module,
         op=op,
         hint="a setting of the model is lost or changed when it is rebuilt as type(model)(config) (an attention "
@@ -203,26 +220,14 @@ def compare_shapes(
     same width into more heads and saves a larger score matrix; an MoE layer's top-k). Ops are paired in the
     order they ran within each (phase, op, module) key, else matched in any order.
     """
-    u_out, u_blocks = _grouped(user, stacks, ignore)
-    p_out, p_blocks = _grouped(probe, stacks, ignore)
-    found = _shape_difference(u_out, p_out, read)
-    where = "outside the layer stack"
-    if found is None and stacks:
-        n = max(u_blocks, default=-1) + 1
-        for i in range(n):
-            diffs = [
-                _shape_difference(u_blocks.get(i, {}), p_blocks.get(j, {}), read)
-                for j in _positions(i, n, probe_blocks)
-            ]
-            if all(d is not None for d in diffs):
-                found, where = diffs[0], f"in block {i} of the layer stack"
-                break
-    if found is None:
+    differ = functools.partial(_shape_difference, read=read)
+    at = _difference(_grouped(user, stacks, ignore), _grouped(probe, stacks, ignore), stacks, probe_blocks, differ)
+    if at is None:
         return
-    rec, got, want = found
+    (rec, got, want), i = at
     raise SymacctError(
         f"{NOT_THE_SAME}: {rec.op} returns {_shapes_text(got)} in the given model and {_shapes_text(want)} "
-        f"{AT_OWN_SIZES} ({rec.phase}, {where})",
+        f"{AT_OWN_SIZES} ({rec.phase}, {_where(i)})",
         module=rec.module,
         op=str(rec.op),
         shapes=list(got),
@@ -313,11 +318,17 @@ def compare_settings(
         _compare_dtypes(model, probe, counts, probe_blocks)
 
 
+def _kinds(model: nn.Module, params: dict[str, Any], buffers: dict[str, Any]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """("parameter", the model's named parameters, ``params``) and the same for its buffers: every name, shared
+    tensors under each of theirs, as the probe trace records them."""
+    return [
+        ("parameter", model.named_parameters(remove_duplicate=False), params),
+        ("buffer", model.named_buffers(remove_duplicate=False), buffers),
+    ]
+
+
 def _compare_names(model: nn.Module, probe: StepTrace, counts: dict[str, int], probe_blocks: int) -> None:
-    for kind, named, theirs in (
-        ("parameter", model.named_parameters(remove_duplicate=False), probe.param_dtypes),
-        ("buffer", model.named_buffers(remove_duplicate=False), probe.buffer_dtypes),
-    ):
+    for kind, named, theirs in _kinds(model, probe.param_dtypes, probe.buffer_dtypes):
         mine = [name for name, _ in named]
         for name in mine:
             if not any(n in theirs for n in _probe_names(name, counts, probe_blocks)):
@@ -391,10 +402,7 @@ def _sharing(group: frozenset[str]) -> str:
 
 def _compare_dtypes(model: nn.Module, probe: StepTrace, counts: dict[str, int], probe_blocks: int) -> None:
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    for kind, named, theirs in (
-        ("parameter", model.named_parameters(remove_duplicate=False), probe.param_dtypes),
-        ("buffer", model.named_buffers(remove_duplicate=False), probe.buffer_dtypes),
-    ):
+    for kind, named, theirs in _kinds(model, probe.param_dtypes, probe.buffer_dtypes):
         for name, t in named:
             wants = [theirs[n] for n in _probe_names(name, counts, probe_blocks) if n in theirs]
             if wants and t.dtype not in wants:
@@ -457,10 +465,7 @@ def compare_parameters(
     itself when both have as many blocks); one with no counterpart is refused by ``compare_settings``.
     """
     counts = _stack_counts(model, stacks)
-    for kind, named, probe_shapes in (
-        ("parameter", model.named_parameters(remove_duplicate=False), probe.param_shapes),
-        ("buffer", model.named_buffers(remove_duplicate=False), probe.buffer_shapes),
-    ):
+    for kind, named, probe_shapes in _kinds(model, probe.param_shapes, probe.buffer_shapes):
         for name, t in named:
             if isinstance(t, nn.parameter.UninitializedParameter | nn.parameter.UninitializedBuffer):
                 continue
