@@ -341,8 +341,8 @@ def _follow_heads(src: _Source, degenerate: bool, tp: int | None = None) -> list
       ``repeat_kv`` returns at once), the width equal to the heads follows H (heads of width 1: their
       transposes are free, so fewer copies run), and sizes of 1 stay 1 (they broadcast and make transposes
       free);
-    - with tensor parallelism of degree ``tp``, key/value heads equal to tp (one a rank) follow tp, on the
-      first try: the probe's many heads a rank would run other ops.
+    - with tensor parallelism of degree ``tp``, heads or key/value heads equal to tp (one a rank) follow tp, on
+      the first try: the probe's many heads a rank would run other ops.
     """
     notes = []
 
@@ -351,9 +351,8 @@ def _follow_heads(src: _Source, degenerate: bool, tp: int | None = None) -> list
         del src.fields[field]
         notes.append(f"{field} = {leader} ({why}): it follows {'tp' if leader == TP else 'H'}")
 
-    kv_one = _kv_per_rank_one(src, tp)
-    if kv_one is not None:  # at once: a single head a rank takes views where several copy (never the same ops)
-        follow(kv_one, TP, "one key/value head a rank")
+    for one in _heads_per_rank_one(src, tp):  # at once: a single head a rank takes views where several copy
+        follow(one, TP, f"one {'key/value ' if src.fields[one] == 'H_kv' else ''}head a rank")
     tie, narrow = _heads_tie(src), _width_one_head(src)
     if degenerate and tie is not None:
         follow(tie[1], tie[0], "no grouped heads")
@@ -403,10 +402,15 @@ def _width_one_head(src: _Source) -> tuple[str, str] | None:
     return (d, h) if d is not None and h is not None and src.values[d] == src.values[h] > 1 else None
 
 
-def _kv_per_rank_one(src: _Source, tp: int | None) -> str | None:
-    """The key/value heads field when tensor parallelism leaves one key/value head a rank (H_kv == tp)."""
-    kv = next((f for f, letter in src.fields.items() if letter == "H_kv"), None)
-    return kv if tp is not None and kv is not None and src.values[kv] == tp else None
+def _heads_per_rank_one(src: _Source, tp: int | None) -> list[str]:
+    """The heads and key/value heads fields that tensor parallelism leaves one a rank (H == tp, H_kv == tp)."""
+    if tp is None:
+        return []
+    heads = {letter: f for f, letter in src.fields.items() if letter in ("H", "H_kv")}
+    one = {letter: f for letter, f in heads.items() if src.values[f] == tp}
+    if "H" in one and "H_kv" in heads and "H_kv" not in one:  # fewer key/value heads than ranks: not split
+        del one["H"]
+    return list(one.values())
 
 
 def _degenerate_sizes(src: _Source) -> bool:
@@ -588,7 +592,11 @@ def _probe_for(
         {letter for letter in src.fields.values() if letter != "L"} | {"B", *seq, *src.input_dims, *degree}
     )
     layers_or_none = layers if "L" in src.fields.values() else None
-    kept = [v for f, v in src.values.items() if letter_for_field(f) == "H" and f not in src.fields]
+    kept = [  # heads kept at their value, or one a tensor-parallel rank (they follow tp: its prime)
+        tp_prime if src.follow.get(f) == (TP, None) and tp_prime is not None else v
+        for f, v in src.values.items()
+        if letter_for_field(f) == "H" and f not in src.fields
+    ]
     scale = {"S": IMAGE_SCALE} if src.strided else {}
     if cp:  # the sequence in 2 * cp chunks (head-tail load balancing), each whole
         scale["S"] = scale.get("S", 1) * 2 * cp

@@ -192,6 +192,25 @@ def test_serve_figures_hold_on_the_derived_steps():
     assert s.tokens_per_second == pytest.approx(3 / s.decode_seconds)
 
 
+def test_serve_refuses_steps_of_two_models():
+    """Every serve() figure mixes the two steps (time to first token from the prefill, the rest from the
+    decode): a prefill and a decode of different sizes, parameters or cache dtypes are refused, where they
+    used to give figures of neither model."""
+    from symacct.time.serving import serve
+
+    prefill, decode = _derived(GPT2Config, (), "prefill"), _derived(GPT2Config, (), "decode")
+    assert serve(prefill, decode, hardware="H100-SXM", context=8).cache_bytes_per_token > 0  # the same model
+    wider = _with_sizes(decode, {"D": 2 * decode.symbols["D"]})
+    with pytest.raises(symacct.SymacctError, match="not of the same model .sizes differ: D=8 and 16"):
+        serve(prefill, wider, hardware="H100-SXM", context=8)
+    bf16 = _derived(GPT2Config, (), "decode", cache_dtype="bf16")
+    with pytest.raises(symacct.SymacctError, match="options differ: cache_dtype"):
+        serve(prefill, bf16, hardware="H100-SXM", context=8)
+    untied = _derived(GPT2Config, (("tie_weights", False),), "decode")  # one more (V, D) weight
+    with pytest.raises(symacct.SymacctError, match="their parameters differ"):
+        serve(prefill, untied, hardware="H100-SXM", context=8)
+
+
 def _with_sizes(acct: symacct.Accounting, values: dict[str, int]) -> symacct.Accounting:
     """The accounting with the model's own sizes set to ``values`` (the small model derived stands for the
     configs of its code path)."""

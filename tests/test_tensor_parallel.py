@@ -50,8 +50,8 @@ def _llama(H: int, H_kv: int, hd: int, F: int, V: int, L: int, S_max: int = 64) 
 def _derived(model: str, plan: str, kv_per_rank: int) -> symacct.Accounting:
     """One derivation per model, plan and (llama) key/value heads a rank: one a rank is another derivation
     (H_kv follows tp: a single head takes views where several copy)."""
-    if model == "gpt2":
-        return symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw", tensor_parallel=plan, tp=2)
+    if model == "gpt2":  # kv_per_rank: the heads a rank (all heads are key/value heads), 1 or 2
+        return symacct.derive(GPT2(_gpt2(2 * kv_per_rank, 8, 64, 2)), optimizer="adamw", tensor_parallel=plan, tp=2)
     cfg = _llama(4 * kv_per_rank, 2 * kv_per_rank, 8, 32, 64, 2)
     return symacct.derive(Llama(cfg), optimizer="adamw", tensor_parallel=plan, tp=2)
 
@@ -84,10 +84,10 @@ def test_rank_on_the_fake_group(
     plan = "megatron-sp" if sp else "megatron"
     S, V = s * tp, v * tp
     if model == "gpt2":
-        H = 2 * tp * rep  # two heads a rank or more (one a rank is another derivation, not drawn here)
+        H = tp if kv_per_rank == 1 else 2 * tp * rep  # one head a rank (H follows tp), or two or more
         cfg: object = _gpt2(H, hd, V, layers)
         sizes = {"H": H, "D": H * hd, "V": V, "L": layers, "S_max": 64}
-        acct = _derived("gpt2", plan, 0)
+        acct = _derived("gpt2", plan, kv_per_rank)
     else:
         H_kv = kv_per_rank * tp
         H, F = rep * H_kv, f * tp
@@ -106,6 +106,32 @@ def test_rank_on_the_fake_group(
     assert Counter(got.rank.collectives) == _collectives(rank)
 
 
+@pytest.mark.parametrize(("model", "plan", "tp"), [("gpt2", "megatron-sp", 2), ("llama", "megatron", 3)])
+def test_one_head_a_rank(model: str, plan: str, tp: int) -> None:
+    """H = tp (and H_kv = tp): a rank's single head takes views where several heads copy, so the heads follow
+    tp (a note says so) and the rank's figures are exact against the rank run for real; a model derived at
+    tp = 2 is read at tp = 3 too. Before, the probe's several heads a rank were compared with the user's one
+    and the model was refused as not the one given (a clone that runs only with several heads)."""
+    if model == "gpt2":
+        acct = symacct.derive(GPT2(_gpt2(2, 8, 64, 2)), optimizer="adamw", tensor_parallel=plan, tp=2)
+        cfg: object = _gpt2(tp, 4, 6 * tp, 3)
+        sizes = {"H": tp, "D": 4 * tp, "V": 6 * tp, "L": 3, "S_max": 64}
+    else:
+        acct = symacct.derive(Llama(_llama(2, 2, 8, 32, 64, 2)), optimizer="adamw", tensor_parallel=plan, tp=2)
+        cfg = _llama(tp, tp, 4, 3 * tp, 6 * tp, 3)
+        sizes = {"H": tp, "H_kv": tp, "D": 4 * tp, "F": 3 * tp, "V": 6 * tp, "L": 3, "S_max": 64}
+    assert any(n.startswith(("n_head = tp", "n_heads = tp")) for n in acct.notes)
+    B, S = 2, 2 * tp
+    mem = acct.at(B=B, S=S, tp=tp, **sizes).memory
+    rank = derive_parallel(acct, make_layout(tp=tp, sequence_parallel=plan.endswith("sp"))).at(B=B, S=S, **sizes)
+    got = tp_rank(Build(cfg), plan, tp, Batch(B, S, sizes["V"]), adamw)
+    assert (got.rank.params, got.rank.grads, got.rank.optimizer) == (mem.params, mem.grads, mem.optimizer)
+    assert (got.saved, got.first_peak, got.rank.peak) == (mem.activations, mem.peak, rank.ranks[0].peak)
+    assert Counter(got.rank.collectives) == _collectives(rank.ranks[0])
+    with pytest.raises(SymacctError, match="H follows tp"):  # two heads a rank: another derivation
+        acct.at(B=B, S=S, tp=tp, **{**sizes, "H": 2 * tp, "D": 8 * tp})
+
+
 def test_formulas_read_as_megatrons() -> None:
     """The derived rank against a count by hand of what GPT-2's layer saves (fp32, no dropout), the form of
     Korthikanti et al.'s sbh(10 + 24/t + 5as/(ht)) and sbh(34/t + 5as/(ht)):
@@ -120,7 +146,7 @@ def test_formulas_read_as_megatrons() -> None:
       where Megatron saves its shard and gathers it again in backward (its 34/t has no whole term)."""
     tp, L, B, S, D, H = (sym(n) for n in ("tp", "L", "B", "S", "D", "H"))
     full = symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw")
-    plain, seq = _derived("gpt2", "megatron", 0), _derived("gpt2", "megatron-sp", 0)
+    plain, seq = _derived("gpt2", "megatron", 2), _derived("gpt2", "megatron-sp", 2)
     for rank in (plain, seq):
         assert sympy.simplify(rank.flops.total * tp - full.flops.total) == 0
     layer = {k: sympy.expand(a.memory.activations).coeff(L).as_independent(tp) for k, a in (("tp", plain), ("sp", seq))}

@@ -294,6 +294,49 @@ def _split_time(acct: Accounting, hw: Accelerator, matmul: str, **sizes: int) ->
     return compute, evaluate(acct.bytes.read + acct.bytes.written, values) / hw.bandwidth
 
 
+# options that must agree between the two steps of one served model (the weights, the cache, the kernels, the
+# ranks); the step itself differs, and so may options that only shape a report (embedding_flops, causal_discount)
+_SAME_SERVING = (
+    "params_dtype",
+    "autocast",
+    "cache_dtype",
+    "device",
+    "hardware",
+    "sdpa_backend",
+    "without_gpu",
+    "tensor_parallel",
+    "context_parallel",
+)
+
+
+def _same_model(prefill: Accounting, decode: Accounting) -> None:
+    """Refuse a prefill and a decode derived from different models: other sizes, other parameters, or options
+    that change the weights, the cache or the kernels (each figure of serve() mixes the two steps)."""
+    differ = [k for k in _SAME_SERVING if prefill.options.get(k) != decode.options.get(k)]
+    sizes = {k: (v, decode.symbols.get(k)) for k, v in prefill.symbols.items() if decode.symbols.get(k) != v}
+    sizes |= {k: (None, v) for k, v in decode.symbols.items() if k not in prefill.symbols}
+    if prefill.values is not None or decode.values is not None:
+        raise SymacctError("serve needs the formulas: pass the results of derive, not of at()")
+
+    def params(acct: Accounting) -> list[tuple[str, tuple[Any, ...], Any, Any]]:
+        return [(r.name, tuple(r.shape), r.itemsize, r.count) for r in acct.memory.tensors]
+
+    if differ or sizes or params(prefill) != params(decode):
+        pairs = [f"{k}={prefill.options.get(k)!r} and {decode.options.get(k)!r}" for k in differ]
+        what = (
+            f"options differ: {', '.join(pairs)}"
+            if differ
+            else f"sizes differ: {', '.join(f'{k}={a} and {b}' for k, (a, b) in sizes.items())}"
+            if sizes
+            else "their parameters differ"
+        )
+        raise SymacctError(
+            f"the prefill and decode accountings are not of the same model ({what})",
+            hint="derive both steps from the same model with the same options: derive(model, step='prefill', ...) "
+            "and derive(model, step='decode', ...)",
+        )
+
+
 def serve(
     prefill: Accounting,
     decode: Accounting,
@@ -312,6 +355,7 @@ def serve(
             "serve needs a prefill and a decode accounting",
             hint="derive(model, step='prefill') and derive(model, step='decode')",
         )
+    _same_model(prefill, decode)
     for name, v in (("context", context), ("batch", batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise SymacctError(f"{name} must be a positive integer, got {v!r}")
