@@ -1680,7 +1680,10 @@ def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, A
     if src.config_at is None or src.configless:
         return None
     probe_list = (probes.first, probes.second)
-    configs = tuple(memo.fingerprint(src.config_at(_field_values(src, p))) for p in probe_list)
+    try:
+        configs = tuple(memo.fingerprint(src.config_at(_field_values(src, p))) for p in probe_list)
+    except Exception:  # a config that refuses the probe sizes: not memoised; the probe's build says why
+        return None
     options = {k: v for k, v in options.items() if k != "routing"}  # read by the accounting pass only
     named = memo.fingerprint(options)
     if named is None or None in configs:

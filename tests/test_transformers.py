@@ -218,6 +218,22 @@ def test_a_model_built_on_the_meta_device_from_config() -> None:
     check_exact(real, acct, [(2, 11)])
 
 
+def test_a_config_that_refuses_another_layer_count_keeps_its_own() -> None:
+    """GPT-Neo's config rebuilds its per-layer attention kinds (global, local) from ``attention_types`` and
+    refuses any other ``num_layers``: the layer count is not found, and probing it as a size of its own fails
+    to build. derive keeps it at the model's value (a note says why), exact, where it used to stop with an
+    internal error raised while it keyed its memo."""
+    config = T.GPTNeoConfig(
+        hidden_size=32, num_layers=2, num_heads=4, vocab_size=64, max_position_embeddings=32, window_size=4,
+        attention_types=[[["global", "local"], 1]], intermediate_size=48, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = T.GPTNeoForCausalLM(config)
+    acct = symacct.derive(model, optimizer="adamw")
+    assert "num_layers kept at 2" in acct.notes and "L" not in acct.symbols
+    check_exact(model, acct, [(2, 7), (3, 11)])  # S beyond the local window (4) too
+
+
 def test_a_model_that_differs_from_its_rebuild_is_refused() -> None:
     """One layer's attention switched to eager after construction: type(model)(config) would build SDPA in
     every layer. The rebuilt model is not the user's, and derive says so instead of deriving it."""
