@@ -119,6 +119,17 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
             return symacct.derive(GPT2(small)).flops.total
 
     mask32 = torch.ones(32, 32, dtype=torch.bool).tril()  # (S_max, S_max) is (16, 16) in the config's model
+    from symacct.time.serving import serve
+
+    two = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=16)
+    prefill = symacct.derive(GPT2(small), step="prefill")
+    wide_decode = symacct.derive(
+        GPT2(GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=32, block_size=16)), step="decode"
+    )
+
+    def one_head_a_rank() -> Any:  # H == tp: the rank's FLOPs are the model's over tp
+        rank = symacct.derive(GPT2(two), tensor_parallel="megatron", tp=2).at(B=2, S=8, tp=2).flops.total
+        return rank * 2 == symacct.derive(GPT2(two)).at(B=2, S=8).flops.total
 
     def changed(how: Callable[[Any], Any]) -> Callable[[], Any]:
         def run() -> Any:
@@ -147,6 +158,8 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("derive mask longer", changed(lambda m: setattr(m.blocks[0].attn, "mask", mask32)), REFUSE),
         ("derive unused buffer", changed(lambda m: m.register_buffer("extra", torch.zeros(99))), REFUSE),
         ("derive heads set", changed(lambda m: setattr(m.blocks[1].attn, "n_head", 8)), REFUSE),
+        ("serve two models", lambda: serve(prefill, wide_decode, hardware="H100-SXM", context=8), REFUSE),
+        ("tp one head a rank", one_head_a_rank, lambda v: v is True),
         ("at B 0", lambda: g.at(B=0, S=8), REFUSE),
         ("at B 1.5", lambda: g.at(B=1.5, S=8), REFUSE),
         ("at B True", lambda: g.at(B=True, S=8), REFUSE),

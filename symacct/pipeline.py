@@ -464,20 +464,23 @@ def _fake_build(src: _Source, overrides: dict[str, int]) -> nn.Module | None:
         return None
 
 
-def _shapes(src: _Source, overrides: dict[str, int]) -> tuple[tuple[Any, ...], dict[str, str]] | None:
-    """Every parameter's and buffer's shape, the module count, and each module's type by path, of the model
-    built with ``overrides`` (on fake tensors); None when it cannot be built so."""
+def _shapes(src: _Source, overrides: dict[str, int]) -> tuple[tuple[Any, ...], dict[str, str], dict[str, int]] | None:
+    """Every parameter's and buffer's shape, the module count, each module's type by path, and the number of
+    numbered children of each module list, of the model built with ``overrides`` (on fake tensors); None when
+    it cannot be built so."""
     model = _fake_build(src, overrides)
     if model is None:
         return None
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    names = [n for n, _ in model.named_modules()]
     types = {n: type(m).__qualname__ for n, m in model.named_modules()}
-    return (sum(1 for _ in model.modules()), *sorted((n, tuple(t.shape)) for n, t in tensors)), types
+    return (len(names), *sorted((n, tuple(t.shape)) for n, t in tensors)), types, repeated(names)
 
 
-def _not_sizes(src: _Source) -> list[str]:
+def _not_sizes(src: _Source) -> tuple[list[str], list[str]]:
     """Integer fields without a size name that change no tensor of the model, or that switch which modules are
-    built: ids, flags, chunk sizes, a step between sparse layers.
+    built: ids, flags, chunk sizes, a step between sparse layers; and, apart, those that set how many modules
+    a list holds (ALBERT's ``num_hidden_groups`` and ``inner_group_num``; not the layer count).
 
     A field such as ``pad_token_id`` or ``bos_token_id`` is not a size: probed
     as one, it would take a value the model rejects (a padding index beyond the
@@ -487,30 +490,34 @@ def _not_sizes(src: _Source) -> list[str]:
     shape and no module count changes, it stays at the user's value. So does a
     field that changes the type of a module at the same path (Qwen2-MoE's
     ``decoder_sparse_step`` turns expert blocks into dense MLPs): a switch, not
-    a size.
+    a size. A field that changes how many numbered modules a list holds is a
+    count of modules: probed at a prime in the hundreds it would build that
+    many modules (and, nested, their product), so it keeps its value too.
     """
     if src.configless:
-        return []
+        return [], []
     unknown = sorted(f for f, letter in src.fields.items() if letter == f and letter != "L")
     if not unknown:  # every field a known size name or the layer count: nothing to build
-        return []
+        return [], []
     lfield = next((f for f, letter in src.fields.items() if letter == "L"), None)
     small = {lfield: 2} if lfield is not None and src.values[lfield] > 2 else {}
     built = _shapes(src, small)
     if built is None:
-        return []
-    base, types = built
-    out = []
+        return [], []
+    base, types, lists = built
+    out, counts = [], []
     for f in unknown:
         v = src.values[f]
         # 2v + 1, not v + 1: a size read through a floor (image_size // patch_size) may not move by one
         other = _shapes(src, {**small, f: 2 * v + 1 if v != -1 else v + 2})
         if other is None:
             continue
-        shapes, kinds = other
+        shapes, kinds, grown = other
         if shapes == base or any(kinds[n] != t for n, t in types.items() if n in kinds):
             out.append(f)
-    return out
+        elif grown != lists:
+            counts.append(f)
+    return out, counts
 
 
 def _repeats(src: _Source, overrides: dict[str, int]) -> dict[str, int]:
@@ -1412,16 +1419,19 @@ def read_source(model: Any, req: Request) -> _Source:
     src.notes += _follow_heads(src, req.degenerate, req.precision.get(TP))
     if CP in req.precision:
         _tie_tables(src)
-    src.constants = _not_sizes(src)
+    constants, counts = _not_sizes(src)
+    src.constants = [*constants, *counts]
     for f in src.constants:
         del src.fields[f]
     if req.own_fields:
         src.notes += _tie_or_keep_own(src, tie=req.own_fields == "tie")
-    if src.constants:
+    if constants:
         src.notes.append(
-            f"{', '.join(src.constants)} set no tensor size (ids, flags, chunk sizes) or switch which modules are "
+            f"{', '.join(constants)} set no tensor size (ids, flags, chunk sizes) or switch which modules are "
             "built: kept at their values"
         )
+    if counts:
+        src.notes.append(f"{', '.join(counts)} count the modules of a list (not the layers): kept at their values")
     return src
 
 
@@ -1567,6 +1577,10 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
             model, src, probes.first, first.trace, first.stacks, req.step, src.loss, req.precision, req.make_opt
         )
     except SymacctError as e:
+        if not first.stacks and "L" in src.fields.values() and probes.first.layers is not None:
+            # the layer count set, yet no list of L blocks: the layers share modules (ALBERT runs one group L
+            # times), so the probe's L and the model's run different numbers of ops: exact at the model's L only
+            raise _FixLayers(src, "the layers share their modules (no list of L blocks)") from e
         if req.degenerate or not _degenerate_sizes(src):
             raise
         raise _Degenerate(e) from None

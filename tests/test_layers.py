@@ -23,6 +23,7 @@ ORDER = [
     "recipes",
     "options",
     "formula",
+    "trace.known",
     "trace.engine",
     "trace.sdpa_choice",
     "trace.sdpa",

@@ -208,7 +208,7 @@ def test_ddp_and_zero_over_tensor_parallel_ranks_are_refused(capsys: pytest.Capt
                 make_layout(dp_mode=mode, **degrees)  # type: ignore[arg-type]
     assert make_layout(tp=2, dp_mode="ddp").replicas == 1
     one = symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw")
-    laid = [lay for lay, _ in layouts(one, 8, 16, tensor_parallel={2: _derived("gpt2", "megatron", 0)}, seq=16)]
+    laid = [lay for lay, _ in layouts(one, 8, 16, tensor_parallel={2: _derived("gpt2", "megatron", 2)}, seq=16)]
     assert {lay.dp_mode for lay in laid if lay.tp > 1 and lay.replicas > 1} == {"fsdp"}
     assert {lay.dp_mode for lay in laid if lay.tp == 1} == {"ddp", "zero1", "zero2", "fsdp"}
     assert main(["derive", "gpt2", "--dp", "2", "--tp", "2", "--dp-mode", "ddp"]) == 2
@@ -280,7 +280,7 @@ def test_planner_over_tensor_parallel_degrees() -> None:
     from symacct.parallel.plan import layouts, plan
 
     one = symacct.derive(GPT2(_gpt2(4, 8, 64, 2)), optimizer="adamw")
-    ranks = {2: _derived("gpt2", "megatron", 0)}
+    ranks = {2: _derived("gpt2", "megatron", 2)}
     rows = plan(one, gpus=8, hardware="H100-SXM", global_batch=16, seq=16, tensor_parallel=ranks)
     assert {r.layout.tp for r in rows} == {1, 2}
     for r in rows:

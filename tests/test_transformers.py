@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sympy
 import torch
 from cli_run import cli
 from hypothesis import Phase, given, settings
@@ -38,6 +39,7 @@ import symacct
 from symacct import SymacctError
 from symacct.measure.run import measure_memory, measure_step
 from symacct.models.hf import task
+from symacct.symbols import sym
 
 transformers = pytest.importorskip("transformers")  # in the test extra; the skip shows when it is missing
 T = transformers
@@ -396,6 +398,39 @@ def test_vit_image_classification_is_exact(attn: str) -> None:
         check_exact(model, acct, [(batch, 1), (batch + 1, 1)])
 
     run()
+
+
+def test_bart_decoder_takes_the_eager_mask_path() -> None:
+    """BART's decoder makes its padding mask with torch.ones and asks transformers whether it holds padding
+    before choosing SDPA's is_causal over a (B, 1, S_dec, S_dec) mask. An eager run finds none and builds no
+    mask; on fake tensors transformers cannot read the values and builds (and saves) one, which used to add
+    8*B*S_dec**2 bytes of saved activations that no real step holds. The values are known from how the mask
+    was made (symacct.trace.known), so the trace asks as an eager run does: exact against the real step."""
+    torch.manual_seed(0)
+    config = T.BartConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=64, max_position_embeddings=32, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = T.BartForConditionalGeneration(config)
+    acct = symacct.derive(model, optimizer="adamw")
+    S_dec = sym("S_dec")
+    assert sympy.degree(sympy.expand(acct.memory.activations), S_dec) == 1  # no (S_dec, S_dec) mask saved
+    check_exact(model, acct, [(2, 7, 5), (3, 11, 6)])
+
+
+def test_albert_shares_its_layers_and_is_exact() -> None:
+    """ALBERT runs one shared layer group num_hidden_layers times, and inner_group_num counts the layers of a
+    group: no list of L blocks. derive keeps the layer count at the model's value (a note says so) and stays
+    exact; it used to probe the group counts as sizes (hundreds of nested groups: minutes and gigabytes)."""
+    torch.manual_seed(0)
+    config = T.AlbertConfig(
+        hidden_size=32, embedding_size=16, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=64, max_position_embeddings=32, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = T.AlbertForMaskedLM(config)
+    acct = symacct.derive(model, optimizer="adamw")
+    assert any(n.startswith("the layers share their modules") for n in acct.notes)
+    check_exact(model, acct, [(2, 7), (3, 11)])
 
 
 @pytest.mark.parametrize("attn", [pytest.param("eager", marks=pytest.mark.slow), "sdpa"])  # eager: slow pass

@@ -37,6 +37,13 @@ own, when no ``position_ids`` are given) an eager run finds no packed
 sequences and calls SDPA with ``is_causal=True`` and no mask; on fake tensors
 the packed-sequence mask is kept and a (B, 1, S, S) mask built and saved.
 :func:`eager_paths` gives the eager answer while symacct traces.
+Another: a padding mask the model makes itself with ``torch.ones`` (BART's
+decoder) is read for padding before SDPA is called; an eager run finds none
+and passes ``is_causal=True``, no mask. Such a mask's values are known from
+how it was made (``symacct.trace.known``), and :func:`eager_paths` lets
+transformers read them. A mask whose values are not known (one the inputs
+compute from the token ids) is still treated as a traced graph treats it:
+as one that may hold padding (the mask is built).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import torch
 from torch import nn
 
 from symacct.errors import SymacctError
+from symacct.trace.known import known
 
 
 def is_transformers_model(model: Any) -> bool:
@@ -262,9 +270,18 @@ def eager_paths(own_positions: Callable[[], bool]) -> Iterator[None]:
     """
     masking = sys.modules.get("transformers.masking_utils")
     original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
+    tracing = getattr(masking, "is_tracing", None)
+    if original is None or tracing is None:
         yield
         return
+
+    def eager_tracing(tensor: Any = None) -> bool:
+        """transformers' question "is this a graph being traced?": for a fake tensor whose values the step
+        made known (an all-ones padding mask: symacct.trace.known), the eager run's answer, so that it reads
+        them as an eager run does; for any other fake tensor, yes."""
+        if tensor is not None and known(tensor) is not None:
+            return tracing(None)
+        return tracing(tensor) if tensor is not None else tracing()
 
     def unpacked(position_ids: torch.Tensor) -> torch.Tensor | None:
         mask = original(position_ids)
@@ -275,10 +292,12 @@ def eager_paths(own_positions: Callable[[], bool]) -> Iterator[None]:
         return None
 
     masking.find_packed_sequence_indices = unpacked
+    masking.is_tracing = eager_tracing
     try:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+        masking.is_tracing = tracing
 
 
 def carried_settings(user: nn.Module) -> frozenset[tuple[Any, ...]]:

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from symacct.errors import SymacctError
+from symacct.trace import known
 from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
 from symacct.trace.sdpa import choosing
@@ -606,6 +607,9 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if dtensor_op(types):
             return NotImplemented  # a DTensor op: its own dispatch runs the local ops, recorded here
+        answered, value = known.read(func, args)
+        if answered:  # a value read whose answer is known without values (symacct.trace.known)
+            return value
         if not self.only_ops:
             self.reap(len(self.trace.ops) - 0.25)  # died before this op
         try:
@@ -619,6 +623,7 @@ class _Recorder(TorchDispatchMode):
                 what, node=f"#{len(self.trace.ops)}", module=self.module(), op=str(func), shapes=shapes, hint=hint
             ) from e
         out = _eager_strides(func, args, out)
+        known.propagate(func, args, kwargs, out)
         for a, k, o in _split_lists(func, args, kwargs, out):
             if self.only_ops:
                 self._record_op(func, o)
