@@ -92,11 +92,11 @@ def read(func: Any, args: tuple[Any, ...]) -> tuple[bool, Any]:
     """A value read (``_local_scalar_dense``) answered without running it: (True, value) when the tensor's
     value is known, else (False, None)."""
     if func is aten._local_scalar_dense.default and args:
-        value = known(args[0])
-        if value is not None and value is not ONES:
-            return True, value
-        if value is ONES and args[0].numel() == 1:
-            return True, True if args[0].dtype == torch.bool else 1
+        t, value = args[0], known(args[0])
+        if value is ONES and t.numel() == 1:
+            value = 1
+        if value is not None and value is not ONES:  # as .item() gives it: by the tensor's dtype
+            return True, bool(value) if t.dtype == torch.bool else float(value) if t.is_floating_point() else int(value)
     return False, None
 
 
