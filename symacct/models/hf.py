@@ -279,9 +279,7 @@ def eager_paths(own_positions: Callable[[], bool]) -> Iterator[None]:
         """transformers' question "is this a graph being traced?": for a fake tensor whose values the step
         made known (an all-ones padding mask: symacct.trace.known), the eager run's answer, so that it reads
         them as an eager run does; for any other fake tensor, yes."""
-        if tensor is not None and known(tensor) is not None:
-            return tracing(None)
-        return tracing(tensor) if tensor is not None else tracing()
+        return tracing(None if known(tensor) is not None else tensor)
 
     def unpacked(position_ids: torch.Tensor) -> torch.Tensor | None:
         mask = original(position_ids)

@@ -312,11 +312,11 @@ _SAME_SERVING = (
 def _same_model(prefill: Accounting, decode: Accounting) -> None:
     """Refuse a prefill and a decode derived from different models: other sizes, other parameters, or options
     that change the weights, the cache or the kernels (each figure of serve() mixes the two steps)."""
+    if prefill.values is not None or decode.values is not None:
+        raise SymacctError("serve needs the formulas: pass the results of derive, not of at()")
     differ = [k for k in _SAME_SERVING if prefill.options.get(k) != decode.options.get(k)]
     sizes = {k: (v, decode.symbols.get(k)) for k, v in prefill.symbols.items() if decode.symbols.get(k) != v}
     sizes |= {k: (None, v) for k, v in decode.symbols.items() if k not in prefill.symbols}
-    if prefill.values is not None or decode.values is not None:
-        raise SymacctError("serve needs the formulas: pass the results of derive, not of at()")
 
     def params(acct: Accounting) -> list[tuple[str, tuple[Any, ...], Any, Any]]:
         return [(r.name, tuple(r.shape), r.itemsize, r.count) for r in acct.memory.tensors]
