@@ -50,6 +50,7 @@ import functools
 import gc
 import inspect
 import threading
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -101,7 +102,7 @@ from symacct.sameness import (
     shortened,
 )
 from symacct.sameness import compare as compare_ops
-from symacct.symbols import exact_form, letter_for_field, sym
+from symacct.symbols import ORDER, exact_form, letter_for_field, sym
 from symacct.time.hardware import get as get_hardware
 from symacct.trace.constraints import check as check_constraints
 from symacct.trace.constraints import learn as learn_constraints
@@ -443,16 +444,27 @@ def _uniform(seq: Any) -> bool:
 
 
 def _build_fake(make: Callable[[], nn.Module], fake: FakeTensorMode, device: str = "cpu") -> nn.Module:
-    """``make()`` inside ``fake``; a constructor that reads values while initialising weights (transformers'
-    ViT: a data-dependent op, which fake tensors cannot answer) is built on the meta device instead, where
-    initialisation runs nothing, and copied to fake tensors."""
+    """``make()`` inside ``fake``. Built on the meta device instead, where initialisation runs nothing, and
+    copied to fake tensors: a constructor that reads values while initialising weights (transformers' ViT: a
+    data-dependent op, which fake tensors cannot answer), and one that deep-copies a module it built
+    (``nn.TransformerEncoder``'s clones of its layer: PyTorch copies a fake tensor into a fake mode of its own,
+    which the step then cannot mix with ``fake``)."""
     try:
-        with fake:
-            return make()
-    except (DataDependentOutputException, DynamicOutputShapeException):
-        with torch.device("meta"):
+        with fake, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # a deep copy's
             model = make()
-        return fake_copy(model, fake, device)
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        model = None
+    if model is not None and all(getattr(t, "fake_mode", fake) is fake for t in _tensors_of(model)):
+        return model
+    with torch.device("meta"):
+        model = make()
+    return fake_copy(model, fake, device)
+
+
+def _tensors_of(model: nn.Module) -> Iterator[torch.Tensor]:
+    for module in model.modules():
+        yield from (t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)
 
 
 def _fake_build(src: _Source, overrides: dict[str, int]) -> nn.Module | None:
@@ -1160,6 +1172,12 @@ class Request:
     cache_dtype: torch.dtype | None = None  # the KV cache's dtype (serving steps; None: the compute dtype)
 
 
+NO_LIST_OF_BLOCKS = (
+    "the ops change with L but no nn.ModuleList of L blocks holds them (the layers share modules, or each is an "
+    "attribute of its own)"
+)
+
+
 class _FixLayers(Exception):
     """A pass found the layer stack cannot be factored: derive again with L fixed at its value."""
 
@@ -1441,8 +1459,9 @@ _TIE_ORDER = ("D", "F", "V", "S_max")
 
 
 def _own_size_fields(src: _Source) -> list[str]:
-    """The size fields with a symbol of their own (no known name): derive's last try ties or keeps them."""
-    return sorted(f for f, letter in src.fields.items() if letter == f)
+    """The size fields with a symbol of their own (no known name): derive's last try ties or keeps them. A
+    field named by a known letter (a factory's ``dims={"D": ...}``) is not one."""
+    return sorted(f for f, letter in src.fields.items() if letter == f and letter not in ORDER)
 
 
 def _tie_or_keep_own(src: _Source, tie: bool = True) -> list[str]:
@@ -1579,8 +1598,9 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
     except SymacctError as e:
         if not first.stacks and "L" in src.fields.values() and probes.first.layers is not None:
             # the layer count set, yet no list of L blocks: the layers share modules (ALBERT runs one group L
-            # times), so the probe's L and the model's run different numbers of ops: exact at the model's L only
-            raise _FixLayers(src, "the layers share their modules (no list of L blocks)") from e
+            # times) or are kept apart (attributes block0, block1, ...), so the probe's L and the model's run
+            # different numbers of ops: exact at the model's L only
+            raise _FixLayers(src, NO_LIST_OF_BLOCKS) from e
         if req.degenerate or not _degenerate_sizes(src):
             raise
         raise _Degenerate(e) from None
@@ -1636,14 +1656,27 @@ def trace_check(src: _Source, probes: Probes, first: FirstTrace, req: Request) -
     """Pass 5: every formula must predict a trace at other sizes (and one block more)."""
     probe1, probe2 = probes.first, probes.second
     trace2 = _record(src, probe2, req.step, src.loss, req.make_opt, req.precision)
-    if probe1.layers is not None and not first.stacks and len(trace2.ops) != len(first.trace.ops):
-        raise SymacctError(
-            "the number of ops changes with L, but no ModuleList of L blocks was found",
-            hint="keep the blocks in an nn.ModuleList of length L, or fix L with fixed=[...]",
-        )
+    count_changed = probe1.layers is not None and not first.stacks and len(trace2.ops) != len(first.trace.ops)
+    if count_changed and _count_follows_layers(src, probes, first, req):
+        raise _FixLayers(src, NO_LIST_OF_BLOCKS)
     costed2 = cost_ops(trace2, lambda v: v, strict=req.strict, options=req.rule_options)
     _check(first.costed, first.counts, costed2, probe2, probe2.layers if first.stacks else None)
     return CheckTrace(trace2, costed2)
+
+
+def _count_follows_layers(src: _Source, probes: Probes, first: FirstTrace, req: Request) -> bool:
+    """Whether the first probe's sizes with one block more run another number of ops: the checking trace ran
+    another number (it has other sizes and one block more) and no layer stack was found. Traced again on this
+    failing path only. When L is the cause, derive fixes it (``_FixLayers``); when it is not, the sizes are (an
+    RNN unrolled over the sequence in Python, chunks of a fixed length), and the comparison with the checking
+    trace names the first op that differs."""
+    probe = probes.first
+    more = dataclasses.replace(probe, layers=(probe.layers or 0) + 1, _cache={})
+    try:
+        trace = _record(src, more, req.step, src.loss, req.make_opt, req.precision)
+    except SymacctError:
+        return True  # no evidence against L: the message about L stands
+    return len(trace.ops) != len(first.trace.ops)
 
 
 def memory_pass(

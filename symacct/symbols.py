@@ -47,6 +47,8 @@ ALIASES: dict[str, str] = {
     "max_position_embeddings": "S_max",
     "n_positions": "S_max",
     "n_ctx": "S_max",
+    "max_len": "S_max",
+    "max_seq_length": "S_max",
     "num_local_experts": "E",
     "num_experts": "E",
     "n_routed_experts": "E",

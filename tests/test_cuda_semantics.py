@@ -366,3 +366,23 @@ def test_check_gives_the_optimizer_steps_bytes_per_parameter_on_cuda() -> None:
     assert claim.numbers["cpu_bytes_per_param_peak"] == 16
     assert "optimizer path foreach" in claim.derived and "(the single-tensor loop)" in claim.derived
     assert "16-bytes-fp32-cuda" not in {c.id for c in catalog()}
+
+
+def test_an_inference_step_that_a_gpu_may_fuse_is_refused_unless_the_fused_path_is_off():
+    """symacct chooses SDPA's kernel on CUDA through a torch-function mode, and while a mode is active PyTorch
+    never takes nn.TransformerEncoderLayer's fused inference path, which a GPU takes: refused, not derived as
+    the unfused path; with the fused path switched off, derived (training never takes it)."""
+    from test_torch_transformer import Encoder, EncoderConfig, ids
+
+    model = Encoder(EncoderConfig())
+    with pytest.raises(SymacctError, match="fused inference path"):
+        symacct.derive(model, step="forward", inputs=ids, device="cuda", hardware="H100-SXM")
+    assert symacct.derive(model, optimizer="adamw", device="cuda", hardware="H100-SXM").flops.total != 0
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        cuda = symacct.derive(model, step="forward", inputs=ids, device="cuda", hardware="H100-SXM")
+        cpu = symacct.derive(model, step="forward", inputs=ids)
+        assert sympy.expand(cuda.flops.total - cpu.flops.total) == 0
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)

@@ -805,3 +805,137 @@ def test_a_trace_leaves_the_optimizers_type_lists_as_they_were():
     assert FakeTensor not in optim_base._foreach_supported_types
     assert optim_base._default_to_fused_or_foreach([torch.ones(2)], differentiable=False) == (False, False)
     assert not any(str(r.op).startswith("aten._foreach_") for r in acct.step.ops)
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    vocab: int = 50
+    width: int = 16
+    n_layers: int = 3  # L: the number of blocks, each an attribute of its own (Attributes); the RNN ignores it
+
+
+class Unrolled(nn.Module):
+    """An RNN unrolled over the sequence in Python: its op count grows with S, not with L."""
+
+    def __init__(self, config: LoopConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.emb(x)  # (B, S, width)
+        h = e[:, 0]  # (B, width)
+        for t in range(1, e.shape[1]):
+            h = torch.tanh(h + e[:, t])
+        return h.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+class Attributes(nn.Module):
+    """L blocks kept as attributes block0, block1, ... (no nn.ModuleList): the op count grows with L."""
+
+    def __init__(self, config: LoopConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        for i in range(config.n_layers):
+            self.add_module(f"block{i}", nn.Linear(config.width, config.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)  # (B, S, width)
+        for i in range(self.config.n_layers):
+            h = h + torch.tanh(getattr(self, f"block{i}")(h))
+        return h.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_ops_that_change_with_the_sequence_are_not_blamed_on_the_layer_count():
+    """The checking trace has other sizes and one block more; a model with a layer-count field and an op count
+    that grows with S was refused as "the number of ops changes with L" (a wrong cause and a wrong hint)."""
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(Unrolled(LoopConfig()))
+    assert "size-dependent control flow" in str(e.value)
+    assert "changes with L" not in str(e.value)
+
+
+def test_blocks_kept_as_attributes_fix_the_layer_count():
+    """No list of L blocks: derived with L at its value, exact against a real step; the note names the cause."""
+    model = Attributes(LoopConfig())
+    acct = symacct.derive(model)
+    assert acct.notes[0].startswith("the ops change with L but no nn.ModuleList of L blocks holds them")
+    for B, S in ((2, 5), (3, 7)):
+        with FlopCounterMode(display=False) as fc:
+            model(*model.example_inputs(B, S)).backward()
+        model.zero_grad(set_to_none=True)
+        assert acct.at(B=B, S=S).flops.total == fc.get_total_flops()
+
+
+@dataclasses.dataclass
+class TableConfig:
+    vocab: int = 50
+    width: int = 16
+    max_len: int = 32  # S_max by its name: the position table's rows
+
+
+class Table(nn.Module):
+    def __init__(self, config: TableConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.pos = nn.Parameter(torch.zeros(config.max_len, config.width))  # (S_max, width)
+        self.out = nn.Linear(config.width, config.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.pos[: x.shape[1]]  # (B, S, width)
+        return self.out(h).logsumexp(-1).sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_a_table_named_max_len_is_the_longest_sequence():
+    """``max_len`` was a size of the model's own: probed below S, the step failed on fake tensors and derive
+    refused with the op's text. It is S_max now, as block_size and max_seq_len are."""
+    model = Table(TableConfig())
+    acct = symacct.derive(model)
+    assert acct.fields["S_max"] == "max_len"
+    for B, S in ((2, 5), (3, 32)):
+        with FlopCounterMode(display=False) as fc:
+            model(*model.example_inputs(B, S)).backward()
+        model.zero_grad(set_to_none=True)
+        assert acct.at(B=B, S=S).flops.total == fc.get_total_flops()
+    with pytest.raises(SymacctError, match="S_max"):
+        acct.at(B=1, S=33)
+
+
+class AttributesOf(nn.Module):
+    """Attributes with a factory's sizes: ``AttributesOf(D, L)``."""
+
+    def __init__(self, D: int, L: int) -> None:
+        super().__init__()
+        self.n = L
+        for i in range(L):
+            self.add_module(f"block{i}", nn.Linear(D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.n):
+            x = torch.tanh(getattr(self, f"block{i}")(x))  # (B, S, D)
+        return x.sum()
+
+
+def test_a_factory_with_blocks_as_attributes_keeps_D_and_fixes_L():
+    """A factory's sizes are named by their letters: D was taken for a size of the model's own and kept at its
+    value with L (``D = D (8): it follows D``); and the checking trace refused instead of fixing L."""
+    inputs = lambda m, B, S: (torch.randn(B, S, m.block0.in_features),)  # noqa: E731
+    acct = symacct.derive(AttributesOf, dims={"D": 8, "L": 3}, inputs=inputs)
+    assert acct.notes[0].startswith("the ops change with L but no nn.ModuleList of L blocks holds them")
+    assert {s.name for s in acct.flops.total.free_symbols} == {"B", "S", "D"}
+    for B, S, D in ((2, 5, 8), (3, 4, 12)):
+        model = AttributesOf(D, 3)
+        with FlopCounterMode(display=False) as fc:
+            model(*inputs(model, B, S)).backward()
+        assert acct.at(B=B, S=S, D=D).flops.total == fc.get_total_flops()

@@ -112,6 +112,12 @@ def _last_block_twins(trace: StepTrace, blocks: list[Any]) -> dict[int, int]:
     return twins
 
 
+def _counted(counts: list[Any], trace: StepTrace, storage: int) -> bool:
+    """Whether the op making ``storage`` counts for the layer stack (a count in L)."""
+    producer = trace.storage_producer.get(storage)
+    return producer is not None and sympy.sympify(counts[producer]).has(sym("L"))
+
+
 def _counted_by_others(trace: StepTrace, counts: list[Any], storage: int) -> bool:
     """Whether the op making ``storage`` has no count of its own (its block is counted by another's)."""
     producer = trace.storage_producer.get(storage)
@@ -144,6 +150,7 @@ def static_and_activations(
     per_layer: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
     blocks = op_blocks(trace.ops, stacks)
     last_twin = _last_block_twins(trace, blocks)
+    unsaved_twin = {b for a, b in last_twin.items() if a not in trace.saved_storages and _counted(counts, trace, a)}
     last_less = sympy.Integer(0)
     ends = differing_ends(blocks, counts)
     end_bytes = {"first": sympy.Integer(0), "last": sympy.Integer(0)}
@@ -152,6 +159,14 @@ def static_and_activations(
         if producer is None:
             continue
         c = counts[producer]
+        if c == 0 and st in unsaved_twin:
+            # the last block's, saved by what follows the stack (a head on a post-norm block's output), where
+            # the block counted for it saves none (its successor saves a copy): once, on the side after it
+            b = trace.bytes_of(st, nb, nbytes)
+            acts += b
+            by_module[generic(trace.ops[producer].module)] += b
+            last_less -= b
+            continue
         if c == 0:
             continue
         b = trace.bytes_of(st, nb, nbytes)

@@ -50,6 +50,14 @@ from symacct.trace.sdpa_choice import Target
 aten = torch.ops.aten
 _EXPIRED = torch.UntypedStorage._expired  # type: ignore[attr-defined]  # the C call StorageWeakRef.expired makes
 
+# PyTorch's fused inference paths (eval mode, no grad, batch_first, an even head count): one op allocates
+# and frees the layer's inner buffers (the attention scores among them), which no trace of ops can see, and
+# FlopCounterMode counts it as 0. Refused; the unfused path runs the same arithmetic as separate ops.
+_FUSED_INFERENCE = {
+    aten._transformer_encoder_layer_fwd.default: "nn.TransformerEncoderLayer",
+    aten._native_multi_head_attention.default: "nn.MultiheadAttention",
+}
+
 # Metadata queries that are not computation (the same list FlopCounterMode skips).
 _QUERIES = {
     aten.sym_is_contiguous.default,
@@ -607,6 +615,18 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if dtensor_op(types):
             return NotImplemented  # a DTensor op: its own dispatch runs the local ops, recorded here
+        if func in _FUSED_INFERENCE:
+            raise SymacctError(
+                f"the step runs PyTorch's fused inference path of {_FUSED_INFERENCE[func]}: one op whose inner "
+                "buffers (the attention scores among them) no trace of ops can see, and that FlopCounterMode "
+                "counts as 0",
+                node=f"#{len(self.trace.ops)}",
+                module=self.module(),
+                op=str(func),
+                shapes=[tuple(a.shape) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)],
+                hint="derive (and run) the unfused ops: torch.backends.mha.set_fastpath_enabled(False); PyTorch "
+                "takes the fused path only in eval mode without grad, with batch_first and an even head count",
+            )
         answered, value = known.read(func, args)
         if answered:  # a value read whose answer is known without values (symacct.trace.known)
             return value
@@ -757,7 +777,7 @@ def record_step(
     grad_mode = torch.enable_grad() if step == "train" else contextlib.nullcontext()
     with (
         fake,
-        torch.device("cpu"),
+        no_default_device(),
         torch.inference_mode(False),
         grad_mode,
         _optimizer_defaults_as_on_real_tensors(),
@@ -818,6 +838,8 @@ def record_step(
         trace.module_names = [n for n, _ in model.named_modules()]
         trace.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
         opt = optimizer(model) if (optimizer is not None and step == "train") else None
+        if step != "train" and _forced_sdpa(device, sdpa_target):
+            _refuse_hidden_fused_path(model)
 
         root = type(model).__name__
         recorder = _Recorder(trace, ids, root, only_ops)
@@ -978,6 +1000,57 @@ def _call_loss(loss: Callable[[Any], torch.Tensor], out: Any) -> Any:
             f"the loss= function failed on the model's output: {type(e).__name__}: {_text(e)}",
             hint=f"the output is a {type(out).__name__}; loss= receives exactly what forward returns",
         ) from e
+
+
+def _forced_sdpa(device: str, target: Target | None) -> bool:
+    """Whether ``symacct.trace.sdpa.choosing`` runs the step inside its torch-function mode (CUDA without a
+    GPU to ask, or a named GPU's choice)."""
+    return torch.device(device).type == "cuda" and (target is not None or not torch.cuda.is_available())
+
+
+def _refuse_hidden_fused_path(model: nn.Module) -> None:
+    """An inference step on CUDA with SDPA's kernel chosen by symacct's torch-function mode: while a mode is
+    active PyTorch never takes the fused inference path of ``nn.TransformerEncoderLayer`` and
+    ``nn.MultiheadAttention`` (``no_default_device``), which a GPU takes where its conditions hold; refused
+    rather than derived as the unfused path, unless that path is switched off."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return
+    found = [n for n, m in model.named_modules() if isinstance(m, (nn.TransformerEncoderLayer, nn.MultiheadAttention))]
+    if found:
+        raise SymacctError(
+            "an inference step on CUDA of a model with nn.TransformerEncoderLayer or nn.MultiheadAttention: a GPU "
+            "may run PyTorch's fused inference path, which symacct cannot follow while it chooses SDPA's kernel",
+            module=found[0],
+            hint="derive (and run) the unfused ops: torch.backends.mha.set_fastpath_enabled(False)",
+        )
+
+
+@contextlib.contextmanager
+def no_default_device() -> Iterator[None]:
+    """Inside, factory calls that name no device make CPU tensors, as in eager PyTorch with no default device
+    set: the caller's ``with torch.device(...)`` (or ``torch.set_default_device``) is taken off the
+    torch-function mode stack, and put back on exit.
+
+    Not by entering ``torch.device("cpu")``: a device context is a torch-function mode, and while one is
+    active ``has_torch_function`` holds for every tensor, so PyTorch's fused inference paths
+    (``nn.TransformerEncoderLayer``'s ``_transformer_encoder_layer_fwd``, ``nn.MultiheadAttention``'s
+    ``_native_multi_head_attention``) step aside and the step runs other ops than the model run eagerly."""
+    from torch.utils._device import DeviceContext
+
+    modes = []
+    while torch._C._len_torch_function_stack() > 0:
+        modes.append(torch._C._pop_torch_function_stack())
+    modes.reverse()  # bottom first
+    kept = [m for m in modes if not isinstance(m, DeviceContext)]
+    for m in kept:
+        torch._C._push_on_torch_function_stack(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            torch._C._pop_torch_function_stack()
+        for m in modes:
+            torch._C._push_on_torch_function_stack(m)
 
 
 @contextlib.contextmanager

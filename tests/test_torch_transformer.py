@@ -1,0 +1,107 @@
+"""PyTorch's own ``nn.TransformerEncoder``, derived and measured on a real step.
+
+Three ways it went wrong before: it did not build on fake tensors (its layer clones are deep copies, which
+PyTorch makes in a fake mode of their own); a post-norm stack's saved activations missed the last block's
+output, which the head saves and the blocks before it do not; and in inference, the step ran the unfused
+path on fake tensors (symacct's ``torch.device`` context made every tensor "have a torch function") where the
+model run eagerly takes PyTorch's fused kernel, so the figures were another path's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import symacct
+from symacct import SymacctError
+from symacct.measure.run import CpuFlashCounter, measure_memory, measure_step
+
+
+@dataclasses.dataclass
+class EncoderConfig:
+    vocab_size: int = 50  # V
+    d_model: int = 16  # D
+    n_head: int = 4  # H
+    n_layer: int = 2  # L
+    dim_feedforward: int = 24  # a width of its own
+    norm_first: bool = False
+    batch_first: bool = True
+
+
+class Encoder(nn.Module):
+    """Embedding, ``nn.TransformerEncoder`` (no dropout, no final norm) and a vocabulary head."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.emb = nn.Embedding(c.vocab_size, c.d_model)
+        layer = nn.TransformerEncoderLayer(
+            c.d_model, c.n_head, c.dim_feedforward, dropout=0.0, batch_first=c.batch_first, norm_first=c.norm_first
+        )
+        self.enc = nn.TransformerEncoder(layer, c.n_layer, enable_nested_tensor=False)
+        self.out = nn.Linear(c.d_model, c.vocab_size)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.emb(x)  # (B, S, D)
+        h = self.enc(h) if self.config.batch_first else self.enc(h.transpose(0, 1)).transpose(0, 1)
+        logits = self.out(h)  # (B, S, V)
+        return logits if y is None else F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        V = self.config.vocab_size
+        return torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+
+
+def ids(model: Encoder, B: int, S: int) -> tuple[torch.Tensor]:
+    return (torch.randint(0, model.config.vocab_size, (B, S)),)
+
+
+POINTS = ((2, 7), (3, 11))
+
+
+@pytest.mark.parametrize(("norm_first", "batch_first"), [(False, True), (True, True), (False, False)])
+def test_a_training_step_is_exact(norm_first: bool, batch_first: bool) -> None:
+    torch.manual_seed(0)
+    model = Encoder(EncoderConfig(norm_first=norm_first, batch_first=batch_first))
+    acct = symacct.derive(model, optimizer="adamw")
+    for B, S in POINTS:
+        at = acct.at(B=B, S=S)
+        args = model.example_inputs(B, S)
+        counted = measure_step(model, args)
+        model.zero_grad(set_to_none=True)
+        assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
+        assert at.memory.activations == counted.saved_bytes
+        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+        model.zero_grad(set_to_none=True)
+        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+
+
+def test_the_fused_inference_path_is_refused_and_the_unfused_one_exact() -> None:
+    torch.manual_seed(0)
+    model = Encoder(EncoderConfig())
+    with pytest.raises(SymacctError, match="fused inference path of nn.TransformerEncoderLayer"):
+        symacct.derive(model, step="forward", inputs=ids)
+    with torch.device("meta"):  # a caller's device context does not hide the path either
+        with pytest.raises(SymacctError, match="fused inference path"):
+            symacct.derive(model, step="forward", inputs=ids)
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        acct = symacct.derive(model, step="forward", inputs=ids)
+        model.eval()
+        for B, S in POINTS:
+            at = acct.at(B=B, S=S)
+            args = ids(model, B, S)
+            with torch.no_grad(), FlopCounterMode(display=False) as fc, CpuFlashCounter() as flash:
+                model(*args)
+            assert at.flops.hardware == fc.get_total_flops() + flash.total
+            real = measure_memory(model, args, step="forward")
+            assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)
