@@ -11,7 +11,7 @@ from torch import nn
 import symacct
 from symacct.cost.graph import records
 from symacct.errors import SymacctError
-from symacct.trace.known import ONES, known, propagate, read
+from symacct.trace.known import ONES, known, propagate, read, recipe
 
 aten = torch.ops.aten
 
@@ -78,3 +78,25 @@ def test_a_known_read_is_answered_and_an_unknown_one_refused() -> None:
     assert "aten.mul.Tensor" in ops  # the branch an eager run takes: no padding in a mask of ones
     with pytest.raises(SymacctError, match="depends on tensor values"):
         symacct.derive(_Reads(False), inputs=inputs, step="forward")
+
+
+def test_tensors_of_one_recipe_are_equal() -> None:
+    """PyTorch's nn.TransformerEncoder compares a mask it is given with the causal mask it builds, element by
+    element (``_detect_is_causal_mask``): the same recipe (factory, constants, the ops after) is equal."""
+    from torch.nn.modules.transformer import _generate_square_subsequent_mask
+
+    with _Known():
+        mask = nn.Transformer.generate_square_subsequent_mask(5)  # dtype and device by default
+        built = _generate_square_subsequent_mask(5, device=mask.device, dtype=mask.dtype)  # named
+        assert recipe(mask) is not None and recipe(mask) == recipe(built)
+        same = mask == built
+        assert known(same) is ONES and bool(same.all())  # the read answered, and checked against the values
+        other = torch.full((5, 5), float("-inf")).triu(2)
+        assert known(mask == other) is None  # another recipe: unknown
+        assert recipe(torch.full((2,), float("nan"))) is None  # NaN != NaN: no recipe
+        inf = torch.full((2,), float("inf"))
+        assert recipe(inf - inf) is None  # arithmetic (inf - inf is NaN) keeps none
+        bools = torch.ones(5, 5, dtype=torch.bool).triu(1)
+        assert known(bools == bools.clone()) is ONES
+        bools.logical_not_()  # a write forgets the recipe
+        assert recipe(bools) is None

@@ -82,6 +82,54 @@ def test_a_training_step_is_exact(norm_first: bool, batch_first: bool) -> None:
         assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
 
 
+class CausalEncoder(Encoder):
+    """A causal mask given as PyTorch's tutorial gives it: made by ``generate_square_subsequent_mask``, no
+    ``is_causal``; the encoder reads it (``mask == its own causal mask``) and runs SDPA causal."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.emb(x)  # (B, S, D)
+        h = self.enc(h, mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]))
+        logits = self.out(h)  # (B, S, V)
+        return logits if y is None else F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+class EncoderDecoder(nn.Module):
+    """``nn.Transformer`` (its constructor initialises the clones of its layers), a causal target mask."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.tr = nn.Transformer(c.d_model, c.n_head, c.n_layer, c.n_layer, c.dim_feedforward, 0.0, batch_first=True)
+        self.out = nn.Linear(c.d_model, c.vocab_size)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        e = self.emb(x)  # (B, S, D)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        h = self.tr(e, e, tgt_mask=mask, tgt_is_causal=True)  # (B, S, D)
+        return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
+
+    example_inputs = Encoder.example_inputs
+
+
+@pytest.mark.parametrize("cls", [CausalEncoder, EncoderDecoder])
+def test_a_causal_mask_and_nn_transformer_are_exact(cls: type[nn.Module]) -> None:
+    """Before: the mask comparison was a value read, refused; nn.Transformer did not build on fake tensors."""
+    torch.manual_seed(0)
+    model = cls(EncoderConfig(norm_first=cls is EncoderDecoder))
+    acct = symacct.derive(model, optimizer="adamw")
+    for B, S in POINTS:
+        at = acct.at(B=B, S=S)
+        args = model.example_inputs(B, S)
+        counted = measure_step(model, args)
+        model.zero_grad(set_to_none=True)
+        assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
+        assert at.memory.activations == counted.saved_bytes
+        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+        model.zero_grad(set_to_none=True)
+        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+
+
 def test_the_fused_inference_path_is_refused_and_the_unfused_one_exact() -> None:
     torch.manual_seed(0)
     model = Encoder(EncoderConfig())

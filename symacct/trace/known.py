@@ -16,6 +16,15 @@ all ones; a copy, a dtype conversion, a view or an index of an all-ones tensor i
 counter, so any in-place write to the tensor or to a view of its storage forgets it (an in-place op makes
 nothing known: the counter moves after the op returns). Anything else is unknown, and reading it stays a
 refusal.
+
+A tensor made from constants alone also keeps its recipe: the factory (``full``, ``zeros``, ``ones``,
+``arange``) with its constant arguments and the dtype and device it made, then each op of ``_PURE`` (copies,
+views, ``triu``, ``tril``, comparisons, ``masked_fill``, ``where``) applied to such tensors and constants.
+Two tensors of one recipe hold the same values, so ``eq`` of them is all ones (no NaN can be in them: no
+constant NaN is kept, and no op of ``_PURE`` makes one). PyTorch's
+``nn.TransformerEncoder`` asks that of a mask it is given: it builds the causal mask itself and compares
+(``_detect_is_causal_mask``), and a mask made by ``nn.Transformer.generate_square_subsequent_mask`` is one
+of the same recipe.
 """
 
 from __future__ import annotations
@@ -66,6 +75,78 @@ _KEEPS = {
 }
 
 
+# factories whose values follow from their arguments, and ops whose values follow from their tensor arguments'
+# values and their other arguments (deterministic: no random op, no uninitialised memory), none of which makes
+# a NaN from values that hold none (no arithmetic: inf - inf, 0 * inf and 0 / 0 are NaN, and NaN != NaN)
+_FACTORIES = {
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+}
+_PURE = _KEEPS | {
+    aten.triu.default,
+    aten.tril.default,
+    aten.neg.default,
+    aten.eq.Scalar,
+    aten.ne.Scalar,
+    aten.lt.Scalar,
+    aten.gt.Scalar,
+    aten.le.Scalar,
+    aten.ge.Scalar,
+    aten.masked_fill.Scalar,
+    aten.where.self,
+    aten.logical_not.default,
+}
+_RECIPE = "_symacct_recipe"
+_CONSTANTS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
+
+
+def recipe(t: Any) -> Any:
+    """How ``t`` was made from constants alone (module docstring), or None; kept with its version counter."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    entry = t.__dict__.get(_RECIPE)
+    if entry is None or entry[0] != _version(t):
+        return None
+    return entry[1]
+
+
+def _constant(x: Any) -> Any:
+    """``x`` as a hashable constant, its tensors as their recipes; None where any part is neither (or a NaN)."""
+    if isinstance(x, torch.Tensor):
+        return recipe(x)
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, _CONSTANTS):
+        return ("c", type(x).__name__, x)
+    if isinstance(x, (tuple, list)):
+        parts = tuple(_constant(v) for v in x)
+        return None if any(v is None for v in parts) else ("s", parts)
+    return None
+
+
+# keyword arguments a recipe takes from the tensor made instead (a default and an explicit dtype are one)
+_MADE_AS = ("dtype", "layout", "device", "pin_memory")
+
+
+# ops whose output holds its input's values at its shape and dtype: the input's recipe
+_SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh.default}
+
+
+def _make_recipe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Any:
+    if func in _SAME:
+        return recipe(args[0]) if args else None
+    if func not in _FACTORIES and (func not in _PURE or not any(recipe(a) is not None for a in args)):
+        return None
+    given = _constant((list(args), sorted((k, v) for k, v in kwargs.items() if k not in _MADE_AS)))
+    if given is None:
+        return None
+    return (str(func), given, str(out.dtype), str(out.device), tuple(out.shape))
+
+
 def known(t: Any) -> Any:
     """What ``t`` is known to hold: ``ONES``, a Python scalar (a 0-d tensor), or None (unknown)."""
     if not isinstance(t, torch.Tensor):
@@ -103,6 +184,14 @@ def read(func: Any, args: tuple[Any, ...]) -> tuple[bool, Any]:
 def propagate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     """Mark ``out`` with the value it is known to hold after ``func`` ran (module docstring)."""
     if not isinstance(out, torch.Tensor):
+        return
+    if func in _FACTORIES or func in _PURE:
+        made = _make_recipe(func, args, kwargs, out)
+        if made is not None and _version(out) is not None:
+            out.__dict__[_RECIPE] = (_version(out), made)
+    if func is aten.eq.Tensor and len(args) > 1:
+        if recipe(args[0]) is not None and recipe(args[0]) == recipe(args[1]):
+            _mark(out, ONES)  # two tensors of one recipe: equal element by element
         return
     if func in _MADE_ONES:
         _mark(out, ONES)
