@@ -131,6 +131,12 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         rank = symacct.derive(GPT2(two), tensor_parallel="megatron", tp=2).at(B=2, S=8, tp=2).flops.total
         return rank * 2 == symacct.derive(GPT2(two)).at(B=2, S=8).flops.total
 
+    layer = nn.TransformerEncoderLayer(16, 4, 24, dropout=0.0, batch_first=True)
+    encoder = nn.Sequential(nn.Embedding(32, 16), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+
+    def tokens(B: int, S: int) -> tuple[Any, ...]:
+        return (torch.zeros(B, S, dtype=torch.long),)
+
     def changed(how: Callable[[Any], Any]) -> Callable[[], Any]:
         def run() -> Any:
             model = GPT2(small)
@@ -160,6 +166,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("derive heads set", changed(lambda m: setattr(m.blocks[1].attn, "n_head", 8)), REFUSE),
         ("serve two models", lambda: serve(prefill, wide_decode, hardware="H100-SXM", context=8), REFUSE),
         ("tp one head a rank", one_head_a_rank, lambda v: v is True),
+        ("derive fused inference path", lambda: symacct.derive(encoder, step="forward", inputs=tokens), REFUSE),
         ("at B 0", lambda: g.at(B=0, S=8), REFUSE),
         ("at B 1.5", lambda: g.at(B=1.5, S=8), REFUSE),
         ("at B True", lambda: g.at(B=True, S=8), REFUSE),

@@ -91,6 +91,7 @@ def test_tensors_of_one_recipe_are_equal() -> None:
         assert recipe(mask) is not None and recipe(mask) == recipe(built)
         same = mask == built
         assert known(same) is ONES and bool(same.all())  # the read answered, and checked against the values
+        assert torch.equal(mask, built)  # answered as well (True, a bool)
         other = torch.full((5, 5), float("-inf")).triu(2)
         assert known(mask == other) is None  # another recipe: unknown
         assert recipe(torch.full((2,), float("nan"))) is None  # NaN != NaN: no recipe
