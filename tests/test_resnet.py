@@ -7,6 +7,8 @@ the trace (the sizes S/32 it reads) and enforces."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import Phase, given, settings
@@ -57,3 +59,56 @@ def test_resnet_formulas_are_in_the_image_side_and_refuse_other_sides():
     acct.at(B=2, S=224)  # 32 * 7
     with pytest.raises(SymacctError, match="32 divides S|divides S"):
         acct.at(B=2, S=200)
+
+
+class UpDown(torch.nn.Module):
+    """A small U-Net: down by a strided convolution and a pool, up by nearest upsampling and a transposed
+    convolution, a skip joined by ``cat``, group norm (the upsampling had no cost rule: refused before)."""
+
+    def __init__(self, config: UpDownConfig) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.config = config
+        C = config.channels
+        self.inc = nn.Conv2d(config.in_channels, C, 3, padding=1)
+        self.down = nn.Conv2d(C, 2 * C, 3, stride=2, padding=1)
+        self.norm = nn.GroupNorm(2, 2 * C)
+        self.pool = nn.MaxPool2d(2)
+        self.mid = nn.Conv2d(2 * C, 2 * C, 3, padding=1)
+        self.upsample = nn.Upsample(scale_factor=2, mode="nearest")
+        self.up = nn.ConvTranspose2d(2 * C, C, 2, stride=2)
+        self.outc = nn.Conv2d(2 * C, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        a = F.silu(self.inc(x))  # (B, C, S, S)
+        b = F.gelu(self.norm(self.down(a)))  # (B, 2C, S/2, S/2)
+        m = F.relu(self.mid(self.pool(b)))  # (B, 2C, S/4, S/4)
+        u = self.up(self.upsample(m))  # (B, C, S, S)
+        return self.outc(torch.cat([a, u], 1)).square().mean()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, self.config.in_channels, S, S),)
+
+
+@dataclasses.dataclass
+class UpDownConfig:
+    channels: int = 8
+    image_size: int = 16  # S
+    in_channels: int = 3
+
+
+def test_a_network_that_upsamples_is_exact():
+    torch.manual_seed(0)
+    model = UpDown(UpDownConfig())
+    acct = symacct.derive(model, optimizer="adamw")
+    for B, S in ((2, 16), (3, 32)):
+        at = acct.at(B=B, S=S)
+        args = model.example_inputs(B, S)
+        counted = measure_step(model, args)
+        model.zero_grad(set_to_none=True)
+        assert at.flops.hardware == counted.flops_total
+        assert at.memory.activations == counted.saved_bytes
+        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+        model.zero_grad(set_to_none=True)
+        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)

@@ -146,9 +146,15 @@ def create(call: Call) -> Cost:
     aten.unsafe_split,
     aten.lift_fresh_copy,
     aten._foreach_copy_,
+    aten.upsample_nearest1d,
+    aten.upsample_nearest2d,
+    aten.upsample_nearest3d,
+    aten._upsample_nearest_exact1d,
+    aten._upsample_nearest_exact2d,
+    aten._upsample_nearest_exact3d,
 )
 def copy(call: Call) -> Cost:
-    """A copy reads its source and writes its result: 0 FLOPs.
+    """A copy reads its source and writes its result: 0 FLOPs (nearest upsampling is one: a gather).
 
     ``cat`` / ``stack`` of distinct tensors of the output's dtype read what they write: counted as the
     output's bytes, a formula whatever the list's length (DTensor gathers a tensor split on its last dim

@@ -126,6 +126,20 @@ def pool_backward(call: Call) -> Cost:
     return Cost(flops_other=numel(grad.shape) * area)
 
 
+@rule(
+    aten.upsample_nearest1d_backward,
+    aten.upsample_nearest2d_backward,
+    aten.upsample_nearest3d_backward,
+    aten._upsample_nearest_exact1d_backward,
+    aten._upsample_nearest_exact2d_backward,
+    aten._upsample_nearest_exact3d_backward,
+)
+def upsample_nearest_backward(call: Call) -> Cost:
+    """Each output gradient is added into the input element it was copied from: one add per element of the
+    gradient read (as a max pool's backward)."""
+    return Cost(flops_other=numel(call.inputs[0].shape))
+
+
 @rule(aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
 def adaptive_pool(call: Call) -> Cost:
     """One add (or comparison) per input element (global pooling reads each once)."""
