@@ -939,3 +939,40 @@ def test_a_factory_with_blocks_as_attributes_keeps_D_and_fixes_L():
         with FlopCounterMode(display=False) as fc:
             model(*inputs(model, B, S)).backward()
         assert acct.at(B=B, S=S, D=D).flops.total == fc.get_total_flops()
+
+
+class WeightNormed(nn.Module):
+    """A weight-normed layer (``nn.utils.parametrizations.weight_norm``, as transformers' wav2vec2 positional
+    convolution): its fused kernel had no cost rule."""
+
+    def __init__(self, config: LoopConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.lin = nn.utils.parametrizations.weight_norm(nn.Linear(config.width, config.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(self.emb(x))).sum()  # (B, S, width) summed
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_a_weight_normed_layer_is_costed_by_its_fused_kernel():
+    from symacct.cost.graph import records
+    from symacct.cost.rules.reductions import FUSED
+    from symacct.symbols import sym
+
+    model = WeightNormed(LoopConfig())
+    acct = symacct.derive(model)
+    width = sym("width")
+    kernels = {n.op: n.cost.flops_other for _, n in records(acct.graph) if "_weight_norm_interface" in n.op}
+    assert kernels == {  # per element of the (width, width) weight, by the table
+        "aten._weight_norm_interface.default": FUSED["_weight_norm_interface"] * width**2,
+        "aten._weight_norm_interface_backward.default": FUSED["_weight_norm_interface_backward"] * width**2,
+    }
+    for B, S in ((2, 5), (3, 7)):
+        with FlopCounterMode(display=False) as fc:
+            model(*model.example_inputs(B, S)).backward()
+        model.zero_grad(set_to_none=True)
+        assert acct.at(B=B, S=S).flops.total == fc.get_total_flops()

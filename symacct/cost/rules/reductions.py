@@ -66,6 +66,8 @@ FUSED: dict[str, int] = {
     "log_sigmoid_forward": 5,  # min(x, 0) - log1p(exp(-|x|)): abs, exp, log1p, min, sub (the CPU keeps exp in a buffer)
     "log_sigmoid_backward": 4,  # grad * sigmoid(-x): exp, add, div, mul
     "log_sigmoid": 5,  # as log_sigmoid_forward: the whole op, as the ring attention's merge calls it in dispatch
+    "_weight_norm_interface": 3,  # per element of v: square, sum (the norm); v * (g / norm)
+    "_weight_norm_interface_backward": 5,  # per element of grad_w: grad_w * v, sum (grad_g); mul, sub, mul (grad_v)
 }
 
 
