@@ -194,7 +194,8 @@ def propagate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
         if made is not None and _version(out) is not None:
             out.__dict__[_RECIPE] = (_version(out), made)
     if func is aten.eq.Tensor and len(args) > 1:
-        if recipe(args[0]) is not None and recipe(args[0]) == recipe(args[1]):
+        made = recipe(args[0])
+        if made is not None and made == recipe(args[1]):
             _mark(out, ONES)  # two tensors of one recipe: equal element by element
         return
     if func in _MADE_ONES:

@@ -44,7 +44,7 @@ from symacct.errors import SymacctError
 from symacct.trace import known
 from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
-from symacct.trace.sdpa import choosing
+from symacct.trace.sdpa import choosing, forced
 from symacct.trace.sdpa_choice import Target
 
 aten = torch.ops.aten
@@ -57,6 +57,8 @@ _FUSED_INFERENCE = {
     aten._transformer_encoder_layer_fwd.default: "nn.TransformerEncoderLayer",
     aten._native_multi_head_attention.default: "nn.MultiheadAttention",
 }
+
+_UNFUSED = "derive (and run) the unfused ops: torch.backends.mha.set_fastpath_enabled(False)"
 
 # Metadata queries that are not computation (the same list FlopCounterMode skips).
 _QUERIES = {
@@ -624,8 +626,8 @@ class _Recorder(TorchDispatchMode):
                 module=self.module(),
                 op=str(func),
                 shapes=[tuple(a.shape) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)],
-                hint="derive (and run) the unfused ops: torch.backends.mha.set_fastpath_enabled(False); PyTorch "
-                "takes the fused path only in eval mode without grad, with batch_first and an even head count",
+                hint=f"{_UNFUSED}; PyTorch takes the fused path only in eval mode without grad, with batch_first "
+                "and an even head count",
             )
         answered, value = known.read(func, args)
         if answered:  # a value read whose answer is known without values (symacct.trace.known)
@@ -838,7 +840,7 @@ def record_step(
         trace.module_names = [n for n, _ in model.named_modules()]
         trace.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
         opt = optimizer(model) if (optimizer is not None and step == "train") else None
-        if step != "train" and _forced_sdpa(device, sdpa_target):
+        if step != "train" and forced(device, sdpa_target):
             _refuse_hidden_fused_path(model)
 
         root = type(model).__name__
@@ -1002,12 +1004,6 @@ def _call_loss(loss: Callable[[Any], torch.Tensor], out: Any) -> Any:
         ) from e
 
 
-def _forced_sdpa(device: str, target: Target | None) -> bool:
-    """Whether ``symacct.trace.sdpa.choosing`` runs the step inside its torch-function mode (CUDA without a
-    GPU to ask, or a named GPU's choice)."""
-    return torch.device(device).type == "cuda" and (target is not None or not torch.cuda.is_available())
-
-
 def _refuse_hidden_fused_path(model: nn.Module) -> None:
     """An inference step on CUDA with SDPA's kernel chosen by symacct's torch-function mode: while a mode is
     active PyTorch never takes the fused inference path of ``nn.TransformerEncoderLayer`` and
@@ -1021,7 +1017,7 @@ def _refuse_hidden_fused_path(model: nn.Module) -> None:
             "an inference step on CUDA of a model with nn.TransformerEncoderLayer or nn.MultiheadAttention: a GPU "
             "may run PyTorch's fused inference path, which symacct cannot follow while it chooses SDPA's kernel",
             module=found[0],
-            hint="derive (and run) the unfused ops: torch.backends.mha.set_fastpath_enabled(False)",
+            hint=_UNFUSED,
         )
 
 

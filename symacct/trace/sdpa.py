@@ -55,6 +55,12 @@ def check_backend(backend: str | None) -> None:
         raise SymacctError(f"unknown SDPA backend {backend!r}", hint=f"one of {', '.join(BACKENDS)}")
 
 
+def forced(device: str, target: Target | None) -> bool:
+    """Whether ``choosing`` runs the step inside its torch-function mode (``_Forced``): on CUDA, with a named
+    GPU's choice or without a GPU to ask."""
+    return torch.device(device).type == "cuda" and (target is not None or not torch.cuda.is_available())
+
+
 @contextlib.contextmanager
 def choosing(
     backend: str | None, device: str, target: Target | None = None, size: Callable[[int], int] = int
@@ -67,7 +73,7 @@ def choosing(
     if torch.device(device).type != "cuda":
         yield counts
         return
-    if target is None and torch.cuda.is_available():
+    if not forced(device, target):
         if backend is None:
             yield counts
             return
