@@ -24,6 +24,7 @@ ORDER = [
     "options",
     "formula",
     "trace.known",
+    "trace.versions",
     "trace.engine",
     "trace.sdpa_choice",
     "trace.sdpa",

@@ -13,6 +13,7 @@ import math
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -976,3 +977,58 @@ def test_a_weight_normed_layer_is_costed_by_its_fused_kernel():
             model(*model.example_inputs(B, S)).backward()
         model.zero_grad(set_to_none=True)
         assert acct.at(B=B, S=S).flops.total == fc.get_total_flops()
+
+
+@dataclasses.dataclass
+class InPlaceConfig:
+    vocab: int = 50
+    width: int = 16
+    valid: bool = False  # out of place: h + e
+
+
+class InPlaceAfterSave(nn.Module):
+    """ReLU in place, then its output changed in place: relu's backward needs the output it saved, so PyTorch
+    refuses the step in backward."""
+
+    def __init__(self, config: InPlaceConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.lin = nn.Linear(config.width, config.width)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.emb(x)  # (B, S, width)
+        h = self.act(self.lin(e))  # (B, S, width), saved by relu's backward
+        h = h + e if self.config.valid else h.add_(e)
+        return h.pow(2).sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_a_saved_tensor_changed_in_place_is_refused_as_pytorch_refuses_it():
+    """Saved-tensor hooks switch off PyTorch's in-place check, and symacct sets them on every step it traces
+    or measures: a step that fails in PyTorch was derived (and measured) as if it ran. Now both refuse it, on
+    PyTorch's engine and on symacct's Python engine."""
+    from symacct.measure.run import measure_step
+    from symacct.trace.record import record_step
+
+    model = InPlaceAfterSave(InPlaceConfig())
+    x = model.example_inputs(2, 5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(*x).backward()  # PyTorch, no hooks
+    with pytest.raises(SymacctError, match="changed in place before backward read it") as e:
+        symacct.derive(model)
+    assert e.value.module == "act"
+    with pytest.raises(SymacctError, match="changed in place"):
+        measure_step(model, x)
+    with pytest.raises(SymacctError, match="changed in place"):
+        record_step(lambda fake: _fake_model(fake), lambda m: m.example_inputs(2, 5), python_engine=True)
+    valid = InPlaceAfterSave(InPlaceConfig(valid=True))
+    assert symacct.derive(valid).at(B=2, S=5).flops.hardware == measure_step(valid, x).flops_total
+
+
+def _fake_model(fake: Any) -> nn.Module:
+    with fake:
+        return InPlaceAfterSave(InPlaceConfig())

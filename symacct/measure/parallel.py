@@ -43,6 +43,7 @@ from symacct.measure.capacity import RUN_SMALLER, require
 from symacct.measure.run import StorageTracker, _distinct_nbytes, _state_tensors, dtensor_op
 from symacct.options import DTYPES
 from symacct.parallel.layout import Layout
+from symacct.trace import versions
 from symacct.trace.tensor_parallel import apply_plan, fake_group
 
 
@@ -342,12 +343,12 @@ def _two_steps(
     saved: dict[int, int] = {}
     keep: list[torch.Tensor] = []  # alive until backward: storage handles stay unique
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         st = _local(t).untyped_storage()
         if st._cdata not in external:
             saved[st._cdata] = st.nbytes()
         keep.append(t)
-        return t
+        return versions.pack(t)  # PyTorch's in-place check, which hooks switch off (symacct.trace.versions)
 
     counter = CollectiveCounter()
     first = _tracker(model, args, opt)
@@ -355,7 +356,7 @@ def _two_steps(
         with contextlib.ExitStack() as modes:
             for mode in counting:
                 modes.enter_context(mode)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast):
+            with torch.autograd.graph.saved_tensors_hooks(pack, versions.unpack), _autocast(autocast):
                 loss = model(*args)
             counter.phase = "backward"
             keep.clear()

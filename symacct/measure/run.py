@@ -21,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from symacct.trace import versions
+
 
 def _no_storage(t: torch.Tensor) -> bool:
     """A tensor that holds no memory of its own: a fake tensor (DTensor learns an output's global shape by
@@ -297,12 +299,12 @@ def measure_step(
 
     keep: list[torch.Tensor] = []  # saved tensors stay alive until backward, so data_ptr is unique
 
-    def pack_keep(t: torch.Tensor) -> torch.Tensor:
+    def pack_keep(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         keep.append(t)
-        return pack(t)
+        return versions.pack(pack(t))
 
     fwd, flash_fwd, grouped_fwd = FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter()
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack_keep, lambda t: t)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack_keep, versions.unpack)  # PyTorch's in-place check
     with fwd, flash_fwd, grouped_fwd, hooks, _autocast(autocast, args):
         out = _call(model, args)
         value = loss(out) if loss is not None else out

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from symacct.errors import SymacctError
+from symacct.trace import versions
 
 _ACCUMULATE = 2**64 - 1  # AccumulateGrad's sequence number (UINT64_MAX)
 
@@ -69,13 +70,14 @@ def refusing_hooks() -> Iterator[None]:
 
 
 class SavedBox:
-    """What the step's pack hook keeps for a saved tensor: the tensor, until the node that saved it has
-    run (``Saved.release``)."""
+    """What the step's pack hook keeps for a saved tensor: the tensor and the version it was saved at, until
+    the node that saved it has run (``Saved.release``)."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = tensor
+        self.version = versions.version(tensor)
 
     def unpack(self) -> torch.Tensor:
         if self.tensor is None:
@@ -83,6 +85,7 @@ class SavedBox:
                 "a saved tensor was read after its node ran",
                 hint="backward twice through one graph needs retain_graph=True, which the step does not use",
             )
+        versions.check(self.tensor, self.version)  # PyTorch's in-place check, which hooks switch off
         return self.tensor
 
 
@@ -90,14 +93,17 @@ class Saved:
     """The saved-tensor hooks of a step the Python engine runs: each tensor packed in a ``SavedBox``, filed
     under the sequence number of the node that saves it (made just before its saved variables are packed:
     ``_get_sequence_nr() - 1``), so that ``release`` empties a node's boxes when it has run, as the
-    engine's ``release_variables`` does."""
+    engine's ``release_variables`` does. ``note(t)`` is called on each tensor packed (the recorder counts
+    its storage)."""
 
-    def __init__(self, keep: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        self.keep = keep
+    def __init__(self, note: Callable[[torch.Tensor], object] | None = None) -> None:
+        self.note = note
         self.boxes: dict[int, list[weakref.ref[SavedBox]]] = {}
 
     def pack(self, t: torch.Tensor) -> SavedBox:
-        box = SavedBox(self.keep(t) if self.keep is not None else t)
+        if self.note is not None:
+            self.note(t)
+        box = SavedBox(t)
         self.boxes.setdefault(torch.autograd._get_sequence_nr() - 1, []).append(weakref.ref(box))
         return box
 

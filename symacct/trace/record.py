@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from symacct.errors import SymacctError
-from symacct.trace import known
+from symacct.trace import known, versions
 from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
 from symacct.trace.sdpa import choosing, forced
@@ -851,11 +851,17 @@ def record_step(
             torch.nn.modules.module.register_module_forward_hook(recorder.post_hook, always_call=True),
         ]
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def note(t: torch.Tensor) -> None:
             st = ids.storage(t)
             if st not in trace.external_storages:
                 trace.saved_storages[st] = local(t).untyped_storage().nbytes()
-            return t
+
+        def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+            note(t)
+            return versions.pack(t)
+
+        def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:  # PyTorch's in-place check, kept
+            return versions.unpack(packed, recorder.module)
 
         with (
             recorder,
@@ -869,11 +875,11 @@ def record_step(
                 # the loss is part of the step: what it saves for backward is activations too, and it runs
                 # under autocast as the forward does (as PyTorch's AMP recipe has it)
                 # hooks are set for a trace of ops only too: their presence changes what some ops run (a detach)
-                boxes = Saved(None if only_ops else pack)  # the Python engine empties each node's once it has run
+                boxes = Saved(None if only_ops else note)  # the Python engine empties each node's once it has run
                 if python_engine:
                     saving = torch.autograd.graph.saved_tensors_hooks(boxes.pack, boxes.unpack)
                 else:
-                    saving = torch.autograd.graph.saved_tensors_hooks(_same if only_ops else pack, _same)
+                    saving = torch.autograd.graph.saved_tensors_hooks(versions.pack if only_ops else pack, unpack)
                 with saving, _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
                     value = _call_loss(loss, out) if loss is not None else out
@@ -968,10 +974,6 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor)
         ]
     return [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor)]
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], recorder: Any) -> Any:
