@@ -170,10 +170,10 @@ def test_conventions_doc_lists_every_table_entry():
     from pathlib import Path
 
     from symacct.cost.rules.pointwise import PER_ELEMENT
-    from symacct.cost.rules.reductions import FUSED
+    from symacct.cost.rules.reductions import FUSED, LOSSES, TAPS
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "conventions.md").read_text()
-    for table in (PER_ELEMENT, FUSED):
+    for table in (PER_ELEMENT, FUSED, LOSSES, TAPS):
         for op, k in table.items():
             assert f"| `{op}` | {k} |" in doc, f"docs/conventions.md is stale for {op}"
 

@@ -308,6 +308,27 @@ def _eager_strides(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     return (out[0].contiguous(), *out[1:])
 
 
+# Losses whose kernels write the elementwise loss into the output and then resize it to the reduced scalar
+# (``resize_({})`` in the structured meta function of mse_loss and smooth_l1_loss, shared by CPU and CUDA; the
+# out= variants soft_margin_loss and the CPU and CUDA binary_cross_entropy run the same way): the 0-dim result
+# keeps a storage the size of the input. Their Python meta kernels return a one-element storage.
+_WHOLE_STORAGE_LOSSES = {
+    aten.mse_loss.default,
+    aten.smooth_l1_loss.default,
+    aten.soft_margin_loss.default,
+    aten.binary_cross_entropy.default,
+}
+
+
+def _eager_storage(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """Give a reduced loss the storage its eager kernel leaves it (``_WHOLE_STORAGE_LOSSES``): an empty tensor of
+    the input's size, resized to 0-dim as the kernel resizes its output (not a view: the storage is its own)."""
+    if func not in _WHOLE_STORAGE_LOSSES or not isinstance(out, torch.Tensor) or out.dim() != 0:
+        return out
+    whole = torch.empty(args[0].shape, dtype=out.dtype, device=out.device)
+    return whole.resize_(())
+
+
 def _grouped_mm_cpu(
     mat_a: torch.Tensor,
     mat_b: torch.Tensor,
@@ -644,7 +665,7 @@ class _Recorder(TorchDispatchMode):
             raise SymacctError(
                 what, node=f"#{len(self.trace.ops)}", module=self.module(), op=str(func), shapes=shapes, hint=hint
             ) from e
-        out = _eager_strides(func, args, out)
+        out = _eager_storage(func, args, _eager_strides(func, args, out))
         known.propagate(func, args, kwargs, out)
         for a, k, o in _split_lists(func, args, kwargs, out):
             if self.only_ops:

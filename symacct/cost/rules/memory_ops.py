@@ -152,9 +152,12 @@ def create(call: Call) -> Cost:
     aten._upsample_nearest_exact1d,
     aten._upsample_nearest_exact2d,
     aten._upsample_nearest_exact3d,
+    aten.pixel_shuffle,
+    aten.pixel_unshuffle,
 )
 def copy(call: Call) -> Cost:
-    """A copy reads its source and writes its result: 0 FLOPs (nearest upsampling is one: a gather).
+    """A copy reads its source and writes its result: 0 FLOPs (nearest upsampling is one: a gather; so is a
+    pixel shuffle, a permutation of elements).
 
     ``cat`` / ``stack`` of distinct tensors of the output's dtype read what they write: counted as the
     output's bytes, a formula whatever the list's length (DTensor gathers a tensor split on its last dim

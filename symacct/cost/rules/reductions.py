@@ -68,6 +68,8 @@ FUSED: dict[str, int] = {
     "log_sigmoid": 5,  # as log_sigmoid_forward: the whole op, as the ring attention's merge calls it in dispatch
     "_weight_norm_interface": 3,  # per element of v: square, sum (the norm); v * (g / norm)
     "_weight_norm_interface_backward": 5,  # per element of grad_w: grad_w * v, sum (grad_g); mul, sub, mul (grad_v)
+    "glu": 1,  # per input element: half are gates, sigmoid each; half are values, times the gate
+    "glu_backward": 6,  # per gradient element: s = sigmoid(b), grad * s (value); grad * a * s * (1 - s) (gate)
 }
 
 
@@ -75,6 +77,71 @@ FUSED: dict[str, int] = {
 def fused(call: Call) -> Cost:
     first = call.inputs[0]
     return Cost(flops_other=FUSED[call.op.overloadpacket.__name__] * numel(first.shape))
+
+
+# Elementwise losses: FLOPs per element of the prediction (``self``), from the definition's arithmetic; a
+# forward that reduces (mean or sum, the default) adds 1 per element, as any reduction.
+LOSSES: dict[str, int] = {
+    "mse_loss": 2,  # (x - y)^2: sub, mul
+    "mse_loss_backward": 3,  # (x - y) * (2 / N) * grad: sub, mul, mul
+    "smooth_l1_loss": 5,  # d = |x - y|; d < beta ? 0.5 d^2 / beta : d - beta / 2: sub, abs, compare, mul, mul
+    "smooth_l1_loss_backward": 5,  # (|d| < beta ? d / beta : sign d) * grad: sub, abs, compare, div, mul
+    "huber_loss": 5,  # d = |x - y|; d < delta ? 0.5 d^2 : delta (d - delta / 2): sub, abs, compare, mul, mul
+    "huber_loss_backward": 5,  # clamp(x - y, -delta, delta) * grad: sub, abs, compare, mul, mul
+    "binary_cross_entropy": 8,  # -(y log x + (1 - y) log(1 - x)): 2 log, 2 sub, 2 mul, add, neg
+    "binary_cross_entropy_backward": 6,  # grad * (x - y) / max((1 - x) x, eps): 2 sub, mul, max, div, mul
+    # (1 - y) x + m + log(exp(-m) + exp(-x - m)), m = max(-x, 0): PyTorch's stable form (its backward is
+    # pointwise ops, costed one by one)
+    "binary_cross_entropy_with_logits": 12,
+    "soft_margin_loss": 5,  # log(1 + exp(-y x)): mul, neg, exp, add, log
+    "soft_margin_loss_backward": 6,  # -y e / (1 + e) * grad, e = exp(-y x): mul, exp, add, div, mul, mul
+}
+_REDUCTION_NONE = 0  # torch.nn's Reduction enum: none 0, mean 1, sum 2
+
+
+def _reduction(call: Call, index: int) -> int:
+    """The ``reduction`` argument of a loss op (positional at ``index``), mean when left out."""
+    if len(call.args) > index and isinstance(call.args[index], int):
+        return call.args[index]
+    return int(call.kwargs.get("reduction", 1))
+
+
+@rule(*(getattr(aten, n) for n in LOSSES if hasattr(aten, n)))
+def loss(call: Call) -> Cost:
+    """``LOSSES`` per element of the prediction (the first tensor of a forward, the second of a backward,
+    after the incoming gradient), plus 1 per element where a forward reduces."""
+    name = call.op.overloadpacket.__name__
+    backward = name.endswith("_backward")
+    n = numel(call.inputs[1 if backward else 0].shape)
+    # the reduction follows the tensors: self, target (and weight, pos_weight where the op takes them)
+    at = {"binary_cross_entropy": 3, "binary_cross_entropy_with_logits": 4}.get(name, 2)
+    reduced = not backward and _reduction(call, at) != _REDUCTION_NONE
+    return Cost(flops_other=(LOSSES[name] + int(reduced)) * n)
+
+
+# Interpolation by taps (bilinear: 4 neighbours): a weighted sum per output element, taps multiplies and
+# taps - 1 adds; its backward adds each gradient element, weighted, into every tap: 2 * taps per element.
+TAPS: dict[str, int] = {
+    "upsample_linear1d": 2,
+    "upsample_bilinear2d": 4,
+    "_upsample_bilinear2d_aa": 4,
+    "upsample_trilinear3d": 8,
+    "upsample_bicubic2d": 16,
+}
+
+
+@rule(*(getattr(aten, n) for n in TAPS))
+def interpolate(call: Call) -> Cost:
+    """(2 * taps - 1) FLOPs per output element (``TAPS``); the weights, per row and column, not counted."""
+    return Cost(flops_other=(2 * TAPS[call.op.overloadpacket.__name__] - 1) * numel(call.outputs[0].shape))
+
+
+@rule(*(getattr(aten, f"{n}_backward") for n in TAPS))
+def interpolate_backward(call: Call) -> Cost:
+    """2 * taps FLOPs per gradient element read (``TAPS``): a weighted add into each tap."""
+    return Cost(
+        flops_other=2 * TAPS[call.op.overloadpacket.__name__.removesuffix("_backward")] * numel(call.inputs[0].shape)
+    )
 
 
 @rule(aten.nll_loss_forward, aten.nll_loss2d_forward)
