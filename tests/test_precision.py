@@ -119,3 +119,57 @@ def test_autocast_weight_copies_are_saved_per_layer():
     fp32 = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)))
     assert fp32.memory.autocast_copies == {}
     assert sympy.Poly(fp32.memory.activations_per_layer["blocks"], D).coeff_monomial(D**2) == 0
+
+
+@dataclasses.dataclass
+class NormsConfig:
+    vocab: int = 50
+    width: int = 16
+    bf16_inside: bool = False  # cast to bf16 in forward, the norms' parameters float32; else under autocast
+
+
+class Norms(torch.nn.Module):
+    """Group, batch and layer norm on a bfloat16 input with float32 parameters: the CPU's mixed kernels return
+    their statistics in float32 (PyTorch's meta kernels say bfloat16), and group norm's backward returns the
+    input's gradient in bfloat16 (its meta kernel says float32, and autograd would add a cast the real step
+    does not run). Batch norm is the one of them that CPU autocast leaves uncast."""
+
+    def __init__(self, config: NormsConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = torch.nn.Embedding(config.vocab, config.width)
+        self.lin = torch.nn.Linear(config.width, config.width)
+        self.gn = torch.nn.GroupNorm(4, config.width)
+        self.bn = torch.nn.BatchNorm1d(config.width)
+        self.ln = torch.nn.LayerNorm(config.width)
+        self.out = torch.nn.Linear(config.width, config.vocab)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(x))  # (B, S, W)
+        if self.config.bf16_inside:
+            h = h.to(torch.bfloat16)
+        h = h.transpose(1, 2)  # (B, W, S)
+        h = self.bn(h) + (self.gn(h) if self.config.bf16_inside else 0)
+        h = self.ln(h.transpose(1, 2)) if self.config.bf16_inside else torch.relu(h.transpose(1, 2))
+        logits = self.out(h.float() if self.config.bf16_inside else h)  # (B, S, V)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, self.config.vocab, (B, S)), torch.randint(0, self.config.vocab, (B, S))
+
+
+@pytest.mark.parametrize("bf16_inside", [False, True], ids=["autocast", "cast-in-forward"])
+def test_mixed_precision_norms_hold_what_the_cpu_kernels_return(bf16_inside):
+    model = Norms(NormsConfig(bf16_inside=bf16_inside))
+    autocast = None if bf16_inside else "bf16"
+    acct = symacct.derive(model, optimizer="adamw", autocast=autocast)
+    cast = None if bf16_inside else torch.bfloat16
+    for B, S in ((2, 9), (3, 13)):
+        at, args = acct.at(B=B, S=S), model.example_inputs(B, S)
+        counted = measure_step(model, args, autocast=cast)
+        model.zero_grad(set_to_none=True)
+        assert at.flops.hardware == counted.flops_total
+        assert at.memory.activations == counted.saved_bytes
+        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), autocast=cast)
+        model.zero_grad(set_to_none=True)
+        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)

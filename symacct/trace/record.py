@@ -308,6 +308,41 @@ def _eager_strides(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     return (out[0].contiguous(), *out[1:])
 
 
+# Norm kernels -> the positions of their parameter and statistics arguments. On the CPU, a reduced-precision
+# input with float32 ones (batch norm under autocast, which leaves it out of its casts; norms kept in float32)
+# runs the mixed kernel, which returns its mean and inverse deviation in float32. The meta kernels return
+# them in the input's dtype. (Measured on the CPU, tests/test_precision.py; CUDA is not changed here.)
+_CPU_MIXED_NORMS = {
+    aten.native_batch_norm.default: (1, 2, 3, 4),
+    aten._native_batch_norm_legit.default: (1, 2, 3, 4),
+    aten._native_batch_norm_legit.no_stats: (1, 2),
+    aten._native_batch_norm_legit_functional.default: (1, 2, 3, 4),
+    aten._native_batch_norm_legit_no_training.default: (1, 2, 3, 4),
+    aten.native_layer_norm.default: (2, 3),
+    aten.native_group_norm.default: (1, 2),
+}
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _eager_dtypes(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """Give a mixed-precision norm's statistics (outputs 1 and 2) the float32 the CPU kernel returns them in
+    (``_CPU_MIXED_NORMS``), and group norm's input gradient the input's dtype (its meta kernel follows the
+    float32 statistics; the CPU kernel, and autograd then has no cast to add)."""
+    if func is aten.native_group_norm_backward.default and isinstance(out, tuple) and out[0] is not None:
+        want = args[1].dtype
+        if out[0].device.type == "cpu" and out[0].dtype != want:
+            return (torch.empty_like(out[0], dtype=want), *out[1:])
+        return out
+    where = _CPU_MIXED_NORMS.get(func)
+    if where is None or not isinstance(out, tuple) or out[0].device.type != "cpu" or args[0].dtype not in _REDUCED:
+        return out
+    params = [args[i] for i in where if i < len(args) and isinstance(args[i], torch.Tensor)]
+    if not any(p.dtype == torch.float32 for p in params):
+        return out
+    stats = tuple(torch.empty_like(o, dtype=torch.float32) for o in out[1:3])
+    return (out[0], *stats, *out[3:])
+
+
 # Losses whose kernels write the elementwise loss into the output and then resize it to the reduced scalar
 # (``resize_({})`` in the structured meta function of mse_loss and smooth_l1_loss, shared by CPU and CUDA; the
 # out= variants soft_margin_loss and the CPU and CUDA binary_cross_entropy run the same way): the 0-dim result
@@ -665,7 +700,7 @@ class _Recorder(TorchDispatchMode):
             raise SymacctError(
                 what, node=f"#{len(self.trace.ops)}", module=self.module(), op=str(func), shapes=shapes, hint=hint
             ) from e
-        out = _eager_storage(func, args, _eager_strides(func, args, out))
+        out = _eager_storage(func, args, _eager_dtypes(func, args, _eager_strides(func, args, out)))
         known.propagate(func, args, kwargs, out)
         for a, k, o in _split_lists(func, args, kwargs, out):
             if self.only_ops:
