@@ -112,3 +112,60 @@ def test_a_network_that_upsamples_is_exact():
         real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
         model.zero_grad(set_to_none=True)
         assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+
+
+class Padded(torch.nn.Module):
+    """Convolutions padded by reflection (2-d) and replication (3-d over a depth of 2), upsampled bilinearly and
+    by a pixel shuffle, trained on the mean squared error to the input (as an autoencoder): the padding kernels,
+    the interpolation, the shuffle and the loss had no cost rule (refused before)."""
+
+    def __init__(self, config: UpDownConfig) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.config = config
+        C = config.channels
+        self.mid = nn.Conv3d(config.in_channels, C, 3, padding=1, padding_mode="replicate")
+        self.enc = nn.Conv2d(C, C, 3, stride=2, padding=1, padding_mode="reflect")
+        self.dec = nn.Conv2d(C, config.in_channels, 3, padding=1, padding_mode="reflect")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        h = self.mid(torch.stack([x, x], 2)).mean(2)  # (B, in, 2, S, S) -> (B, C, S, S)
+        h = F.silu(self.enc(h))  # (B, C, S/2, S/2)
+        h = F.interpolate(h, scale_factor=2, mode="bilinear")  # (B, C, S, S)
+        y = F.pixel_shuffle(F.pixel_unshuffle(self.dec(h), 2), 2)  # (B, 4 in, S/2, S/2) -> (B, in, S, S)
+        return F.mse_loss(y, x)
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, self.config.in_channels, S, S),)
+
+
+def test_padding_modes_interpolation_and_a_shuffle_are_exact():
+    from symacct.cost.graph import records
+
+    torch.manual_seed(0)
+    model = Padded(UpDownConfig())
+    acct = symacct.derive(model, optimizer="adamw")
+    for B, S in ((2, 16), (3, 32)):
+        at = acct.at(B=B, S=S)
+        args = model.example_inputs(B, S)
+        counted = measure_step(model, args)
+        model.zero_grad(set_to_none=True)
+        assert at.flops.hardware == counted.flops_total
+        assert at.memory.activations == counted.saved_bytes
+        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+        model.zero_grad(set_to_none=True)
+        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+    # padding's backward adds each gradient element into its source: one FLOP per element of the padded input
+    B, S, C = sym("B"), sym("S"), sym("channels")
+    pads: dict[str, object] = {}
+    for _, n in records(acct.graph):
+        if "_pad" in n.op:
+            name = n.op.split(".")[1]
+            pads[name] = pads.get(name, 0) + n.cost.flops_other * n.count
+    # (the replication padding pads the input, which needs no gradient: it has no backward)
+    assert set(pads) == {"replication_pad3d", "reflection_pad2d", "reflection_pad2d_backward"}
+    assert pads["reflection_pad2d"] == pads["replication_pad3d"] == 0
+    want = 2 * B * C * (S + 2) ** 2  # the gradients of dec's padded input, then enc's
+    got = pads["reflection_pad2d_backward"]
+    assert (got - want).expand() == 0, got

@@ -154,10 +154,16 @@ def create(call: Call) -> Cost:
     aten._upsample_nearest_exact3d,
     aten.pixel_shuffle,
     aten.pixel_unshuffle,
+    aten.reflection_pad1d,
+    aten.reflection_pad2d,
+    aten.reflection_pad3d,
+    aten.replication_pad1d,
+    aten.replication_pad2d,
+    aten.replication_pad3d,
 )
 def copy(call: Call) -> Cost:
-    """A copy reads its source and writes its result: 0 FLOPs (nearest upsampling is one: a gather; so is a
-    pixel shuffle, a permutation of elements).
+    """A copy reads its source and writes its result: 0 FLOPs (nearest upsampling is one: a gather; so are a
+    pixel shuffle, a permutation of elements, and reflection or replication padding).
 
     ``cat`` / ``stack`` of distinct tensors of the output's dtype read what they write: counted as the
     output's bytes, a formula whatever the list's length (DTensor gathers a tensor split on its last dim

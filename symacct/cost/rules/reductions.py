@@ -209,6 +209,13 @@ def upsample_nearest_backward(call: Call) -> Cost:
     return Cost(flops_other=numel(call.inputs[0].shape))
 
 
+@rule(*(getattr(aten, f"{k}_pad{d}d_backward") for k in ("reflection", "replication") for d in (1, 2, 3)))
+def pad_backward(call: Call) -> Cost:
+    """Reflection or replication padding's backward: each gradient element is added into the input element it
+    was copied from (the border ones receive several): one add per element of the gradient read."""
+    return Cost(flops_other=numel(call.inputs[0].shape))
+
+
 @rule(aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
 def adaptive_pool(call: Call) -> Cost:
     """One add (or comparison) per input element (global pooling reads each once)."""
