@@ -128,6 +128,8 @@ class OneLoss(nn.Module):
             return F.binary_cross_entropy(torch.sigmoid(z), t)
         if self.config.loss == "soft_margin_loss":
             return F.soft_margin_loss(z, 2 * t - 1, reduction="sum")
+        if self.config.loss == "huber_loss":
+            return F.huber_loss(z, t, reduction="none").mean()
         return getattr(F, self.config.loss)(z, t)
 
     def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,3 +149,24 @@ def test_a_reduced_loss_holds_the_storage_its_kernel_keeps(loss):
     mem, inputs = acct.memory, 2 * 8 * B * S  # two int64 (B, S) inputs
     loss_bytes = 4 * B * S * V if loss != "l1_loss" else 4  # the loss, held after the backward
     assert sympy.expand(mem.after_backward - mem.params - mem.grads - inputs - loss_bytes) == 0
+
+
+MIXED = ["mse_loss", "smooth_l1_loss", "soft_margin_loss", "huber_loss", "binary_cross_entropy"]
+
+
+@pytest.mark.parametrize("loss", MIXED)
+def test_a_bfloat16_prediction_against_a_float32_target(loss):
+    """bfloat16 parameters, float32 targets. The CPU kernels give the loss (huber, soft margin) and the
+    prediction's gradient (mse, smooth L1, soft margin) the prediction's dtype, where PyTorch's meta kernels
+    promote to float32 (and autograd would then add a cast the real step does not run); binary cross entropy
+    (forward) and Huber (backward) refuse two dtypes on the CPU, so the real step fails, and derive refuses."""
+    torch.manual_seed(0)
+    model = OneLoss(OneLossConfig(loss=loss)).to(torch.bfloat16)
+    if loss in ("huber_loss", "binary_cross_entropy"):
+        with pytest.raises(RuntimeError, match="Found dtype"):
+            model(*model.example_inputs(2, 7)).backward()
+        with pytest.raises(symacct.SymacctError, match="refuses two dtypes") as e:
+            symacct.derive(model, params_dtype="bf16")
+        assert e.value.op.startswith(f"aten.{loss}")
+        return
+    exact_against_a_real_step(model, symacct.derive(model, optimizer="adamw", params_dtype="bf16"))

@@ -324,10 +324,47 @@ _CPU_MIXED_NORMS = {
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
+# Loss kernels whose CPU output takes the dtype of the prediction (the argument at this position) when the
+# target has another: the meta kernels promote both to the wider dtype.
+_CPU_PREDICTION_DTYPE = {
+    aten.huber_loss.default: 0,
+    aten.soft_margin_loss.default: 0,
+    aten.mse_loss_backward.default: 1,
+    aten.smooth_l1_loss_backward.default: 1,
+    aten.soft_margin_loss_backward.default: 1,
+}
+# Loss kernels the CPU refuses with a prediction and a target of two dtypes (the positions of the two); the meta
+# kernels promote and run.
+_CPU_ONE_DTYPE = {
+    aten.binary_cross_entropy.default: (0, 1),
+    aten.binary_cross_entropy_backward.default: (1, 2),
+    aten.huber_loss_backward.default: (1, 2),
+}
+
+
+def _mixed_loss(func: Any, args: tuple[Any, ...]) -> str | None:
+    """Why the CPU kernel of a loss refuses its prediction and target in two dtypes (``_CPU_ONE_DTYPE``), else
+    None: the real step fails there, so no figure may come of it."""
+    pair = _CPU_ONE_DTYPE.get(func)
+    if pair is None:
+        return None
+    a, b = (args[i] for i in pair)
+    if a.device.type != "cpu" or a.dtype == b.dtype:
+        return None
+    return (
+        f"{func.overloadpacket.__name__} gets a {str(a.dtype)[6:]} prediction and a {str(b.dtype)[6:]} target: "
+        "PyTorch's CPU kernel refuses two dtypes ('Found dtype ... but expected ...'), so the real step fails"
+    )
+
+
 def _eager_dtypes(func: Any, args: tuple[Any, ...], out: Any) -> Any:
-    """Give a mixed-precision norm's statistics (outputs 1 and 2) the float32 the CPU kernel returns them in
-    (``_CPU_MIXED_NORMS``), and group norm's input gradient the input's dtype (its meta kernel follows the
-    float32 statistics; the CPU kernel, and autograd then has no cast to add)."""
+    """Give an output the dtype the CPU kernel gives it where the meta kernel differs: a mixed-precision norm's
+    statistics (outputs 1 and 2) float32 (``_CPU_MIXED_NORMS``); group norm's input gradient the input's dtype
+    (its meta kernel follows the float32 statistics); a loss of a prediction and a target in two dtypes the
+    prediction's (``_CPU_PREDICTION_DTYPE``). Autograd then adds no cast the real step does not run."""
+    if func in _CPU_PREDICTION_DTYPE and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+        want = args[_CPU_PREDICTION_DTYPE[func]].dtype
+        return out if out.dtype == want else torch.empty_like(out, dtype=want)
     if func is aten.native_group_norm_backward.default and isinstance(out, tuple) and out[0] is not None:
         want = args[1].dtype
         if out[0].device.type == "cpu" and out[0].dtype != want:
@@ -684,6 +721,17 @@ class _Recorder(TorchDispatchMode):
                 shapes=[tuple(a.shape) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)],
                 hint=f"{_UNFUSED}; PyTorch takes the fused path only in eval mode without grad, with batch_first "
                 "and an even head count",
+            )
+        mixed = _mixed_loss(func, args)
+        if mixed is not None:
+            raise SymacctError(
+                mixed,
+                node=f"#{len(self.trace.ops)}",
+                module=self.module(),
+                op=str(func),
+                shapes=[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)],
+                hint="give the target the prediction's dtype (target.to(pred.dtype)), or compute the loss in "
+                "float32 (pred.float())",
             )
         answered, value = known.read(func, args)
         if answered:  # a value read whose answer is known without values (symacct.trace.known)
