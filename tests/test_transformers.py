@@ -583,3 +583,28 @@ def test_alibi_heads_split_at_a_power_of_two_are_kept(family: str) -> None:
     acct = symacct.derive(model, optimizer="adamw")
     assert "H" not in acct.symbols and f"with {heads} kept at the model's values" in acct.notes[0]
     check_exact(model, acct, [(2, 7), (3, 11)])
+
+
+@pytest.mark.parametrize(
+    ("num_labels", "problem_type"), [(1, None), (1, "regression"), (3, "multi_label_classification")]
+)
+def test_sequence_classification_takes_the_labels_its_problem_type_reads(num_labels: int, problem_type: Any) -> None:
+    """Regression (mean squared error, transformers' reading of one label) and multi-label classification
+    (binary cross entropy with logits) had no cost rule for their losses, and a multi-label model got class
+    indices where it reads a 0/1 float per class (refused as a failed forward)."""
+    config = T.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=num_labels,
+        problem_type=problem_type,
+    )
+    torch.manual_seed(0)
+    model = T.BertForSequenceClassification(config)
+    labels = task(model).inputs(model, 2, 5)["labels"]
+    assert labels.is_floating_point()
+    assert labels.shape == ((2,) if num_labels == 1 else (2, num_labels))
+    check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])

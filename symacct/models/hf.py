@@ -132,8 +132,22 @@ def _masked(m: nn.Module, B: int, S: int) -> dict[str, Any]:
     return {"input_ids": _ids(m, B, S), "labels": _ids(m, B, S)}
 
 
+def _class_labels(m: nn.Module, B: int) -> torch.Tensor:
+    """One label a sample, as the config's ``problem_type`` reads them (unset: regression for one label, else
+    single label, as transformers decides): a class index (single label), a float (regression, mean squared
+    error), or a 0/1 float per class (multi-label, binary cross entropy with logits)."""
+    kind = getattr(m.config, "problem_type", None)
+    if kind is None and _labels(m) == 1:  # transformers' own reading (it sets problem_type on the first forward)
+        kind = "regression"
+    if kind == "multi_label_classification":
+        return torch.randint(0, 2, (B, _labels(m))).float()
+    if kind == "regression":
+        return torch.randn(B) if _labels(m) == 1 else torch.randn(B, _labels(m))
+    return torch.randint(0, _labels(m), (B,))
+
+
 def _classify_text(m: nn.Module, B: int, S: int) -> dict[str, Any]:
-    return {"input_ids": _ids(m, B, S), "labels": torch.randint(0, _labels(m), (B,))}
+    return {"input_ids": _ids(m, B, S), "labels": _class_labels(m, B)}
 
 
 def _classify_image(m: nn.Module, B: int, S: int) -> dict[str, Any]:
@@ -146,7 +160,7 @@ def _classify_image(m: nn.Module, B: int, S: int) -> dict[str, Any]:
             f"{type(m).__name__}: the config has no image_size",
             hint="pass inputs=lambda m, B, S: {'pixel_values': ..., 'labels': ...}",
         )
-    return {"pixel_values": torch.randn(B, channels, size, size), "labels": torch.randint(0, _labels(m), (B,))}
+    return {"pixel_values": torch.randn(B, channels, size, size), "labels": _class_labels(m, B)}
 
 
 def _base(m: nn.Module, B: int, S: int) -> dict[str, Any]:
@@ -236,7 +250,8 @@ def task(model: nn.Module) -> Task:
             "sequence-classification",
             _classify_text,
             _output_loss,
-            "sequence classification step: input_ids (B, S), one label a sequence, output.loss",
+            "sequence classification step: input_ids (B, S), one label a sequence (as the config's problem_type "
+            "reads it), output.loss",
         )
     if name.endswith("ForImageClassification"):
         return Task(
