@@ -608,3 +608,15 @@ def test_sequence_classification_takes_the_labels_its_problem_type_reads(num_lab
     assert labels.is_floating_point()
     assert labels.shape == ((2,) if num_labels == 1 else (2, num_labels))
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
+
+
+def test_swin_pools_a_transposed_sequence_and_is_exact() -> None:
+    """Swin's pooler averages the transposed sequence, so the gradient reaches its last layer norm transposed:
+    PyTorch's meta kernel returned the input's gradient in those strides, the CPU kernel returns it contiguous,
+    and the trace copied it before a reshape the real step views (the peak 1,024 bytes a sample too high)."""
+    config = T.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=5
+    )
+    torch.manual_seed(0)
+    model = T.SwinForImageClassification(config)
+    check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])

@@ -289,7 +289,8 @@ class _Ids:
 
 
 # Ops whose meta (fake) kernel keeps a non-contiguous input's strides where the CPU kernel
-# returns a contiguous output; a later view/reshape then copies in eager but not in the trace.
+# returns the input's suggested memory format (contiguous, or channels-last for a channels-last image); a later
+# view/reshape then copies in eager but not in the trace.
 # Found by the fuzzer (symacct/measure/fuzz.py): BatchNorm1d on a transposed input.
 _CPU_CONTIGUOUS_OUT = {
     aten.native_batch_norm.default,
@@ -299,13 +300,59 @@ _CPU_CONTIGUOUS_OUT = {
 }
 
 
+# Backward kernels whose meta kernel gives the input's gradient the incoming gradient's strides, where the CPU
+# kernel allocates it by a rule of its own: contiguous, the input's memory format (batch and group norm take
+# a channels-last input's), or the incoming gradient's layout (dropout, whose meta kernel makes it contiguous).
+# A non-contiguous incoming gradient (a pooler's transpose, cross entropy over transposed logits) then left a
+# later reshape a copy in the trace that the real step does not run (transformers' Swin). The output's position
+# and where its layout comes from: None contiguous, an int the argument whose memory format (or, for the
+# gradient, whose strides) it takes.
+_CPU_GRAD_LAYOUT: dict[Any, tuple[int, int | None]] = {
+    aten.native_layer_norm_backward.default: (0, None),
+    aten._log_softmax_backward_data.default: (-1, None),
+    aten.native_batch_norm_backward.default: (0, 1),
+    aten.native_group_norm_backward.default: (0, 1),
+    aten.native_dropout_backward.default: (-1, 0),
+}
+
+
 def _eager_strides(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     """Give a fake output the strides the eager CPU kernel gives it, where the two differ."""
+    if func in _CPU_GRAD_LAYOUT:
+        return _eager_grad_layout(func, args, out)
     if func not in _CPU_CONTIGUOUS_OUT or not isinstance(out, tuple) or out[0].device.type != "cpu":
         return out
-    if out[0].is_contiguous():
+    fmt = _memory_format(args[0])  # a channels-last image stays channels-last
+    if out[0].is_contiguous(memory_format=fmt):
         return out
-    return (out[0].contiguous(), *out[1:])
+    return (out[0].contiguous(memory_format=fmt), *out[1:])
+
+
+def _eager_grad_layout(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """``_CPU_GRAD_LAYOUT``: the input's gradient laid out as the CPU kernel lays it out (a new empty tensor of
+    those strides: the values are fake either way)."""
+    at, like = _CPU_GRAD_LAYOUT[func]
+    grad = out if at < 0 else out[at]
+    if not isinstance(grad, torch.Tensor) or grad.device.type != "cpu":
+        return out
+    if like is None:
+        new = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+    elif func is aten.native_dropout_backward.default:
+        new = torch.empty_like(args[like], dtype=grad.dtype)  # the incoming gradient's layout
+    else:
+        new = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device, memory_format=_memory_format(args[like]))
+    if new.stride() == grad.stride():
+        return out
+    return new if at < 0 else (*out[:at], new, *out[at + 1 :])
+
+
+def _memory_format(t: torch.Tensor) -> torch.memory_format:
+    """``Tensor.suggest_memory_format()``: channels-last for a 4-d (or 5-d) tensor laid out so, else contiguous."""
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 # Norm kernels -> the positions of their parameter and statistics arguments. On the CPU, a reduced-precision
