@@ -1,4 +1,4 @@
-"""Strides the CPU kernels give an output otherwise than PyTorch's meta kernels (``symacct/trace/record.py``,
+"""Strides the CPU kernels give an output otherwise than PyTorch's meta kernels (``symacct.trace.eager``,
 ``_CPU_GRAD_LAYOUT`` and ``_CPU_CONTIGUOUS_OUT``): a gradient that reaches layer norm, log-softmax or dropout
 transposed, and a channels-last image through batch norm. Wrong strides are wrong bytes: a later reshape
 copies in one and not in the other (transformers' Swin pools a transposed sequence; its peak was off by
@@ -153,12 +153,12 @@ def _kernels(x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class _CpuLayouts(TorchDispatchMode):
-    """What symacct's recorder does to each fake output: the CPU kernel's strides (``_eager_strides``)."""
+    """What symacct's recorder does to each fake output: the CPU kernel's strides (``eager.strides``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        from symacct.trace.record import _eager_strides
+        from symacct.trace import eager
 
-        return _eager_strides(func, args, func(*args, **(kwargs or {})))
+        return eager.strides(func, args, func(*args, **(kwargs or {})))
 
 
 def test_the_strides_are_the_cpu_kernels_for_every_layout() -> None:
