@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from real_step import exact_against_a_real_step
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import symacct
 from symacct.cost.graph import records
-from symacct.measure.run import measure_memory, measure_step
 
 aten = torch.ops.aten
 
@@ -107,15 +107,7 @@ def test_layouts_are_the_cpu_kernels(model: nn.Module) -> None:
     acct = symacct.derive(model, optimizer="adamw")
     clones = sum(1 for _, n in records(acct.graph) if n.op == "aten.clone.default")
     assert clones == _real_clones(model, *model.example_inputs(2, 8))
-    for B, S in ((2, 8), (3, 16)):
-        at, args = acct.at(B=B, S=S), model.example_inputs(B, S)
-        counted = measure_step(model, args)
-        model.zero_grad(set_to_none=True)
-        assert at.flops.hardware == counted.flops_total
-        assert at.memory.activations == counted.saved_bytes
-        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
-        model.zero_grad(set_to_none=True)
-        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+    exact_against_a_real_step(model, acct, [(2, 8), (3, 16)])
 
 
 def _layouts() -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ import pytest
 import sympy
 import torch
 import torch.nn.functional as F
-from test_torch_transformer import exact_against_a_real_step
+from real_step import exact_against_a_real_step
 from torch import nn
 
 import symacct

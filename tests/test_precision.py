@@ -17,6 +17,7 @@ import sympy
 import torch
 from cases import _SMALL, build, gpt2_cases, llama_cases, sizes, switches
 from hypothesis import given
+from real_step import exact_against_a_real_step
 
 import symacct
 from symacct.measure.run import measure_memory, measure_step
@@ -163,13 +164,4 @@ def test_mixed_precision_norms_hold_what_the_cpu_kernels_return(bf16_inside):
     model = Norms(NormsConfig(bf16_inside=bf16_inside))
     autocast = None if bf16_inside else "bf16"
     acct = symacct.derive(model, optimizer="adamw", autocast=autocast)
-    cast = None if bf16_inside else torch.bfloat16
-    for B, S in ((2, 9), (3, 13)):
-        at, args = acct.at(B=B, S=S), model.example_inputs(B, S)
-        counted = measure_step(model, args, autocast=cast)
-        model.zero_grad(set_to_none=True)
-        assert at.flops.hardware == counted.flops_total
-        assert at.memory.activations == counted.saved_bytes
-        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), autocast=cast)
-        model.zero_grad(set_to_none=True)
-        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+    exact_against_a_real_step(model, acct, [(2, 9), (3, 13)], autocast=None if bf16_inside else torch.bfloat16)

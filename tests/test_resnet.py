@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from real_step import exact_against_a_real_step
 
 import symacct
 from symacct import SymacctError
@@ -102,16 +103,7 @@ def test_a_network_that_upsamples_is_exact():
     torch.manual_seed(0)
     model = UpDown(UpDownConfig())
     acct = symacct.derive(model, optimizer="adamw")
-    for B, S in ((2, 16), (3, 32)):
-        at = acct.at(B=B, S=S)
-        args = model.example_inputs(B, S)
-        counted = measure_step(model, args)
-        model.zero_grad(set_to_none=True)
-        assert at.flops.hardware == counted.flops_total
-        assert at.memory.activations == counted.saved_bytes
-        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
-        model.zero_grad(set_to_none=True)
-        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+    exact_against_a_real_step(model, acct, [(2, 16), (3, 32)])
 
 
 class Padded(torch.nn.Module):
@@ -146,16 +138,7 @@ def test_padding_modes_interpolation_and_a_shuffle_are_exact():
     torch.manual_seed(0)
     model = Padded(UpDownConfig())
     acct = symacct.derive(model, optimizer="adamw")
-    for B, S in ((2, 16), (3, 32)):
-        at = acct.at(B=B, S=S)
-        args = model.example_inputs(B, S)
-        counted = measure_step(model, args)
-        model.zero_grad(set_to_none=True)
-        assert at.flops.hardware == counted.flops_total
-        assert at.memory.activations == counted.saved_bytes
-        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
-        model.zero_grad(set_to_none=True)
-        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+    exact_against_a_real_step(model, acct, [(2, 16), (3, 32)])
     # padding's backward adds each gradient element into its source: one FLOP per element of the padded input
     B, S, C = sym("B"), sym("S"), sym("channels")
     pads: dict[str, object] = {}

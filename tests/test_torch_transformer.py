@@ -14,12 +14,13 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from real_step import POINTS, exact_against_a_real_step
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import symacct
 from symacct import SymacctError
-from symacct.measure.run import CpuFlashCounter, measure_memory, measure_step
+from symacct.measure.run import CpuFlashCounter, measure_memory
 
 
 @dataclasses.dataclass
@@ -60,24 +61,6 @@ class Encoder(nn.Module):
 
 def ids(model: Encoder, B: int, S: int) -> tuple[torch.Tensor]:
     return (torch.randint(0, model.config.vocab_size, (B, S)),)
-
-
-POINTS = ((2, 7), (3, 11))
-
-
-def exact_against_a_real_step(model: nn.Module, acct: symacct.Accounting) -> None:
-    """FLOPs (FlopCounterMode with the CPU flash kernel, which it counts as 0), saved bytes, and the memory
-    after the forward and at the peak of a real step with AdamW, at each of ``POINTS``."""
-    for B, S in POINTS:
-        at = acct.at(B=B, S=S)
-        args = model.example_inputs(B, S)
-        counted = measure_step(model, args)
-        model.zero_grad(set_to_none=True)
-        assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
-        assert at.memory.activations == counted.saved_bytes
-        real = measure_memory(model, args, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
-        model.zero_grad(set_to_none=True)
-        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
 
 
 @pytest.mark.parametrize(("norm_first", "batch_first"), [(False, True), (True, True), (False, False)])
