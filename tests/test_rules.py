@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -169,11 +171,11 @@ def test_conventions_doc_lists_every_table_entry():
     """docs/conventions.md prints the per-element tables; it must not go stale."""
     from pathlib import Path
 
-    from symacct.cost.rules.pointwise import PER_ELEMENT
+    from symacct.cost.rules.pointwise import COMPLEX_PER_ELEMENT, PER_ELEMENT
     from symacct.cost.rules.reductions import FUSED, LOSSES, TAPS
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "conventions.md").read_text()
-    for table in (PER_ELEMENT, FUSED, LOSSES, TAPS):
+    for table in (PER_ELEMENT, COMPLEX_PER_ELEMENT, FUSED, LOSSES, TAPS):
         for op, k in table.items():
             assert f"| `{op}` | {k} |" in doc, f"docs/conventions.md is stale for {op}"
 
@@ -271,3 +273,47 @@ def test_activations_without_the_pointwise_tag_are_costed(act: type[torch.nn.Mod
             sympy.Integer(0),
         )
         assert sympy.expand(total - k * L * B * width) == 0, (name, total)
+
+
+@dataclasses.dataclass
+class _RotaryConfig:
+    width: int = 16  # even: pairs of it are complex numbers
+    max_len: int = 32  # S_max: the rotation table's rows
+
+
+class _ComplexRotary(torch.nn.Module):
+    """Queries rotated by complex multiplication (Meta's Llama reference, torchtitan): ``view_as_complex``, a
+    complex product with a buffer of unit complex numbers, ``view_as_real``; its backward conjugates (a view)."""
+
+    def __init__(self, config: _RotaryConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.q = torch.nn.Linear(config.width, config.width)
+        angles = torch.outer(torch.arange(config.max_len).float(), torch.arange(config.width // 2).float())
+        self.register_buffer("rotation", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, W = x.shape
+        q = torch.view_as_complex(self.q(x).reshape(B, S, W // 2, 2))  # (B, S, W/2) complex
+        return torch.view_as_real(q * self.rotation[:S]).flatten(2).square().sum()  # (B, S, W)
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, self.config.width),)
+
+
+def test_a_complex_product_costs_its_real_arithmetic_and_is_exact() -> None:
+    """6 FLOPs per complex element (4 multiplies, 2 adds); the backward's conjugate had no rule (refused)."""
+    import sympy
+    from real_step import exact_against_a_real_step
+
+    import symacct
+    from symacct.cost.graph import records
+    from symacct.symbols import sym
+
+    model = _ComplexRotary(_RotaryConfig())
+    acct = symacct.derive(model, optimizer="adamw", fixed=["width"])
+    exact_against_a_real_step(model, acct)
+    B, S = sym("B"), sym("S")
+    complex_muls = [n for _, n in records(acct.graph) if n.op == "aten.mul.Tensor" and "complex64" in str(n.dtypes)]
+    assert len(complex_muls) == 2  # the rotation, and its gradient (times the conjugate)
+    assert all(sympy.expand(n.cost.flops_other - 6 * B * S * 8) == 0 for n in complex_muls)

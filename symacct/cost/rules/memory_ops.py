@@ -38,6 +38,8 @@ aten = torch.ops.aten
     aten.lift_fresh,
     aten.view_as_real,
     aten.view_as_complex,
+    aten._conj,
+    aten._neg_view,
     aten.unfold,
     aten.diagonal,
     aten.expand_as,

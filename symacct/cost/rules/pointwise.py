@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from symacct.cost.rules.registry import Call, Cost, distinct, numel, rule
+from symacct.trace.record import TMeta
 
 aten = torch.ops.aten
 
@@ -47,15 +48,26 @@ PER_ELEMENT: dict[str, int] = {
 }
 
 
-def _per_element(call: Call) -> int:
+# FLOPs per written complex element: the real arithmetic (a complex product is 4 multiplies and 2 adds, as a
+# rotary embedding written with complex numbers runs it); ops not listed cost twice their real k.
+COMPLEX_PER_ELEMENT: dict[str, int] = {
+    "mul": 6,
+    "add": 2,
+    "sub": 2,
+}
+
+
+def _per_element(call: Call, written: list[TMeta]) -> int:
     name = call.op.overloadpacket.__name__.removeprefix("_foreach_").rstrip("_")
+    if any(t.dtype.is_complex for t in written):
+        return COMPLEX_PER_ELEMENT.get(name, 2 * PER_ELEMENT.get(name, 1))
     return PER_ELEMENT.get(name, 1)
 
 
 @rule(tag=torch.Tag.pointwise)
 def pointwise(call: Call) -> Cost:
-    written = call.outputs or call.mutated
-    return Cost(flops_other=_per_element(call) * sum((numel(t.shape) for t in distinct(written)), 0))
+    written = distinct(call.outputs or call.mutated)
+    return Cost(flops_other=_per_element(call, written) * sum((numel(t.shape) for t in written), 0))
 
 
 # activations and backward kernels without the pointwise tag (each output element from the same element of
