@@ -121,10 +121,10 @@ def loss(call: Call) -> Cost:
 
 # Interpolation by taps (bilinear: 4 neighbours): a weighted sum per output element, taps multiplies and
 # taps - 1 adds; its backward adds each gradient element, weighted, into every tap: 2 * taps per element.
+# (Antialiased resizing reads a window that grows with the scale: no rule, refused.)
 TAPS: dict[str, int] = {
     "upsample_linear1d": 2,
     "upsample_bilinear2d": 4,
-    "_upsample_bilinear2d_aa": 4,
     "upsample_trilinear3d": 8,
     "upsample_bicubic2d": 16,
 }
