@@ -110,10 +110,10 @@ _FOREACH = _foreach_packets()
 @rule(*_FOREACH)
 def foreach(call: Call) -> Cost:
     """Elementwise over a list: k FLOPs per element of every written tensor."""
-    written = call.outputs or call.mutated
+    written = distinct(call.outputs or call.mutated)
     if call.op.overloadpacket.__name__.startswith(("_foreach_norm", "_foreach_max")):
         return Cost(flops_other=sum((numel(t.shape) for t in distinct(call.inputs)), 0))
-    return Cost(flops_other=_per_element(call) * sum((numel(t.shape) for t in distinct(written)), 0))
+    return Cost(flops_other=_per_element(call, written) * sum((numel(t.shape) for t in written), 0))
 
 
 @rule(aten.floor_divide)
