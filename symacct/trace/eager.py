@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 aten = torch.ops.aten
 
@@ -56,7 +57,7 @@ def strides(func: Any, args: tuple[Any, ...], out: Any) -> Any:
         return _grad_layout(func, args, out)
     if func not in _CPU_CONTIGUOUS_OUT or not isinstance(out, tuple) or out[0].device.type != "cpu":
         return out
-    fmt = _memory_format(args[0])  # a channels-last image stays channels-last
+    fmt = suggest_memory_format(args[0])  # a channels-last image stays channels-last
     if out[0].is_contiguous(memory_format=fmt):
         return out
     return (out[0].contiguous(memory_format=fmt), *out[1:])
@@ -74,19 +75,11 @@ def _grad_layout(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     elif func is aten.native_dropout_backward.default:
         new = torch.empty_like(args[like], dtype=grad.dtype)  # the incoming gradient's layout
     else:
-        new = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device, memory_format=_memory_format(args[like]))
+        fmt = suggest_memory_format(args[like])
+        new = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device, memory_format=fmt)
     if new.stride() == grad.stride():
         return out
     return new if at < 0 else (*out[:at], new, *out[at + 1 :])
-
-
-def _memory_format(t: torch.Tensor) -> torch.memory_format:
-    """``Tensor.suggest_memory_format()``: channels-last for a 4-d (or 5-d) tensor laid out so, else contiguous."""
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
-        return torch.channels_last
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 # Norm kernels -> the positions of their parameter and statistics arguments. On the CPU, a reduced-precision
@@ -185,4 +178,11 @@ def storage(func: Any, args: tuple[Any, ...], out: Any) -> Any:
 def as_on_the_cpu(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     """``out`` of ``func(*args)`` on fake tensors, with the strides, dtypes and storage the eager kernel gives
     it (the values are fake either way)."""
+    if func not in _CORRECTED:  # nearly every op: one lookup
+        return out
     return storage(func, args, dtypes(func, args, strides(func, args, out)))
+
+
+_CORRECTED = frozenset(
+    [*_CPU_CONTIGUOUS_OUT, *_CPU_GRAD_LAYOUT, *_CPU_MIXED_NORMS, *_CPU_PREDICTION_DTYPE, *_WHOLE_STORAGE_LOSSES]
+) | {aten.native_group_norm_backward.default}
