@@ -79,7 +79,9 @@ def op_blocks(ops: list[Any], stacks: list[str]) -> list[tuple[str, int] | None]
     outside every block that runs between block i-1 and block i of a stack (in
     the forward, or between i and i-1 in the backward's reverse order), in the
     same phase: the loop's own per-iteration work, such as the two empty
-    tensors that ``torch.utils.checkpoint`` makes per call in torch 2.11.
+    tensors that ``torch.utils.checkpoint`` makes per call in torch 2.11; or
+    between two ops of block i (the loop calls the block twice, with work in
+    between: ``F.normalize(blk(h)) * blk(h)``).
     """
     own = [block_of(rec.module, stacks) for rec in ops]
     out = list(own)
@@ -87,7 +89,7 @@ def op_blocks(ops: list[Any], stacks: list[str]) -> list[tuple[str, int] | None]
     for pos, b in enumerate(own):
         if b is None:
             continue
-        if prev is not None and prev[0][0] == b[0] and abs(prev[0][1] - b[1]) == 1:
+        if prev is not None and prev[0][0] == b[0] and abs(prev[0][1] - b[1]) <= 1:
             later = max(prev[0], b)
             for j in range(prev[1] + 1, pos):
                 if ops[j].phase == ops[pos].phase == ops[prev[1]].phase:

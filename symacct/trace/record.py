@@ -521,6 +521,9 @@ class _Recorder(TorchDispatchMode):
         self.seq_seen = -1  # the last sequence number given a module
         self.names: dict[int, str] = {}  # id(module) -> path
         self.recomputing: list[str] = []  # modules whose forward runs again inside backward
+        # a recomputed call's inputs (reentrant checkpointing detaches them; a nested backward accumulates their
+        # gradients): the module that call runs
+        self.recompute_inputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def _name(self, module: nn.Module) -> str:
         """A module's name as ``torch.distributed._tools.ModTracker`` names it: the root by its class, each
@@ -540,6 +543,9 @@ class _Recorder(TorchDispatchMode):
         self.active.append(self._name(module))
         if self.phase == "backward" and id(module) in self.names:
             self.recomputing.append(self.names[id(module)])
+            for t in tree_flatten(args)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.recompute_inputs.setdefault(t, self.names[id(module)])
 
     def post_hook(self, module: nn.Module, args: Any, out: Any) -> None:
         name = self._name(module)
@@ -582,7 +588,7 @@ class _Recorder(TorchDispatchMode):
             var = getattr(node, "variable", None)
             if var is not None:
                 names = self.trace.param_names.get(self.ids.storage(var), [])
-                return names[0].rpartition(".")[0] if names else ""
+                return names[0].rpartition(".")[0] if names else self.recompute_inputs.get(var, "")
             return ""
         if self.phase == "optimizer":
             return ""  # set after the op is recorded, from the parameter its tensors belong to
@@ -642,9 +648,10 @@ class _Recorder(TorchDispatchMode):
                 self._record_op(func, o)
             else:
                 self._record(func, a, k, o)
-        if self.phase == "forward":
+        if self.phase == "forward" or self.recomputing:
             # every autograd node made since the last op is this op's: an in-place op's node is made before the
-            # clone of the value it overwrites (saved for backward), so it is not always the newest one
+            # clone of the value it overwrites (saved for backward), so it is not always the newest one. A forward
+            # run again in backward (reentrant checkpointing) makes nodes that a nested backward then runs
             last = torch.autograd._get_sequence_nr() - 1
             for seq in range(self.seq_seen + 1, last + 1):
                 self.seq_module.setdefault(seq, self.trace.ops[-1].module)
