@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_loops import LoopConfig, Reentrant
 
 from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig, ResNet, ResNetConfig
 from symacct.recipes import MixedPrecisionAdamW
@@ -25,6 +26,39 @@ def _gpt2(**kw: Any) -> Callable[[], torch.nn.Module]:
 
 def _adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters())
+
+
+class _ScaledGelu(torch.autograd.Function):
+    """gelu(x) * scale * w for a float ``scale`` between two tensors: its backward returns a gradient per forward
+    input, None for the float, where its node has an edge per tensor input (x's, then w's)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.scale = scale
+        return torch.nn.functional.gelu(x) * scale * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        gx = torch.ops.aten.gelu_backward(g * ctx.scale * w, x)
+        gw = (g * torch.nn.functional.gelu(x) * ctx.scale).sum((0, 1))
+        return gx, None, gw
+
+
+class _Gated(torch.nn.Module):
+    """A linear layer, then the custom Function with a weight of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaledGelu.apply(self.lin(x), 0.5, self.w).sum()  # (B, S, 8) -> ()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, 8),)
 
 
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], dict[str, Any]]] = {
@@ -47,6 +81,7 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], dict[str, Any]]] = {
         {"optimizer": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)},
     ),
     "resnet": (lambda: ResNet(ResNetConfig(width=8, num_classes=10, blocks=(1, 1))), {"optimizer": _adamw}),
+    "custom-function": (lambda: _Gated(), {"optimizer": _adamw}),
 }
 
 
@@ -130,3 +165,17 @@ def test_hooks_the_python_engine_would_not_run_are_refused() -> None:
         _trace(with_module_hook, True)
     x = torch.ones(2, requires_grad=True)
     x.register_hook(lambda g: g)  # restored after the trace: registering works again
+
+
+def test_a_backward_run_by_a_node_is_refused_on_the_python_engine() -> None:
+    """Reentrant checkpointing runs a backward over the block it recomputed, from inside its node; PyTorch's
+    engine frees what that backward's nodes saved as each runs, which the Python engine cannot: refused there
+    with what to do (and traced on PyTorch's engine, exact: tests/test_loops.py)."""
+    from symacct.errors import SymacctError
+
+    def make() -> torch.nn.Module:
+        return Reentrant(LoopConfig(n_layers=2))
+
+    with pytest.raises(SymacctError, match="use_reentrant=False"):
+        _trace(make, True)
+    assert any(r.phase == "recompute" for r in _trace(make, False).ops)

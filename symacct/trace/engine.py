@@ -201,17 +201,27 @@ def _call(node: Any, inputs: list[Any]) -> tuple[Any, ...]:
         _accumulate(node.variable, inputs.pop())
         return ()
     if isinstance(node, torch.autograd.function.BackwardCFunction):
-        if node.materialize_grads and any(g is None for g in inputs):
+        if any(g is None for g in inputs):  # its materialize_grads (zeros for them, by default) is not readable
             raise SymacctError(
-                f"{node.name()} got no gradient for one of its outputs, which it would materialize as zeros",
+                f"{node.name()} got no gradient for one of its outputs, which it materializes as zeros unless "
+                "its forward said otherwise",
                 hint="the Python engine does not know a custom Function's output shapes; derive on a machine "
                 "where PyTorch's own engine runs (a GPU, or device='cpu')",
             )
         out = node.apply(*inputs)
         node.maybe_clear_saved_tensors()
-    else:
-        out = node(*inputs)
+        return _per_edge(node, out if isinstance(out, tuple) else (out,))
+    out = node(*inputs)
     return out if isinstance(out, tuple) else (out,)
+
+
+def _per_edge(node: Any, out: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A custom Function's backward returns one gradient per forward input, None for one that is not a tensor
+    (``checkpoint``'s function and flag); its node has one edge per tensor input, valid where the input requires
+    grad, as ``needs_input_grad`` says: ``PyNode::apply`` keeps the tensor inputs' gradients, and the engine
+    drops those of invalid edges."""
+    grads = iter(g for g, need in zip(out, node.needs_input_grad) if need)
+    return tuple(None if nxt is None else next(grads) for nxt, _ in node.next_functions)
 
 
 def _accumulate(var: torch.Tensor, grad: Any) -> None:
@@ -256,14 +266,32 @@ def _obeys_layout(grad: torch.Tensor, var: torch.Tensor) -> bool:
 def _inside(running: list[Any]) -> Iterator[None]:
     """What code run by a node asks of the engine: the node running (``_current_autograd_node``) and a graph
     task id (``_current_graph_task_id``, -1 outside the engine; activation checkpointing keys its
-    recomputation by it)."""
+    recomputation by it). A backward started by a node is refused (``_nested``)."""
     node_fn, task_fn = torch._C._current_autograd_node, torch._C._current_graph_task_id
+    backward_fn = torch.autograd.backward
     torch._C._current_autograd_node = lambda: running[0]
     torch._C._current_graph_task_id = lambda: _TASK_ID
+    torch.autograd.backward = _nested
     try:
         yield
     finally:
         torch._C._current_autograd_node, torch._C._current_graph_task_id = node_fn, task_fn
+        torch.autograd.backward = backward_fn
+
+
+def _nested(*args: Any, **kwargs: Any) -> None:
+    """``torch.autograd.backward`` called by a node (reentrant checkpointing's, over the block it ran again):
+    PyTorch's engine frees what that backward's nodes saved as each runs (``release_variables``, which Python
+    cannot call; they save without the step's hooks, which run in the forward only), so this engine would hold
+    it to the end of the node: refused rather than a peak too high."""
+    raise SymacctError(
+        "a node of the backward runs a backward of its own (reentrant activation checkpointing: "
+        "checkpoint(..., use_reentrant=True)), which symacct's Python autograd engine (CUDA without a GPU) "
+        "cannot run as PyTorch's does",
+        hint="use checkpoint(..., use_reentrant=False), PyTorch's recommended default (transformers': "
+        "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or derive on a "
+        "machine with a GPU, or with device='cpu'",
+    )
 
 
 _TASK_ID = 1 << 40  # a graph task id no engine run has
