@@ -25,6 +25,7 @@ ORDER = [
     "formula",
     "trace.known",
     "trace.versions",
+    "trace.saved",
     "trace.eager",
     "trace.engine",
     "trace.sdpa_choice",

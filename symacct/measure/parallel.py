@@ -44,6 +44,7 @@ from symacct.measure.run import StorageTracker, _distinct_nbytes, _state_tensors
 from symacct.options import DTYPES
 from symacct.parallel.layout import Layout
 from symacct.trace import versions
+from symacct.trace.saved import composing
 from symacct.trace.tensor_parallel import apply_plan, fake_group
 
 
@@ -343,11 +344,14 @@ def _two_steps(
     saved: dict[int, int] = {}
     keep: list[torch.Tensor] = []  # alive until backward: storage handles stay unique
 
-    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def see(t: torch.Tensor) -> None:
         st = _local(t).untyped_storage()
         if st._cdata not in external:
             saved[st._cdata] = st.nbytes()
         keep.append(t)
+
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        see(t)
         return versions.pack(t)  # PyTorch's in-place check, which hooks switch off (symacct.trace.versions)
 
     counter = CollectiveCounter()
@@ -356,7 +360,8 @@ def _two_steps(
         with contextlib.ExitStack() as modes:
             for mode in counting:
                 modes.enter_context(mode)
-            with torch.autograd.graph.saved_tensors_hooks(pack, versions.unpack), _autocast(autocast):
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, versions.unpack)
+            with hooks, composing(see), _autocast(autocast):  # composing: the model's own hooks' tensors too
                 loss = model(*args)
             counter.phase = "backward"
             keep.clear()

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from symacct.trace import versions
+from symacct.trace.saved import composing
 
 
 def _no_storage(t: torch.Tensor) -> bool:
@@ -305,7 +306,7 @@ def measure_step(
 
     fwd, flash_fwd, grouped_fwd = FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter()
     hooks = torch.autograd.graph.saved_tensors_hooks(pack_keep, versions.unpack)  # PyTorch's in-place check
-    with fwd, flash_fwd, grouped_fwd, hooks, _autocast(autocast, args):
+    with fwd, flash_fwd, grouped_fwd, hooks, composing(pack), _autocast(autocast, args):  # the model's own hooks
         out = _call(model, args)
         value = loss(out) if loss is not None else out
     bwd, flash_bwd, grouped_bwd = FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter()

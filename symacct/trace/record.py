@@ -44,6 +44,7 @@ from symacct.errors import SymacctError
 from symacct.trace import eager, known, versions
 from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
+from symacct.trace.saved import composing
 from symacct.trace.sdpa import choosing, forced
 from symacct.trace.sdpa_choice import Target
 
@@ -861,6 +862,26 @@ def record_step(
         def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:  # PyTorch's in-place check, kept
             return versions.unpack(packed, recorder.module)
 
+        def seen(t: torch.Tensor) -> None:  # a tensor the model's own saved-tensor hooks keep (symacct.trace.saved)
+            if python_engine:
+                raise SymacctError(
+                    "the model sets saved-tensor hooks of its own, whose saved tensors symacct's Python autograd "
+                    "engine (CUDA without a GPU) cannot release as PyTorch's engine does",
+                    module=recorder.module(),
+                    hint="derive on a machine with a GPU, or with device='cpu'",
+                )
+            if t.device.type != torch.device(device).type:
+                raise SymacctError(
+                    f"the model's saved-tensor hooks keep a saved tensor on {t.device.type} "
+                    "(torch.autograd.graph.save_on_cpu offloads activations): symacct counts the memory of the "
+                    f"device the step runs on ({device}) only",
+                    module=recorder.module(),
+                    shapes=[tuple(t.shape)],
+                    hint="derive without the offloading hooks (an upper bound on the device's memory)",
+                )
+            if not only_ops:
+                note(t)
+
         with (
             recorder,
             _removing(hooks),
@@ -878,7 +899,7 @@ def record_step(
                     saving = torch.autograd.graph.saved_tensors_hooks(boxes.pack, boxes.unpack)
                 else:
                     saving = torch.autograd.graph.saved_tensors_hooks(versions.pack if only_ops else pack, unpack)
-                with saving, _autocast(autocast, device):
+                with saving, composing(seen), _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
                     value = _call_loss(loss, out) if loss is not None else out
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
