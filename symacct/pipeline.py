@@ -1123,6 +1123,7 @@ def _derive(
         if src is None or req.own_fields or failed.internal:
             raise
         acct, note = None, ""
+        later: list[tuple[str, SymacctError]] = []  # a retry that got past the first failure and stopped elsewhere
         own = _own_size_fields(src)  # sizes of the model's own (rotary_dim, word_embed_proj_dim): tied or kept
         for how in ("tie", "keep") if own else ():  # "keep": a field equal to a width by chance
             try:
@@ -1132,7 +1133,8 @@ def _derive(
                     f"({failed.what}): derived again with them following an equal size or kept at their values"
                 )
                 break
-            except SymacctError:
+            except SymacctError as again:
+                later.append((f"with {', '.join(own)} {'tied to an equal size' if how == 'tie' else 'kept'}", again))
                 continue
         heads = [f for f, letter in src.fields.items() if letter in ("H", "H_kv")]
         if acct is None and heads:  # a step that splits its heads at a power of two (ALiBi's slopes)
@@ -1143,10 +1145,22 @@ def _derive(
                     f"with the head counts as symbols the step could not be derived ({failed.what}): derived again "
                     f"with {values} kept at the model's values (fixed=); the formulas hold at those head counts"
                 )
-            except SymacctError:
+            except SymacctError as again:
+                later.append((f"with {', '.join(heads)} kept", again))
                 acct = None
         if acct is None:
-            raise  # the first failure, with its cause: neither retry was what the step needed
+            elsewhere = [(how, e) for how, e in later if e.what != failed.what and not e.internal]
+            if not elsewhere:
+                raise  # the first failure, with its cause: neither retry was what the step needed
+            how, again = elsewhere[-1]  # the retry that kept most: where the step stops once sizes are not the cause
+            raise SymacctError(
+                failed.what,
+                node=failed.node,
+                module=failed.module,
+                op=failed.op,
+                shapes=failed.shapes,
+                hint=f"{failed.hint}; derived again {how} at their values, the step stopped elsewhere: {again}",
+            ) from failed
         acct.notes.insert(0, note)
         return acct
     return account(model, src, known, req)

@@ -1032,3 +1032,36 @@ def test_a_saved_tensor_changed_in_place_is_refused_as_pytorch_refuses_it():
 def _fake_model(fake: Any) -> nn.Module:
     with fake:
         return InPlaceAfterSave(InPlaceConfig())
+
+
+@dataclasses.dataclass
+class _AttnConfig:
+    vocab: int = 50
+    width: int = 16  # two heads: the width must be even, so no probe width builds
+
+
+class _Attn(nn.Module):
+    """One ``nn.MultiheadAttention`` of two heads: in inference its fused path runs (refused by design)."""
+
+    def __init__(self, config: _AttnConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.attn = nn.MultiheadAttention(config.width, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)  # (B, S, W)
+        return self.attn(h, h, h)[0].sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_a_retry_that_stops_elsewhere_says_where():
+    """The widths did not build at probe sizes (two heads need an even width); derived again with them kept,
+    the step stopped at another refusal, the fused inference path. The error said only the first, whose hint
+    (keep the fields fixed) leads to the second: it now says both."""
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(_Attn(_AttnConfig()), step="forward")
+    assert "embed_dim must be divisible by num_heads" in str(e.value)
+    assert "the step stopped elsewhere" in str(e.value) and "fused inference path" in str(e.value)
