@@ -61,6 +61,23 @@ class _Gated(torch.nn.Module):
         return (torch.randn(B, S, 8),)
 
 
+class _Shifted(torch.nn.Module):
+    """A view of a product changed in place (``add_``, which saves nothing), then read: its node is replaced
+    as on a real tensor (``symacct.trace.views``), by a hook on PyTorch's engine and by the Python engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.lin(x) * 2  # (B, S, 32)
+        w = u.view(x.shape[0], x.shape[1], 4, 8).add_(1)  # (B, S, 4, 8), a view changed in place
+        return u.sum() + w.mean()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, 8),)
+
+
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], dict[str, Any]]] = {
     "gpt2": (_gpt2(), {}),
     "gpt2-adamw-bf16-autocast": (_gpt2(), {"optimizer": _adamw, "autocast": torch.bfloat16}),
@@ -82,6 +99,8 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], dict[str, Any]]] = {
     ),
     "resnet": (lambda: ResNet(ResNetConfig(width=8, num_classes=10, blocks=(1, 1))), {"optimizer": _adamw}),
     "custom-function": (lambda: _Gated(), {"optimizer": _adamw}),
+    # a view's node after an in-place op, replaced as on a real tensor (symacct.trace.views)
+    "in-place-view": (lambda: _Shifted(), {"optimizer": _adamw}),
 }
 
 

@@ -26,6 +26,7 @@ ORDER = [
     "trace.known",
     "trace.versions",
     "trace.saved",
+    "trace.views",
     "trace.eager",
     "trace.engine",
     "trace.sdpa_choice",

@@ -297,11 +297,17 @@ def _nested(*args: Any, **kwargs: Any) -> None:
 _TASK_ID = 1 << 40  # a graph task id no engine run has
 
 
-def backward(loss: torch.Tensor, saved: Saved | None = None) -> None:
+def backward(
+    loss: torch.Tensor,
+    saved: Saved | None = None,
+    after: Callable[[Any, list[Any], tuple[Any, ...]], tuple[Any, ...]] | None = None,
+) -> None:
     """``loss.backward()`` for a scalar ``loss``, node by node from Python (module docstring).
 
     ``saved``: the step's saved-tensor hooks (``Saved``), emptied node by node. The caller must hold no other
     reference to the graph (``loss`` is detached here; hold the outputs' storages, not the tensors).
+    ``after(node, inputs, outputs)``: a node's outputs replaced, as a post-hook replaces them in PyTorch's engine
+    (``symacct.trace.views``).
     """
     root = loss.grad_fn
     if root is None:
@@ -321,6 +327,8 @@ def backward(loss: torch.Tensor, saved: Saved | None = None) -> None:
             del task
             running[0] = node
             outs = list(_call(node, inputs))
+            if after is not None:
+                outs = list(after(node, inputs, tuple(outs)))
             edges = node.next_functions
             for i, (nxt, nr) in enumerate(edges):
                 if nxt is not None and i < len(outs):

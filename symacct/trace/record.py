@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from symacct.errors import SymacctError
-from symacct.trace import eager, known, versions
+from symacct.trace import eager, known, versions, views
 from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
 from symacct.trace.saved import composing
@@ -525,6 +525,7 @@ class _Recorder(TorchDispatchMode):
         # a recomputed call's inputs (reentrant checkpointing detaches them; a nested backward accumulates their
         # gradients): the module that call runs
         self.recompute_inputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.replays = views.Replays()  # views changed in place: their backward nodes as on a real tensor
 
     def _name(self, module: nn.Module) -> str:
         """A module's name as ``torch.distributed._tools.ModTracker`` names it: the root by its class, each
@@ -630,6 +631,10 @@ class _Recorder(TorchDispatchMode):
         answered, value = known.read(func, args)
         if answered:  # a value read whose answer is known without values (symacct.trace.known)
             return value
+        if self.phase == "forward" and self.replays.pending:
+            self.replays.resolve()
+        elif self.phase == "backward" and self.replays.copies:
+            self.replays.backward_op(func, args)  # a view's node after an in-place op, as on a real tensor
         if not self.only_ops:
             self.reap(len(self.trace.ops) - 0.25)  # died before this op
         try:
@@ -644,6 +649,8 @@ class _Recorder(TorchDispatchMode):
             ) from e
         out = eager.as_on_the_cpu(func, args, out)
         known.propagate(func, args, kwargs, out)
+        if self.phase == "forward":
+            self.replays.after_op(func, args)
         for a, k, o in _split_lists(func, args, kwargs, out):
             if self.only_ops:
                 self._record_op(func, o)
@@ -926,7 +933,8 @@ def record_step(
                     # each node's saved tensors as PyTorch's does only where nothing else holds the node)
                     _held = [t.untyped_storage() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
                     del out, t
-                    engine_backward(value, boxes)
+                    recorder.replays.python_engine = True
+                    engine_backward(value, boxes, recorder.replays.after_node)
                 else:
                     value.backward()
                 recorder.mark("after_backward")
