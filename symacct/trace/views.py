@@ -44,9 +44,15 @@ def _min_storage(g: Geometry) -> int:
     return offset + 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
 
 
+_WRITES: dict[Any, bool] = {}  # op -> whether it writes its first argument (read once per op: every op asks)
+
+
 def _writes_first_argument(func: Any) -> bool:
-    args = func._schema.arguments
-    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    writes = _WRITES.get(func)
+    if writes is None:
+        args = func._schema.arguments
+        writes = _WRITES[func] = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    return writes
 
 
 class Replays:
@@ -61,7 +67,7 @@ class Replays:
     def after_op(self, func: Any, args: tuple[Any, ...]) -> None:
         """In the forward, after ``func`` ran: an in-place op on a view is noted (its base's new node is read
         at the next op, once autograd has made it)."""
-        if not args or not isinstance(args[0], torch.Tensor) or not _writes_first_argument(func):
+        if not args or not _writes_first_argument(func) or not isinstance(args[0], torch.Tensor):
             return
         t = args[0]
         if t._is_view() and t._base is not None and torch.is_grad_enabled():
