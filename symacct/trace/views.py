@@ -14,9 +14,9 @@ map (262,144 bytes at B=2, 64x64 images), silently.
 ``Replays`` notes each in-place op on a view during the forward and, at the next op, the base's
 ``CopySlices`` node (read from the base, which is no view: reading the view's node inside dispatch would make
 its replay there). In the backward, a view op's node over one of those ``CopySlices``, of the changed view's
-sizes, runs its one op as ``AsStridedBackward0`` runs it on a real tensor
+sizes, has its result replaced, once it has run, by what ``AsStridedBackward0`` makes on a real tensor
 (``torch/csrc/autograd/FunctionsManual.cpp``, ``as_strided_backward``, for views that do not overlap, as
-every view op's do).
+every view op's do): a post-hook on PyTorch's engine, ``after_node`` on symacct's Python engine.
 """
 
 from __future__ import annotations
