@@ -933,7 +933,6 @@ def record_step(
                     # each node's saved tensors as PyTorch's does only where nothing else holds the node)
                     _held = [t.untyped_storage() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
                     del out, t
-                    recorder.replays.python_engine = True
                     engine_backward(value, boxes, recorder.replays.after_node)
                 else:
                     value.backward()

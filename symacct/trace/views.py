@@ -62,7 +62,6 @@ class Replays:
         self.pending: list[tuple[weakref.ref[torch.Tensor], Geometry, Geometry]] = []
         self.copies: dict[int, list[tuple[Geometry, Geometry]]] = {}  # CopySlices' sequence number -> views
         self.post: dict[int, Callable[..., tuple[Any, ...]] | None] = {}  # node's sequence number -> its replacement
-        self.python_engine = False  # symacct's Python engine runs the backward (it calls after_node)
 
     def after_op(self, func: Any, args: tuple[Any, ...]) -> None:
         """In the forward, after ``func`` ran: an in-place op on a view is noted (its base's new node is read
@@ -119,8 +118,7 @@ class Replays:
             return (zeros.as_strided(*b), *grad_inputs[1:])
 
         self.post[seq] = replace
-        if not self.python_engine:
-            node.register_hook(replace)
+        node.register_hook(replace)  # run by PyTorch's engine; symacct's runs no node hooks and calls after_node
 
     def after_node(self, node: Any, grad_outputs: list[Any], grad_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         """For symacct's Python engine, which runs no node hooks: the replacement ``backward_op`` set."""
