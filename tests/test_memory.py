@@ -392,3 +392,35 @@ def test_gradients_taken_where_accumulate_grad_runs() -> None:
         assert labels[t][1] == "aten.detach.default" and t > trace.storage_producer[storage]
     gaps = {trace.grad_storages[g]: t - trace.storage_producer[g] for g, t in taken.items()}
     assert gaps["blocks.0.mlp.c_fc.weight"] > 2 and acct.liveness.grad_taken == taken
+
+
+class _Mode(torch.nn.Module):
+    """A layer that notes the mode each forward runs in (``seen``), and drops out in train mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(0.5)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.training)
+        return self.drop(self.lin(x)).sum()
+
+
+@pytest.mark.parametrize("how", ["measure_step", "train", "forward"])
+def test_measuring_gives_each_module_its_own_mode_back(how: str) -> None:
+    """The measuring functions run the step in the step's mode (train, or eval for an inference step) and then
+    give every module its mode back: a caller's model in eval mode, with one submodule in train mode, comes
+    back so (before, it came back all in train mode, or all in eval mode)."""
+    from symacct.measure.run import measure_memory
+
+    model = _Mode().eval()
+    model.drop.train()
+    x = torch.ones(2, 4)
+    if how == "measure_step":
+        measure_step(model, (x,))
+    else:
+        measure_memory(model, (x,), step=how)
+    assert model.seen == [how != "forward"]  # the step ran in its own mode
+    assert (model.training, model.lin.training, model.drop.training) == (False, False, True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,14 +279,34 @@ def _autocast(dtype: torch.dtype | None, args: Args) -> Any:
     return torch.autocast(device_type=device, dtype=dtype)
 
 
+@contextlib.contextmanager
+def _mode(model: nn.Module, train: bool) -> Iterator[None]:
+    """The model in train (or eval) mode for the step, each module's own mode given back afterwards: measuring
+    leaves the caller's model as it was (one in eval mode is in eval mode again after a training step)."""
+    was = [(m, m.training) for m in model.modules()]
+    model.train(train)
+    try:
+        yield
+    finally:
+        for m, training in was:
+            m.training = training
+
+
 def measure_step(
     model: nn.Module,
     args: Args,
     loss: Callable[[Any], torch.Tensor] | None = None,
     autocast: torch.dtype | None = None,
 ) -> Measured:
-    """Run one real training step (forward under ``autocast`` if given, then backward) and count."""
-    model.train()
+    """Run one real training step (forward under ``autocast`` if given, then backward) and count, with the model
+    in train mode (each module's own mode given back afterwards)."""
+    with _mode(model, True):
+        return _measure_step(model, args, loss, autocast)
+
+
+def _measure_step(
+    model: nn.Module, args: Args, loss: Callable[[Any], torch.Tensor] | None, autocast: torch.dtype | None
+) -> Measured:
     external = {p.untyped_storage().data_ptr() for p in model.parameters()}
     external |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     external |= {a.untyped_storage().data_ptr() for a in _tensors(args)}
@@ -420,9 +440,8 @@ def measure_memory(
     """
     if step != "forward":
         return measure_memory_steps(model, args, optimizer, 1, autocast, loss)[0]
-    model.eval()
     tracker = StorageTracker(_held(model, args, None))
-    with tracker, torch.no_grad(), _autocast(autocast, args):
+    with _mode(model, False), tracker, torch.no_grad(), _autocast(autocast, args):
         out = _call(model, args)
     after = tracker.current()
     params = _distinct_nbytes(list(model.parameters()))
@@ -448,10 +467,11 @@ def measure_memory_steps(
     autocast: torch.dtype | None = None,
     loss: Callable[[Any], torch.Tensor] | None = None,
 ) -> list[MeasuredMemory]:
-    """``steps`` real training steps on the CPU, each measured (the peak is reset at each step's start)."""
-    model.train()
+    """``steps`` real training steps on the CPU, each measured (the peak is reset at each step's start), in train
+    mode (each module's own mode given back afterwards)."""
     opt = optimizer(model) if optimizer is not None else None
-    return _train_steps(model, args, opt, StorageTracker(_held(model, args, opt)), loss, autocast, steps)
+    with _mode(model, True):
+        return _train_steps(model, args, opt, StorageTracker(_held(model, args, opt)), loss, autocast, steps)
 
 
 def _train_steps(
@@ -534,48 +554,49 @@ def measure_cuda_steps(
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     base_reserved = torch.cuda.memory_reserved()
-    model = model.cuda().train()
-    args = tree_map(lambda a: a.cuda() if isinstance(a, torch.Tensor) else a, args)
-    moved = torch.cuda.memory_allocated()
-    with _autocast(autocast, args):
-        warm = _call(model, args)
-        warm = loss(warm) if loss is not None else warm
-    warm.backward()
-    model.zero_grad(set_to_none=True)
-    del warm
-    torch.cuda.synchronize()
-    workspace = torch.cuda.memory_allocated() - moved
-    base += workspace
-    opt = optimizer(model) if optimizer is not None else None
-    result = CudaSteps([], [], [], workspace)
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+    model = model.cuda()
+    with _mode(model, True):
+        args = tree_map(lambda a: a.cuda() if isinstance(a, torch.Tensor) else a, args)
+        moved = torch.cuda.memory_allocated()
         with _autocast(autocast, args):
-            out = _call(model, args)
-            value = loss(out) if loss is not None else out
-        after_forward = torch.cuda.memory_allocated() - base
-        value.backward()
-        after_backward = torch.cuda.memory_allocated() - base
-        grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
-        states = 0
-        if opt is not None:
-            opt.step()
-            states = _distinct_nbytes(_state_tensors(opt))
-            opt.zero_grad(set_to_none=True)
-        end.record()
+            warm = _call(model, args)
+            warm = loss(warm) if loss is not None else warm
+        warm.backward()
+        model.zero_grad(set_to_none=True)
+        del warm
         torch.cuda.synchronize()
-        after_optimizer = torch.cuda.memory_allocated() - base
-        peak = torch.cuda.max_memory_allocated() - base
-        params = _distinct_nbytes(list(model.parameters()))
-        result.memory.append(
-            MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, peak)
-        )
-        result.reserved.append(torch.cuda.memory_reserved() - base_reserved)
-        result.seconds.append(begin.elapsed_time(end) / 1000.0)
-        del out, value
-    free, total = torch.cuda.mem_get_info()
-    result.context = total - free - torch.cuda.memory_reserved()
-    return result
+        workspace = torch.cuda.memory_allocated() - moved
+        base += workspace
+        opt = optimizer(model) if optimizer is not None else None
+        result = CudaSteps([], [], [], workspace)
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            with _autocast(autocast, args):
+                out = _call(model, args)
+                value = loss(out) if loss is not None else out
+            after_forward = torch.cuda.memory_allocated() - base
+            value.backward()
+            after_backward = torch.cuda.memory_allocated() - base
+            grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
+            states = 0
+            if opt is not None:
+                opt.step()
+                states = _distinct_nbytes(_state_tensors(opt))
+                opt.zero_grad(set_to_none=True)
+            end.record()
+            torch.cuda.synchronize()
+            after_optimizer = torch.cuda.memory_allocated() - base
+            peak = torch.cuda.max_memory_allocated() - base
+            params = _distinct_nbytes(list(model.parameters()))
+            result.memory.append(
+                MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, peak)
+            )
+            result.reserved.append(torch.cuda.memory_reserved() - base_reserved)
+            result.seconds.append(begin.elapsed_time(end) / 1000.0)
+            del out, value
+        free, total = torch.cuda.mem_get_info()
+        result.context = total - free - torch.cuda.memory_reserved()
+        return result
