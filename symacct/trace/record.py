@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -600,6 +600,10 @@ class _Recorder(TorchDispatchMode):
         return inner[len(self.root) + 1 :] if inner.startswith(self.root + ".") else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func in _DISPATCH_META_HANDLERS and args and type(args[0]) is FakeTensor:
+            # a fake tensor's device, sizes or strides, asked by C++ (autograd asks each tensor's device: two in
+            # three of the calls here): answered by FakeTensorMode's own handler, as that mode would answer it
+            return _DISPATCH_META_HANDLERS[func](args)
         kwargs = kwargs or {}
         if func in _QUERIES or func.namespace == "profiler" or _SHARDING_PROP.depth:
             return func(*args, **kwargs)
