@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from symacct.cost.rules.registry import Call, Cost, rule, shapes_of
+from symacct.cost.rules.registry import Call, Cost, numel, rule, shapes_of
 
 aten = torch.ops.aten
 
@@ -52,3 +52,13 @@ def grouped_mm(call: Call) -> Cost:
     for d in out:
         n = n * d
     return Cost(flops=2 * n * a[-1])
+
+
+@rule(aten.mv, aten.addmv, aten.dot, aten.vdot)
+def matvec(call: Call) -> Cost:
+    """Matrix-vector products ((n, m) @ (m,): ``mv``, ``addmv``, a spectral norm's power iteration) and vector
+    products (``dot``, ``vdot``): 2 FLOPs per multiply-add, 2nm and 2n, as the matmul family (the bias of
+    ``addmv`` not counted, as ``addmm``'s), in ``flops.other``: torch.utils.flop_counter has no formula for
+    them, so FlopCounterMode counts them as 0 and model FLOPs (``flops.total``) leave them out too."""
+    first = call.inputs[1] if call.op.overloadpacket is aten.addmv else call.inputs[0]
+    return Cost(flops_other=2 * numel(first.shape))

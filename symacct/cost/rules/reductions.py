@@ -70,6 +70,7 @@ FUSED: dict[str, int] = {
     "_weight_norm_interface_backward": 5,  # per element of grad_w: grad_w * v, sum (grad_g); mul, sub, mul (grad_v)
     "glu": 1,  # per input element: half are gates, sigmoid each; half are values, times the gate
     "glu_backward": 6,  # per gradient element: s = sigmoid(b), grad * s (value); grad * a * s * (1 - s) (gate)
+    "logcumsumexp": 6,  # a running log-add-exp: d = acc - x, |d|, exp(-|d|), log1p, max(acc, x), add
 }
 
 

@@ -1,0 +1,77 @@
+"""Ops that had no cost rule: a spectral norm's matrix-vector products (``mv``, ``vdot``), a running
+``logcumsumexp``, and a vector read off or written onto a diagonal (``diagonal``'s backward, ``diag_embed``).
+A model using them derives, exact against a real step, and each kernel costs what docs/conventions.md says,
+counted here by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import sympy
+import torch
+from real_step import exact_against_a_real_step
+from torch import nn
+
+import symacct
+from symacct.cost.graph import records
+from symacct.symbols import sym
+
+
+@dataclasses.dataclass
+class ScansConfig:
+    vocab: int = 50
+    width: int = 16
+
+
+class Scans(nn.Module):
+    """A spectrally normalised linear layer, a cumulative log-sum-exp over the sequence, and the diagonal of a
+    (B, S, S) product read off and a vector written onto one."""
+
+    def __init__(self, config: ScansConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(config.width, config.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(x))  # (B, S, W)
+        c = torch.logcumsumexp(h, dim=1)  # (B, S, W)
+        a = c @ h.transpose(1, 2)  # (B, S, S)
+        return torch.diagonal(a, dim1=1, dim2=2).mean() + torch.diag_embed(c[..., 0]).sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_matvec_scans_and_diagonals_are_exact_against_a_real_step() -> None:
+    torch.manual_seed(0)
+    model = Scans(ScansConfig())
+    acct = symacct.derive(model, optimizer="adamw")
+    exact_against_a_real_step(model, acct)
+
+    B, S, W = sym("B"), sym("S"), sym("width")
+    want = {  # (phase, op): (FLOPs, bytes read, bytes written), summed over the op's nodes; float32
+        # the power iteration (one, in train mode): v = W^T u, u = W v, then sigma = u . (W v)
+        ("forward", "mv"): (3 * 2 * W**2, 3 * (4 * W**2 + 4 * W), 3 * 4 * W),
+        ("forward", "vdot"): (2 * W, 2 * 4 * W, 4),
+        ("forward", "logcumsumexp"): (6 * B * S * W, 4 * B * S * W, 4 * B * S * W),
+        # its gradient runs it twice, on flipped tensors
+        ("backward", "logcumsumexp"): (2 * 6 * B * S * W, 2 * 4 * B * S * W, 2 * 4 * B * S * W),
+        # a (B, S) vector onto the diagonal of a zeroed (B, S, S) matrix
+        ("forward", "diag_embed"): (0, 4 * B * S, 4 * B * S * S),
+        ("backward", "diagonal_backward"): (0, 4 * B * S, 4 * B * S * S),
+    }
+    got: dict[tuple[str, str], tuple[sympy.Expr, sympy.Expr, sympy.Expr]] = {}
+    for _, n in records(acct.graph):
+        key = (n.phase, n.op.split(".")[1] if n.op.startswith("aten.") else n.op)
+        if key in want:
+            f, r, w = got.get(key, (0, 0, 0))
+            got[key] = (
+                f + n.cost.flops_other * n.count,
+                r + n.cost.bytes_read * n.count,
+                w + n.cost.bytes_written * n.count,
+            )
+            assert n.cost.flops == 0, key  # none of them in the matmul totals: FlopCounterMode counts them as 0
+    assert set(got) == set(want)
+    for key, expected in want.items():
+        assert all(sympy.expand(g - e) == 0 for g, e in zip(got[key], expected)), (key, got[key])
