@@ -44,7 +44,7 @@ from symacct.errors import SymacctError
 from symacct.trace import eager, known, versions, views
 from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
-from symacct.trace.saved import composing
+from symacct.trace.saved import composing, noting_disabled
 from symacct.trace.sdpa import choosing, forced
 from symacct.trace.sdpa_choice import Target
 
@@ -1008,12 +1008,22 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
 
 def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], recorder: Any) -> Any:
     """``model(*args)``; an error raised above dispatch (an argument check in Python or C++) is named with
-    the module it happened in and its full text, as a refusal at probe sizes, not as symacct's defect."""
+    the module it happened in and its full text, as a refusal at probe sizes, not as symacct's defect; so is
+    code that refuses saved-tensor hooks (``torch.func.grad`` in the forward)."""
     try:
-        return _invoke(model, args)
+        with noting_disabled() as disabled:
+            return _invoke(model, args)
     except SymacctError:
         raise
     except Exception as e:
+        if any(m and m in str(e) for m in disabled):
+            raise SymacctError(
+                f"the step runs code that refuses saved-tensor hooks ({type(e).__name__}: {_text(e)}), and symacct "
+                "counts what autograd saves for backward through them",
+                module=recorder.module(),
+                hint="torch.func.grad, vjp, jacrev and hessian refuse them: compute the inner gradient with "
+                "torch.autograd.grad(..., create_graph=True), which derive traces",
+            ) from e
         raise SymacctError(
             f"the model's forward failed at probe sizes: {type(e).__name__}: {_text(e)}",
             module=recorder.module(),

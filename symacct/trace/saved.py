@@ -56,3 +56,22 @@ def composing(see: Callable[[torch.Tensor], object]) -> Iterator[None]:
         yield
     finally:
         torch._C._autograd._push_saved_tensors_default_hooks = push
+
+
+@contextlib.contextmanager
+def noting_disabled() -> Iterator[set[str]]:
+    """While active, the message of every ``torch.autograd.graph.disable_saved_tensors_hooks`` entered is added
+    to the set yielded. ``torch.func.grad``, ``vjp``, ``jacrev`` and ``hessian`` enter one: with symacct's hooks
+    set, the code inside then fails with that message, and the failure can be named for what it is."""
+    disable = torch._C._autograd._saved_tensors_hooks_disable
+    messages: set[str] = set()
+
+    def noted(message: str) -> None:
+        messages.add(message)
+        return disable(message)
+
+    torch._C._autograd._saved_tensors_hooks_disable = noted
+    try:
+        yield messages
+    finally:
+        torch._C._autograd._saved_tensors_hooks_disable = disable
