@@ -156,6 +156,8 @@ class _Source:
     seq: int | None = None  # S kept at this value, no symbol (a decode step: one new token)
     # field values -> the config build() constructs the model with (a model with a config; else None)
     config_at: Callable[[dict[str, int]], Any] | None = None
+    # the memory format build() converts the model to, as the user's was after construction (_converted_layout)
+    layout: torch.memory_format | None = None
 
 
 def _config_items(config: Any) -> list[tuple[str, Any]]:
@@ -290,10 +292,14 @@ def _source(
                 extra[name] = vals.get(num, ints[num]) // vals.get(den, ints[den])
         return _with_fields(config, {k: v for k, v in {**vals, **extra}.items() if k != TP})
 
+    layout = _converted_layout(model)
+
     def build(vals: dict[str, int]) -> nn.Module:
         built = cls(config_at(vals))
         if is_transformers_model(model):
             carry_checkpointing(model, built)
+        if layout is not None:  # model.to(memory_format=torch.channels_last) after construction, done again
+            _to_layout(built, layout)
         return built
 
     return _Source(
@@ -305,15 +311,54 @@ def _source(
         candidate=candidate,
         follow=follow,
         config_at=config_at,
+        layout=layout,
     )
 
 
 IMAGE_SCALE = 64  # S = 64 * prime: six halvings of the image side stay whole (ResNet's stem and stages: five)
+# ops that shrink a size by their stride: a step that runs them outside any module ``_strided`` sees is derived again
+# with S probed as IMAGE_SCALE * prime (F.max_pool2d, F.avg_pool2d, F.conv2d with a stride)
+_HALVING = {
+    *(f"{kind}_pool{n}d" for kind in ("max", "avg") for n in (1, 2, 3)),
+    *(f"max_pool{n}d_with_indices" for n in (2, 3)),
+    "convolution",
+}
 # a mixture of experts: grouped matmuls (transformers' default experts path) want every row stride a multiple of
 # 16 bytes, so widths other than D (already 8*H*prime) are probed as 16 * prime
 EXPERT_WIDTH_SCALE = 16
 _NOT_WIDTHS = {"H", "H_kv", "L", "E", "k"}  # counts: never a kept part of a width (Probe.cuts)
 _COUNTS = {"B", "S", "L", "D", "H", "H_kv", "V", "S_max", "E", "k", "patch_size", "image_size", *HEAD_WIDTHS}
+
+
+def _converted_layout(model: nn.Module) -> torch.memory_format | None:
+    """``torch.channels_last`` (``channels_last_3d``) when every 4-d (5-d) parameter whose strides tell the two
+    layouts apart has it, as after ``model.to(memory_format=torch.channels_last)``: the model rebuilt from its
+    config is converted so too (its convolutions then run on the same layout: other copies, other saved
+    tensors). A model only partly converted is left as it is (the sameness check then refuses it)."""
+    for dim, layout in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+        told = [
+            p
+            for p in model.parameters()
+            if p.dim() == dim and p.is_contiguous() != p.is_contiguous(memory_format=layout)
+        ]
+        if told and all(p.is_contiguous(memory_format=layout) for p in told):
+            return layout
+    return None
+
+
+def _to_layout(model: nn.Module, layout: torch.memory_format) -> None:
+    """``model.to(memory_format=layout)`` as eager PyTorch runs it on the CPU (``Module._apply``: each parameter's
+    ``.data`` set, each buffer replaced), for the 4-d (or 5-d) tensors the layout applies to; on fake tensors
+    too, where ``Module.to`` fails (it would swap the parameters)."""
+    dim = 5 if layout == torch.channels_last_3d else 4
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None and p.dim() == dim:
+                    p.data = p.data.contiguous(memory_format=layout)
+            for name, b in module._buffers.items():
+                if b is not None and b.dim() == dim:
+                    module._buffers[name] = b.contiguous(memory_format=layout)
 
 
 def _strided(model: Any, src: _Source) -> bool:
@@ -966,6 +1011,7 @@ def _derive(
     context_parallel: int | None = None,
     _degenerate: bool = False,
     _own_fields: str | None = None,
+    _strided: bool = False,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
 
@@ -1087,6 +1133,7 @@ def _derive(
         context_parallel=context_parallel,
         _degenerate=_degenerate,
         _own_fields=_own_fields,
+        _strided=_strided,
     )
     req = _request(**kwargs)
     src: _Source | None = None
@@ -1124,8 +1171,19 @@ def _derive(
             raise
         acct, note = None, ""
         later: list[tuple[str, SymacctError]] = []  # a retry that got past the first failure and stopped elsewhere
+        name = (failed.op or "").split(".")  # 'aten.max_pool2d_with_indices.default'
+        if not src.strided and len(name) == 3 and name[0] == "aten" and name[1] in _HALVING:  # F.max_pool2d, ...
+            try:
+                acct = _derive(model, **{**kwargs, "_strided": True})
+                note = (
+                    f"the step halves a size with {failed.op} outside any pooling or strided convolution module, so "
+                    f"the probe's odd sizes did not divide ({failed.what}): derived again with S probed as "
+                    f"{IMAGE_SCALE} * prime, as for such modules"
+                )
+            except SymacctError as again:
+                later.append((f"with S probed as {IMAGE_SCALE} * prime", again))
         own = _own_size_fields(src)  # sizes of the model's own (rotary_dim, word_embed_proj_dim): tied or kept
-        for how in ("tie", "keep") if own else ():  # "keep": a field equal to a width by chance
+        for how in ("tie", "keep") if own and acct is None else ():  # "keep": a field equal to a width by chance
             try:
                 acct = _derive(model, **{**kwargs, "_own_fields": how})
                 note = (
@@ -1134,7 +1192,8 @@ def _derive(
                 )
                 break
             except SymacctError as again:
-                later.append((f"with {', '.join(own)} {'tied to an equal size' if how == 'tie' else 'kept'}", again))
+                what = "tied to an equal size" if how == "tie" else "kept at their values"
+                later.append((f"with {', '.join(own)} {what}", again))
                 continue
         heads = [f for f, letter in src.fields.items() if letter in ("H", "H_kv")]
         if acct is None and heads:  # a step that splits its heads at a power of two (ALiBi's slopes)
@@ -1146,7 +1205,7 @@ def _derive(
                     f"with {values} kept at the model's values (fixed=); the formulas hold at those head counts"
                 )
             except SymacctError as again:
-                later.append((f"with {', '.join(heads)} kept", again))
+                later.append((f"with {', '.join(heads)} kept at their values", again))
                 acct = None
         if acct is None:
             elsewhere = [(how, e) for how, e in later if e.what != failed.what and not e.internal]
@@ -1159,7 +1218,7 @@ def _derive(
                 module=failed.module,
                 op=failed.op,
                 shapes=failed.shapes,
-                hint=f"{failed.hint}; derived again {how} at their values, the step stopped elsewhere: {again}",
+                hint=f"{failed.hint}; derived again {how}, the step stopped elsewhere: {again}",
             ) from failed
         acct.notes.insert(0, note)
         return acct
@@ -1187,6 +1246,7 @@ class Request:
     routing: Sequence[Any] | None
     degenerate: bool
     own_fields: str | None = None  # derive's last tries: the fields of the model's own 'tie'd or kept, or all 'keep'
+    strided: bool = False  # derive's retry: S probed as IMAGE_SCALE * prime though no module halves the image side
     cache_dtype: torch.dtype | None = None  # the KV cache's dtype (serving steps; None: the compute dtype)
 
 
@@ -1231,6 +1291,7 @@ def _request(
     cache_dtype: torch.dtype | str | None,
     _degenerate: bool,
     _own_fields: str | None = None,
+    _strided: bool = False,
     tensor_parallel: Any = None,
     tp: int = 2,
     sdpa_backend: str | None = None,
@@ -1323,6 +1384,7 @@ def _request(
         routing=routing,
         degenerate=_degenerate,
         own_fields=_own_fields,
+        strided=_strided,
         cache_dtype=kv_dtype,
     )
 
@@ -1427,7 +1489,12 @@ def read_source(model: Any, req: Request) -> _Source:
     src.loss = loss
     src.inputs_given = inputs is not None
     src.input_dims = input_dims
-    src.strided = _strided(model, src)
+    src.strided = req.strided or _strided(model, src)
+    if src.layout is not None:
+        src.notes.append(
+            f"the model's parameters are {str(src.layout).removeprefix('torch.')}, as after "
+            "model.to(memory_format=...): the model rebuilt from its config is converted so too"
+        )
     if hf_task is not None:
         src.notes.append(hf_task.note)
     if hf:
@@ -1762,6 +1829,7 @@ def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, A
         src.input_dims,
         src.seq,
         src.strided,
+        src.layout,
         tuple(src.repeat_counts),
         sorted(src.values.items()) if cuda else None,
     )

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
 from symacct.cost.layers import op_blocks
@@ -57,9 +58,9 @@ def fake_copy(model: nn.Module, fake: FakeTensorMode, device: str = "cpu") -> nn
     another device than ``device`` (a CPU model derived for CUDA), become fake ones on ``device``, so that
     the copy runs with the step's inputs.
 
-    Those are made first, contiguous, and handed to ``copy.deepcopy`` in its memo, so the copy neither clones
-    them (FakeCopyMode's way, a dispatched op each) nor replaces them afterwards; tied weights stay tied (one
-    memo entry per tensor object). Tensors already on ``device``, and tensor subclasses, are copied by
+    Those are made first, in their memory format, and handed to ``copy.deepcopy`` in its memo, so the copy
+    neither clones them (FakeCopyMode's way, a dispatched op each) nor replaces them afterwards; tied weights
+    stay tied (one memo entry per tensor object). Tensors already on ``device``, and tensor subclasses, are copied by
     FakeCopyMode with their strides."""
     memo: dict[int, Any] = {}
     kind = torch.device(device).type
@@ -89,9 +90,11 @@ def _elsewhere(t: torch.Tensor | None, kind: str) -> bool:
 
 
 def _empty_like(t: torch.Tensor, device: str) -> torch.Tensor:
-    """A contiguous empty tensor of ``t``'s shape and dtype on ``device`` (a parameter for a parameter), made
-    inside the fake mode by the caller."""
-    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+    """An empty tensor of ``t``'s shape, dtype and memory format (contiguous, or channels-last as after
+    ``model.to(memory_format=torch.channels_last)``) on ``device`` (a parameter for a parameter), made inside
+    the fake mode by the caller."""
+    layout = suggest_memory_format(t)
+    new = torch.empty(t.shape, dtype=t.dtype, device=device, memory_format=layout)
     return nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
 
 

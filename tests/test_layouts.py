@@ -167,3 +167,39 @@ def test_the_strides_are_the_cpu_kernels_for_every_layout() -> None:
                 (a, b): {k: t.stride() for k, t in _kernels(x, g).items()} for a, x in xs.items() for b, g in gs.items()
             }
     assert fake == real
+
+
+class _Copies(TorchDispatchMode):
+    """The copies (``clone``, ``copy_``) a real forward and backward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.n += func in (aten.clone.default, aten.copy_.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_model_converted_to_channels_last_after_construction(device: str) -> None:
+    """``model.to(memory_format=torch.channels_last)`` after construction: the model rebuilt from its config is
+    converted too (before, it was refused as "not the model given": its convolution's backward copied the
+    weight's gradient, the converted model's does not), and a model on the meta device keeps the layout in its
+    fake copy (before, it was copied contiguous, and derived as the model it was before the conversion).
+    Exact against a real step of the converted model, running its copies."""
+    torch.manual_seed(0)
+    real = ChannelsLast(ImageConfig()).to(memory_format=torch.channels_last)
+    with torch.device(device):
+        model = ChannelsLast(ImageConfig()).to(memory_format=torch.channels_last)
+    acct = symacct.derive(model, optimizer="adamw")
+    copies = sum(
+        1
+        for _, n in records(acct.graph)
+        if n.phase in ("forward", "backward") and n.op in ("aten.clone.default", "aten.copy_.default")
+    )
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), _Copies() as c:
+        real(*real.example_inputs(2, 8)).backward()
+    real.zero_grad(set_to_none=True)
+    assert copies == c.n
+    exact_against_a_real_step(real, acct, [(2, 8), (3, 16)])

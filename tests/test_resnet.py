@@ -152,3 +152,42 @@ def test_padding_modes_interpolation_and_a_shuffle_are_exact():
     want = 2 * B * C * (S + 2) ** 2  # the gradients of dec's padded input, then enc's
     got = pads["reflection_pad2d_backward"]
     assert (got - want).expand() == 0, got
+
+
+@dataclasses.dataclass
+class PooledConfig:
+    channels: int = 8
+    classes: int = 10
+    ceil_mode: bool = False
+
+
+class Pooled(torch.nn.Module):
+    """Pooling by function calls only (``F.max_pool2d``, ``F.avg_pool2d``): no module tells derive that the image
+    side is halved, so its first probe at an odd side does not divide (refused before, "not a product of the
+    model's symbols"); derive then probes the side as 64 * prime, as for pooling modules."""
+
+    def __init__(self, config: PooledConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.conv = torch.nn.Conv2d(3, config.channels, 3, padding=1)
+        self.head = torch.nn.Linear(config.channels, config.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        h = F.max_pool2d(F.relu(self.conv(x)), 2, ceil_mode=self.config.ceil_mode)  # (B, C, S/2, S/2)
+        h = F.avg_pool2d(h, 2)  # (B, C, S/4, S/4)
+        return F.cross_entropy(self.head(h.mean((2, 3))), torch.zeros(x.shape[0], dtype=torch.long))
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, 3, S, S),)
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True])
+def test_functional_pooling_is_probed_at_even_sides_and_exact(ceil_mode):
+    torch.manual_seed(0)
+    model = Pooled(PooledConfig(ceil_mode=ceil_mode))
+    acct = symacct.derive(model, optimizer="adamw")
+    assert any("F.max_pool2d" in n or "max_pool2d" in n for n in acct.notes)
+    exact_against_a_real_step(model, acct, [(2, 16), (3, 36)])
+    with pytest.raises(SymacctError, match="divides S"):  # an odd side pools to other sizes: refused
+        acct.at(B=2, S=30)
