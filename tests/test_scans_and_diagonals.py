@@ -1,7 +1,7 @@
 """Ops that had no cost rule: a spectral norm's matrix-vector products (``mv``, ``vdot``), a running
-``logcumsumexp``, and a vector read off or written onto a diagonal (``diagonal``'s backward, ``diag_embed``).
-A model using them derives, exact against a real step, and each kernel costs what docs/conventions.md says,
-counted here by hand."""
+``logcumsumexp``, a vector read off or written onto a diagonal (``diagonal``'s backward, ``diag_embed``),
+``Tensor.unfold``'s backward and ``index_add``. A model using them derives, exact against a real step, and
+each kernel costs what docs/conventions.md says, counted here by hand."""
 
 from __future__ import annotations
 
@@ -75,3 +75,42 @@ def test_matvec_scans_and_diagonals_are_exact_against_a_real_step() -> None:
     assert set(got) == set(want)
     for key, expected in want.items():
         assert all(sympy.expand(g - e) == 0 for g, e in zip(got[key], expected)), (key, got[key])
+
+
+class Windows(nn.Module):
+    """Overlapping windows of the sequence (``Tensor.unfold``, a view, whose backward adds them back) and rows
+    added at indices (``index_add``)."""
+
+    def __init__(self, config: ScansConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.lin = nn.Linear(config.width, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(x))  # (B, S, W)
+        w = h.unfold(1, 2, 1)  # (B, S - 1, W, 2): windows of 2 positions, step 1
+        added = torch.zeros_like(h).index_add(1, torch.arange(h.shape[1]).flip(0), h)  # (B, S, W)
+        return w.square().mean() + added.square().mean()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_unfolded_windows_and_index_add_are_exact_against_a_real_step() -> None:
+    torch.manual_seed(0)
+    model = Windows(ScansConfig())
+    acct = symacct.derive(model, optimizer="adamw")
+    exact_against_a_real_step(model, acct)
+    B, S, W = sym("B"), sym("S"), sym("width")
+    want = {  # one add per element of the source (index_add) or of the gradient read (unfold_backward)
+        ("forward", "index_add"): B * S * W,
+        ("backward", "unfold_backward"): B * (S - 1) * W * 2,
+    }
+    got: dict[tuple[str, str], sympy.Expr] = {}
+    for _, n in records(acct.graph):
+        key = (n.phase, n.op.split(".")[1] if n.op.startswith("aten.") else n.op)
+        if key in want:
+            got[key] = got.get(key, 0) + n.cost.flops_other * n.count
+    assert set(got) == set(want)
+    assert all(sympy.expand(got[k] - v) == 0 for k, v in want.items()), got

@@ -27,6 +27,8 @@ import functools
 import inspect
 import logging
 import math
+import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import compress
@@ -485,6 +487,13 @@ def _failure(func: Any, e: Exception) -> tuple[str, str]:
         )
     name = type(e).__name__
     if "data-dependent" in name.lower() or "DataDependent" in name or func in _VALUE_READS:
+        if _validating_distribution():
+            return (
+                "the step depends on tensor values: torch.distributions checks a distribution's arguments by "
+                "reading them (validate_args, on by default)",
+                "symacct traces with fake tensors and cannot read values: construct the distribution with "
+                "validate_args=False, or call torch.distributions.Distribution.set_default_validate_args(False)",
+            )
         return (
             "the step depends on tensor values (data-dependent control flow or output shape)",
             "symacct traces with fake tensors and cannot read values: replace the "
@@ -505,6 +514,20 @@ def _failure(func: Any, e: Exception) -> tuple[str, str]:
 
 
 _VALUE_READS = (aten._local_scalar_dense.default, aten.nonzero.default)
+
+
+def _validating_distribution() -> bool:
+    """Whether a ``torch.distributions`` argument check (``Distribution.__init__`` with ``validate_args``, or
+    ``_validate_sample``) is under way on the Python stack: its value read is the failure to name."""
+    frame = sys._getframe()
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("__init__", "_validate_sample") and code.co_filename.endswith(
+            os.path.join("torch", "distributions", "distribution.py")
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Recorder(TorchDispatchMode):

@@ -122,8 +122,8 @@ def pointwise_untagged(call: Call) -> Cost:
     return pointwise(call)
 
 
-@rule(aten.scatter_add, aten.scatter_add_)
+@rule(aten.scatter_add, aten.scatter_add_, aten.index_add, aten.index_add_)
 def scatter_add(call: Call) -> Cost:
-    """``self`` with ``src`` added at ``index`` along a dimension: one add per element of ``src`` (its last
-    tensor input); bytes as any op's."""
+    """``self`` with ``src`` added at ``index`` along a dimension (``index_add``: whole slices at the indices,
+    times ``alpha``, not counted): one add per element of ``src`` (its last tensor input); bytes as any op's."""
     return Cost(flops_other=numel(call.inputs[-1].shape))

@@ -217,6 +217,13 @@ def pad_backward(call: Call) -> Cost:
     return Cost(flops_other=numel(call.inputs[0].shape))
 
 
+@rule(aten.unfold_backward)
+def unfold_backward(call: Call) -> Cost:
+    """``Tensor.unfold``'s backward: each window's gradient added into the elements it was taken from
+    (overlapping windows share them): one add per element of the gradient read."""
+    return Cost(flops_other=numel(call.inputs[0].shape))
+
+
 @rule(aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d, aten.adaptive_max_pool2d)
 def adaptive_pool(call: Call) -> Cost:
     """One add (or comparison) per input element (global pooling reads each once)."""
