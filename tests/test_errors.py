@@ -213,3 +213,16 @@ def test_a_closed_pipe_ends_the_cli_quietly(cmd):
     p.stdout.close()  # the reader is gone before the first line is written
     err = p.stderr.read()
     assert p.wait() == 1 and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+class Selects(DataDependent):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y.masked_select(y > 0).sum()  # as many elements as are positive
+
+
+def test_an_output_shape_set_by_values_is_refused_as_such():
+    """Before, refused as "the op failed on fake tensors", with a hint about sizes typed in."""
+    with pytest.raises(SymacctError, match="depends on tensor values: aten.masked_select") as e:
+        symacct.derive(Selects(BranchConfig()))
+    assert "torch.where" in e.value.hint

@@ -499,6 +499,12 @@ def _failure(func: Any, e: Exception) -> tuple[str, str]:
             "symacct traces with fake tensors and cannot read values: replace the "
             "value-dependent branch (e.g. .item(), nonzero, bool(tensor)) by tensor ops",
         )
+    if "DynamicOutputShape" in name:
+        return (
+            f"the step depends on tensor values: {func} returns as many elements as its input's values select",
+            "symacct traces with fake tensors and cannot read values: keep the shape fixed with a mask "
+            "(torch.where(mask, x, 0) for x[mask] or masked_select, a padded index for nonzero or unique)",
+        )
     if "grouped_mm" in str(func):
         return (
             f"the op failed on fake tensors: {name}: {_text(e)}",
