@@ -226,3 +226,18 @@ def test_an_output_shape_set_by_values_is_refused_as_such():
     with pytest.raises(SymacctError, match="depends on tensor values: aten.masked_select") as e:
         symacct.derive(Selects(BranchConfig()))
     assert "torch.where" in e.value.hint
+
+
+class Lerps(DataDependent):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.lerp(self.lin(x), x, 0.3).sum()  # under autocast: a bf16 start, a float32 end
+
+
+def test_an_op_refusing_its_dtypes_is_refused_as_eager_refuses_it():
+    """Before, with a hint about sizes typed in; eager PyTorch refuses the same step."""
+    model = Lerps(BranchConfig())
+    with pytest.raises(RuntimeError, match="expected dtype"), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(*model.example_inputs(2, 3))
+    with pytest.raises(SymacctError, match="refuses its arguments' dtypes") as e:
+        symacct.derive(model, autocast="bf16")
+    assert "one dtype" in e.value.hint

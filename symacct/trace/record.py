@@ -505,6 +505,12 @@ def _failure(func: Any, e: Exception) -> tuple[str, str]:
             "symacct traces with fake tensors and cannot read values: keep the shape fixed with a mask "
             "(torch.where(mask, x, 0) for x[mask] or masked_select, a padded index for nonzero or unique)",
         )
+    if any(k in str(e) for k in ("expected dtype", "expected scalar type", "Expected object of scalar type")):
+        return (
+            f"the op refuses its arguments' dtypes: {name}: {_text(e)}",
+            "eager PyTorch refuses them too (under autocast, an op autocast does not cast gets a low-precision "
+            "tensor beside a float32 one): give its tensor arguments one dtype",
+        )
     if "grouped_mm" in str(func):
         return (
             f"the op failed on fake tensors: {name}: {_text(e)}",
