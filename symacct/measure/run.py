@@ -449,6 +449,18 @@ def measure_memory(
     return MeasuredMemory(params, 0, 0, after, after, after, tracker.peak)
 
 
+def _optimizer_step(model: nn.Module, opt: torch.optim.Optimizer | None) -> tuple[int, int]:
+    """The gradients' bytes after the backward; then the optimizer's step (when there is one) and
+    ``zero_grad(set_to_none=True)``, and its states' bytes (0 without an optimizer)."""
+    grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
+    states = 0
+    if opt is not None:
+        opt.step()
+        states = _distinct_nbytes(_state_tensors(opt))
+        opt.zero_grad(set_to_none=True)
+    return grads, states
+
+
 def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
@@ -493,12 +505,7 @@ def _train_steps(
             after_forward = tracker.current()
             value.backward()
             after_backward = tracker.current()
-            grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
-            states = 0
-            if opt is not None:
-                opt.step()
-                states = _distinct_nbytes(_state_tensors(opt))
-                opt.zero_grad(set_to_none=True)
+            grads, states = _optimizer_step(model, opt)
             after_optimizer = tracker.current()  # the caller still holds the output and the loss, as in derive
             del out, value  # dropped before the next step, so steps 2.. start from the same state
         params = _distinct_nbytes(list(model.parameters()))
@@ -580,12 +587,7 @@ def measure_cuda_steps(
             after_forward = torch.cuda.memory_allocated() - base
             value.backward()
             after_backward = torch.cuda.memory_allocated() - base
-            grads = _distinct_nbytes([p.grad for p in model.parameters() if p.grad is not None])
-            states = 0
-            if opt is not None:
-                opt.step()
-                states = _distinct_nbytes(_state_tensors(opt))
-                opt.zero_grad(set_to_none=True)
+            grads, states = _optimizer_step(model, opt)
             end.record()
             torch.cuda.synchronize()
             after_optimizer = torch.cuda.memory_allocated() - base
