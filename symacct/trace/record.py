@@ -508,8 +508,8 @@ def _failure(func: Any, e: Exception) -> tuple[str, str]:
     if any(k in str(e) for k in ("expected dtype", "expected scalar type", "Expected object of scalar type")):
         return (
             f"the op refuses its arguments' dtypes: {name}: {_text(e)}",
-            "eager PyTorch refuses them too (under autocast, an op autocast does not cast gets a low-precision "
-            "tensor beside a float32 one): give its tensor arguments one dtype",
+            "give its tensor arguments one dtype (under autocast, an op autocast does not cast can get a "
+            "low-precision tensor beside a float32 one, which eager PyTorch refuses as well: lerp, for one)",
         )
     if "grouped_mm" in str(func):
         return (
