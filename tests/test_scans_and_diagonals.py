@@ -6,6 +6,8 @@ each kernel costs what docs/conventions.md says, counted here by hand."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import Any
 
 import sympy
 import torch
@@ -61,30 +63,33 @@ def test_matvec_scans_and_diagonals_are_exact_against_a_real_step() -> None:
         ("forward", "diag_embed"): (0, 4 * B * S, 4 * B * S * S),
         ("backward", "diagonal_backward"): (0, 4 * B * S, 4 * B * S * S),
     }
-    got: dict[tuple[str, str], tuple[sympy.Expr, sympy.Expr, sympy.Expr]] = {}
-    for _, n in records(acct.graph):
-        key = (n.phase, n.op.split(".")[1] if n.op.startswith("aten.") else n.op)
-        if key in want:
-            f, r, w = got.get(key, (0, 0, 0))
-            got[key] = (
-                f + n.cost.flops_other * n.count,
-                r + n.cost.bytes_read * n.count,
-                w + n.cost.bytes_written * n.count,
-            )
-            assert n.cost.flops == 0, key  # none of them in the matmul totals: FlopCounterMode counts them as 0
+    got = _summed(acct, want, ("flops_other", "bytes_read", "bytes_written"), no_matmul=True)
     assert set(got) == set(want)
     for key, expected in want.items():
         assert all(sympy.expand(g - e) == 0 for g, e in zip(got[key], expected)), (key, got[key])
 
 
-class Windows(nn.Module):
+def _summed(
+    acct: symacct.Accounting, keys: Iterable[tuple[str, str]], fields: tuple[str, ...], no_matmul: bool = False
+) -> dict[Any, Any]:
+    """(phase, op name) -> each cost field times the node's count, summed over the op's nodes, for ``keys``;
+    ``no_matmul``: none of them may have matmul FLOPs (FlopCounterMode counts them as 0)."""
+    keys, got = set(keys), {}
+    for _, n in records(acct.graph):
+        key = (n.phase, n.op.split(".")[1] if n.op.startswith("aten.") else n.op)
+        if key in keys:
+            before = got.get(key, (0,) * len(fields))
+            got[key] = tuple(b + getattr(n.cost, f) * n.count for b, f in zip(before, fields))
+            assert not no_matmul or n.cost.flops == 0, key
+    return got
+
+
+class Windows(Scans):
     """Overlapping windows of the sequence (``Tensor.unfold``, a view, whose backward adds them back) and rows
-    added at indices (``index_add``)."""
+    added at indices (``index_add``), after a plain linear layer."""
 
     def __init__(self, config: ScansConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.emb = nn.Embedding(config.vocab, config.width)
+        super().__init__(config)
         self.lin = nn.Linear(config.width, config.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,9 +97,6 @@ class Windows(nn.Module):
         w = h.unfold(1, 2, 1)  # (B, S - 1, W, 2): windows of 2 positions, step 1
         added = torch.zeros_like(h).index_add(1, torch.arange(h.shape[1]).flip(0), h)  # (B, S, W)
         return w.square().mean() + added.square().mean()
-
-    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
-        return (torch.randint(0, self.config.vocab, (B, S)),)
 
 
 def test_unfolded_windows_and_index_add_are_exact_against_a_real_step() -> None:
@@ -107,10 +109,6 @@ def test_unfolded_windows_and_index_add_are_exact_against_a_real_step() -> None:
         ("forward", "index_add"): B * S * W,
         ("backward", "unfold_backward"): B * (S - 1) * W * 2,
     }
-    got: dict[tuple[str, str], sympy.Expr] = {}
-    for _, n in records(acct.graph):
-        key = (n.phase, n.op.split(".")[1] if n.op.startswith("aten.") else n.op)
-        if key in want:
-            got[key] = got.get(key, 0) + n.cost.flops_other * n.count
+    got = {k: v for k, (v,) in _summed(acct, want, ("flops_other",)).items()}
     assert set(got) == set(want)
     assert all(sympy.expand(got[k] - v) == 0 for k, v in want.items()), got
