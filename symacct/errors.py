@@ -15,6 +15,9 @@ class SymacctError(Exception):
     crashed, an exception it did not expect): a bug to report, as opposed to
     a refusal by design (bad input, data-dependent control flow, an op with
     no rule, a size that is not a product of the model's symbols).
+
+    ``sizes``: the symbols a refusal is about, where it names some (the sizes a
+    loop walks): a retry that changes none of them cannot get past it.
     """
 
     def __init__(
@@ -27,9 +30,11 @@ class SymacctError(Exception):
         shapes: Sequence[object] | None = None,
         hint: str | None = None,
         internal: bool = False,
+        sizes: Sequence[str] = (),
     ) -> None:
         self.what = what
         self.internal = internal
+        self.sizes = tuple(sizes)
         self.node = node
         self.module = module
         self.op = op

@@ -114,6 +114,7 @@ from symacct.trace.probe import (
     LAYERS,
     OFFSETS,
     SECOND_PRIMES,
+    SMALL_PRIMES,
     TP_PRIMES,
     Probe,
     make_probe,
@@ -720,6 +721,12 @@ def _record(
     return _trace(src, probe, build, B, S, step, loss, optimizer, precision or {})
 
 
+def _size_primes(probe: Probe) -> dict[int, str]:
+    """The probe's own primes of its sizes and their symbols: a tensor-parallel degree's small prime, and a
+    prime a constant may hold (2, 3, 5, 7), are none."""
+    return {p: name for name, p in probe.own.items() if name != TP and p not in SMALL_PRIMES}
+
+
 def _trace(
     src: _Source,
     probe: Probe,
@@ -764,6 +771,7 @@ def _trace(
             step="forward" if step in SERVING else step,
             optimizer=optimizer,
             only_ops=only_ops,
+            size_primes=None if only_ops else _size_primes(probe),
             **precision,
         )
         trace.groups = mesh_groups(mesh) if axes else {}
@@ -1169,6 +1177,8 @@ def _derive(
     except SymacctError as failed:
         if src is None or req.own_fields or failed.internal:
             raise
+        if failed.sizes and not set(failed.sizes) & set(src.fields.values()):
+            raise  # about sizes no field carries (the inputs' S): a retry on the fields cannot change them
         acct, note = None, ""
         later: list[tuple[str, SymacctError]] = []  # a retry that got past the first failure and stopped elsewhere
         name = (failed.op or "").split(".")  # 'aten.max_pool2d_with_indices.default'

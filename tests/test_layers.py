@@ -28,6 +28,7 @@ ORDER = [
     "trace.saved",
     "trace.views",
     "trace.eager",
+    "trace.loops",
     "trace.engine",
     "trace.sdpa_choice",
     "trace.sdpa",

@@ -6,7 +6,13 @@ four blocks and at one above it (whose trace of the user's model keeps blocks 0,
   Those nodes were given no module (they were made in the backward), so their ops were counted outside the
   layer stack once, and the model was refused as "not the model given" or as size-dependent control flow;
 - a block called twice in one iteration, with work between the calls (``F.normalize(blk(h)) * blk(h)``):
-  the work between the calls ran outside every block, once per layer, and was refused the same way.
+  the work between the calls ran outside every block, once per layer, and was refused the same way;
+- a loop over the sequence in each layer (a recurrent cell stepped over S, by index or by ``unbind``): its
+  op count grows with S, so it is refused, now in the first probe trace, as soon as the loop has read every
+  position (``symacct.trace.loops``). Before, the two probe traces at primes in the hundreds took minutes
+  (this GRU cell about 110 s, then refused for another cause; transformers' Mamba over five, unanswered).
+  Loops that read some positions, or a constant dimension, and an ``unbind`` whose pieces go to one op,
+  stay exact.
 """
 
 from __future__ import annotations
@@ -94,3 +100,56 @@ def test_reentrant_checkpointing_recomputes_the_whole_block_and_saves_its_input_
     assert re.memory.activations == non.memory.activations
     second_linear = 2 * N * 4 * W * W  # its matmul, per block
     assert re.flops.recompute - non.flops.recompute == 3 * second_linear
+
+
+class Recurrent(Loop):
+    """Each block a GRU cell stepped over the sequence in Python, by index or by iterating the pieces of an
+    ``unbind``: size-dependent control flow."""
+
+    def __init__(self, config: LoopConfig, by: str = "index") -> None:
+        self.by = by
+        super().__init__(config)
+
+    def block(self, c: LoopConfig) -> nn.Module:
+        return nn.GRUCell(c.width, c.width)
+
+    def mix(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        state = torch.zeros_like(h[:, 0])  # (B, W)
+        steps = (h[:, t] for t in range(h.shape[1])) if self.by == "index" else h.unbind(1)
+        outs = []
+        for x_t in steps:  # S steps: (B, W) each
+            state = block(x_t, state)
+            outs.append(state)
+        return torch.stack(outs, 1)  # (B, S, W)
+
+
+@pytest.mark.parametrize("by", ["index", "unbind"])
+def test_a_loop_over_the_sequence_is_refused_in_the_first_trace(by: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    traces = []
+    real = symacct.pipeline.record_step
+    monkeypatch.setattr(symacct.pipeline, "record_step", lambda *a, **k: traces.append(1) or real(*a, **k))
+    with pytest.raises(symacct.SymacctError) as e:
+        symacct.derive(Recurrent(LoopConfig(), by=by))
+    assert "reads a dimension of S index by index" in e.value.what and "size-dependent" in e.value.what
+    assert e.value.sizes == ("S",) and e.value.module == ""  # the loop runs in the root's mix
+    assert len(traces) == 1  # the first probe trace, stopped in its first block
+
+
+class Positions(Loop):
+    """Loops that do not grow with a size: the first three positions read one by one, each of three
+    channels of a constant dimension, and every position unbound and stacked again by one op."""
+
+    def mix(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        first = sum(h[:, t] for t in range(3))  # (B, W): three positions, whatever S is
+        rgb = h[..., : 3 * (h.shape[-1] // 3)].unflatten(-1, (3, -1))  # (B, S, 3, W/3)
+        scale = sum(rgb[:, :, c].mean() for c in range(3))  # every index of a constant dimension
+        again = torch.stack(h.unbind(1), 1)  # (B, S, W): the pieces go to one op
+        return block(again) * scale + first[:, None]
+
+
+def test_loops_that_do_not_grow_with_a_size_stay_exact() -> None:
+    torch.manual_seed(0)
+    model = Positions(LoopConfig(width=18))
+    acct = symacct.derive(model, optimizer="adamw")
+    assert "L" in acct.symbols
+    exact_against_a_real_step(model, acct, points=((2, 7), (3, 11)))

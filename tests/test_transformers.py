@@ -623,3 +623,14 @@ def test_swin_pools_a_transposed_sequence_and_is_exact() -> None:
     torch.manual_seed(0)
     model = T.SwinForImageClassification(config)
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
+
+
+def test_mamba_on_the_cpu_is_refused_as_a_loop_over_the_sequence() -> None:
+    """Without the mamba_ssm kernels transformers' Mamba scans the sequence in a Python loop, one position at a
+    time: its op count grows with S. It is refused in the first probe trace, as soon as the loop has read every
+    position (before ``symacct.trace.loops`` it ran over five minutes on this machine without an answer)."""
+    model = T.MambaForCausalLM(T.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=8))
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(model)
+    assert "reads a dimension of S index by index" in e.value.what
+    assert e.value.module == "backbone.layers.0.mixer" and e.value.sizes == ("S",)

@@ -46,6 +46,7 @@ from symacct.errors import SymacctError
 from symacct.trace import eager, known, versions, views
 from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
+from symacct.trace.loops import INDEXING, SPLITTING, SizeLoops, walk_refusal
 from symacct.trace.saved import composing, noting_disabled
 from symacct.trace.sdpa import choosing, forced
 from symacct.trace.sdpa_choice import Target
@@ -543,9 +544,12 @@ def _validating_distribution() -> bool:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, trace: StepTrace, ids: _Ids, root: str, only_ops: bool = False) -> None:
+    def __init__(
+        self, trace: StepTrace, ids: _Ids, root: str, only_ops: bool = False, size_primes: dict[int, str] | None = None
+    ) -> None:
         super().__init__()
         self.only_ops = only_ops
+        self.loops = SizeLoops(size_primes or {})  # a Python loop over a size, refused as soon as it is seen
         self.trace = trace
         self.ids = ids
         self.root = root
@@ -674,6 +678,12 @@ class _Recorder(TorchDispatchMode):
             self.replays.resolve()
         elif self.phase == "backward" and self.replays.copies:
             self.replays.backward_op(func, args)  # a view's node after an in-place op, as on a real tensor
+        if self.phase == "forward" and self.loops.primes:
+            walk = self.loops.index(func, args) if func in INDEXING else None
+            if walk is None and self.loops.watching:
+                walk = self.loops.use(args)
+            if walk is not None:
+                raise walk_refusal(walk, node=f"#{len(self.trace.ops)}", module=self.module(), op=str(func))
         if not self.only_ops:
             self.reap(len(self.trace.ops) - 0.25)  # died before this op
         try:
@@ -687,6 +697,8 @@ class _Recorder(TorchDispatchMode):
                 what, node=f"#{len(self.trace.ops)}", module=self.module(), op=str(func), shapes=shapes, hint=hint
             ) from e
         out = eager.as_on_the_cpu(func, args, out)
+        if func in SPLITTING and self.phase == "forward" and self.loops.primes:
+            self.loops.split(func, args, out)
         known.propagate(func, args, kwargs, out)
         if self.phase == "forward":
             self.replays.after_op(func, args)
@@ -777,6 +789,7 @@ def record_step(
     sdpa_target: Target | None = None,
     sdpa_size: Callable[[int], int] = int,
     step_context: Callable[[nn.Module, Any], contextlib.AbstractContextManager[Any]] | None = None,
+    size_primes: dict[int, str] | None = None,
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
@@ -802,6 +815,8 @@ def record_step(
     one PyTorch chooses on that GPU, reading sizes through ``sdpa_size`` (``symacct.trace.sdpa_choice``); one
     of them is required without a GPU. The kernels run are in ``trace.sdpa_kernels``. ``step_context(model,
     args)``: a context the step runs in, entered once the inputs are made (context parallelism shards them).
+    ``size_primes``: a probe's own primes and their symbols; a forward that reads every index of a dimension
+    whose size holds one, one by one, is refused as it does it (``symacct.trace.loops``).
     """
     check_device(device)
     if python_engine is None:
@@ -889,7 +904,7 @@ def record_step(
             _refuse_hidden_fused_path(model)
 
         root = type(model).__name__
-        recorder = _Recorder(trace, ids, root, only_ops)
+        recorder = _Recorder(trace, ids, root, only_ops, size_primes)
         recorder.names = {id(m): n for n, m in model.named_modules()}
         hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(recorder.pre_hook),
