@@ -161,10 +161,11 @@ def learn(trace: StepTrace, to_expr: Callable[[int], Any]) -> list[Constraint]:
             if idx.vid in bound and bound[idx.vid] is not None:
                 add("le", bound[idx.vid], to_expr(table.shape[dim]), where)
         elif name in ("add", "sub") and rec.inputs and rec.inputs[0].vid in bound and len(rec.args) > 1:
-            shift = rec.args[1]  # positions + 2 (OPT's offset): the bound moves with them
+            shift = rec.args[1]  # positions + 2 (OPT's offset), + C (a decode step's cached positions)
             if isinstance(shift, int) and not isinstance(shift, bool) and bound[rec.inputs[0].vid] is not None:
+                by = to_expr(shift)  # a size read from a shape is a symbol's value: read back as its symbol
                 for t in rec.outputs:
-                    bound[t.vid] = bound[rec.inputs[0].vid] + (shift if name == "add" else -shift)
+                    bound[t.vid] = None if by is None else bound[rec.inputs[0].vid] + (by if name == "add" else -by)
         elif name in _VALUE_KEEPING or rec.is_view:
             src = next((bound[t.vid] for t in rec.inputs if t.vid in bound), None)
             if src is not None:
