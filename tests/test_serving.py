@@ -373,3 +373,67 @@ def test_sheet_of_a_decode_step(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "gpt2-serving-memory.svg").exists() and (tmp_path / "gpt2.md").exists()
+
+
+def test_decode_beyond_a_small_window_holds_the_steady_states_cache():
+    """A window of 4 that the probe's context passes: the decode formulas are those beyond the window, where
+    each sliding layer keeps a view of its last concatenation (window positions) as generation leaves it
+    after a decode step. Every decode step after the first equals a real generation's (FLOPs, peak, cache
+    bytes); the first one after a longer prompt still holds the prompt's storage for part of the step, so its
+    real peak is above the derived one by at most (prompt - window) positions of every layer."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MistralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64, sliding_window=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    prefill, decode = symacct.derive(model, step="prefill"), symacct.derive(model, step="decode")
+    B, P, T = 2, 7, 4
+    cache = transformers.DynamicCache(config=model.config)
+    ids = torch.randint(0, 64, (B, P + T))
+
+    def run(x: torch.Tensor) -> tuple[int, int, int]:
+        cached = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+        tracker = StorageTracker([*model.parameters(), *model.buffers(), x, *cached])
+        del cached
+        with torch.no_grad(), tracker, FlopCounterMode(display=False) as fc, CpuFlashCounter() as flash:
+            model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+        held = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+        return fc.get_total_flops() + flash.total, tracker.peak, held
+
+    at = prefill.at(B=B, S=P)
+    assert run(ids[:, :P].clone()) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    position = 2 * B * 2 * 8 * 4  # keys and values of one position of one layer: B, H_kv, head_dim, fp32
+    for t in range(T):
+        at = decode.at(B=B, C=P + t)
+        flops, peak, held = run(ids[:, P + t : P + t + 1].clone())
+        assert (flops, held) == (at.flops.forward, at.memory.kv_cache)
+        if t == 0:
+            assert 0 < peak - at.memory.peak <= (P - 4) * position * 2
+        else:
+            assert peak == at.memory.peak
+
+
+def test_transformers_gpt2_decodes_up_to_its_position_table():
+    """GPT-2's learned positions: a decode step embeds position C, so C + 1 <= n_positions. The position ids
+    are arange(1) shifted by the cache's length, an int read from a shape: read back as C (it was taken as the
+    probe's constant 368, which refused every decode step). Exact against a real generation, and refused
+    one position past the table."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    decode = symacct.derive(model, step="decode")
+    assert any(str(c.lhs) == "C + 1" and str(c.rhs) == "S_max" for c in decode.constraints)
+    cache = transformers.DynamicCache(config=model.config)
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        model(input_ids=ids[:, :5], cache=cache, use_cache=True)
+    for C in range(5, 16):
+        at = decode.at(B=2, C=C)
+        with torch.no_grad(), FlopCounterMode(display=False) as fc, CpuFlashCounter() as flash:
+            model(input_ids=ids[:, C : C + 1], cache=cache, use_cache=True, logits_to_keep=1)
+        assert fc.get_total_flops() + flash.total == at.flops.forward
+    with pytest.raises(symacct.SymacctError, match="C \\+ 1 <= S_max"):
+        decode.at(B=2, C=16)

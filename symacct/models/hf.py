@@ -179,7 +179,11 @@ def _serving_check(model: nn.Module, step: str) -> None:
 
 def _cache(m: nn.Module, B: int, C: int) -> Any:
     """The model's own DynamicCache (sliding-window layers where the config has them), with C positions of
-    keys and values in the parameters' dtype: (B, H_kv, C, head_dim) a layer."""
+    keys and values in the parameters' dtype: (B, H_kv, C, head_dim) a layer, as a decode step finds it in
+    generation's steady state: filled by C - 1 positions, then by one more, as a decode step before it fills
+    it. Each update concatenates into a new tensor; a sliding-window layer then keeps a view of its last
+    window - 1 positions, so what it holds is the last concatenation's storage, of window positions once C
+    reaches the window (the prompt's storage, C positions, right after a prefill: ``docs/serving.md``)."""
     import transformers
 
     config = m.config
@@ -191,8 +195,9 @@ def _cache(m: nn.Module, B: int, C: int) -> Any:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = next(m.parameters()).dtype
     for i in range(config.num_hidden_layers):
-        k = torch.randn(B, kv_heads, C, head_dim, dtype=dtype)
-        cache.update(k, torch.randn_like(k), i)
+        for n in (C - 1, 1) if C > 1 else (C,):
+            k = torch.randn(B, kv_heads, n, head_dim, dtype=dtype)
+            cache.update(k, torch.randn_like(k), i)
     return cache
 
 
