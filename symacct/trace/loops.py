@@ -17,6 +17,7 @@ the rest of the step does: the probe stops there, naming the dimension and the s
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import sympy
@@ -70,7 +71,8 @@ class SizeLoops:
     def __init__(self, primes: dict[int, str]) -> None:
         self.primes = primes
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> {dim: indices read}
-        self._pieces: WeakIdKeyDictionary = WeakIdKeyDictionary()  # piece -> (its source, dim, index)
+        # piece -> (a weak reference to its source, dim, index): nothing here keeps a tensor alive
+        self._pieces: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._sized: dict[int, bool] = {}  # size -> whether it holds a probe prime
 
     @property
@@ -125,15 +127,17 @@ class SizeLoops:
             return
         d = self._dim(t, dim)
         if d is not None and isinstance(out, (list, tuple)):
+            source = weakref.ref(t)
             for i, piece in enumerate(out):
-                self._pieces[piece] = (t, d, i)
+                self._pieces[piece] = (source, d, i)
 
     def use(self, args: tuple[Any, ...]) -> Walk | None:
         for a in args:
             if isinstance(a, torch.Tensor):
                 piece = self._pieces.get(a)
-                if piece is not None:
-                    walk = self._read(*piece)
+                source = piece[0]() if piece is not None else None
+                if source is not None:
+                    walk = self._read(source, piece[1], piece[2])
                     if walk is not None:
                         return walk
         return None
