@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 import symacct
-from symacct.measure.run import CpuFlashCounter, StorageTracker
+from symacct.measure.run import CpuFlashCounter, GroupedMmCounter, StorageTracker
 from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
 from symacct.symbols import sym
 
@@ -437,3 +437,42 @@ def test_transformers_gpt2_decodes_up_to_its_position_table():
         assert fc.get_total_flops() + flash.total == at.flops.forward
     with pytest.raises(symacct.SymacctError, match="C \\+ 1 <= S_max"):
         decode.at(B=2, C=16)
+
+
+def test_deepseek_v3_caches_its_latent_and_decodes_exactly():
+    """DeepSeek-V3's multi-head latent attention caches the compressed latent (kv_lora_rank wide) and the
+    rotary key (qk_rope_head_dim wide), one head each, not keys and values a head: the decode probe fills
+    the cache in those shapes (it was refused, the probe's keys not fitting the latent). A prompt, then
+    tokens one at a time, as generation runs them: FLOPs (with the routed experts' grouped matmuls), the
+    peak and the cache's bytes equal the derived formulas."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=64, max_position_embeddings=64, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    prefill, decode = symacct.derive(model, step="prefill"), symacct.derive(model, step="decode")
+    B, P, T = 2, 5, 3
+    cache = transformers.DynamicCache(config=model.config)
+    ids = torch.randint(0, 64, (B, P + T))
+
+    def run(x: torch.Tensor) -> tuple[int, int, int]:
+        cached = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+        tracker = StorageTracker([*model.parameters(), *model.buffers(), x, *cached])
+        del cached
+        counters = (FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter())
+        with torch.no_grad(), tracker, counters[0] as fc, counters[1] as flash, counters[2] as grouped:
+            model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+        held = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+        return fc.get_total_flops() + flash.total + grouped.total, tracker.peak, held
+
+    at = prefill.at(B=B, S=P)
+    assert run(ids[:, :P].clone()) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    assert at.memory.kv_cache == 2 * B * P * (16 + 8) * 4  # two layers: latent and rotary key, fp32
+    for t in range(T):
+        at = decode.at(B=B, C=P + t)
+        assert run(ids[:, P + t : P + t + 1].clone()) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)

@@ -179,7 +179,8 @@ def _serving_check(model: nn.Module, step: str) -> None:
 
 def _cache(m: nn.Module, B: int, C: int) -> Any:
     """The model's own DynamicCache (sliding-window layers where the config has them), with C positions of
-    keys and values in the parameters' dtype: (B, H_kv, C, head_dim) a layer, as a decode step finds it in
+    keys and values in the parameters' dtype: (B, H_kv, C, head_dim) a layer (a latent attention's latent,
+    (B, 1, C, kv_lora_rank), and rotary key, (B, 1, C, qk_rope_head_dim)), as a decode step finds it in
     generation's steady state: filled by C - 1 positions, then by one more, as a decode step before it fills
     it. Each update concatenates into a new tensor; a sliding-window layer then keeps a view of its last
     window - 1 positions, so what it holds is the last concatenation's storage, of window positions once C
@@ -193,11 +194,16 @@ def _cache(m: nn.Module, B: int, C: int) -> Any:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rows = {"keys": (kv_heads, head_dim), "values": (kv_heads, head_dim)}  # a layer's (heads, width) of each
+    latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
+    if isinstance(latent, int) and isinstance(rope, int):  # latent attention caches its compressed latent and
+        rows = {"keys": (1, latent), "values": (1, rope)}  # its rotary key, one head each (DeepSeek-V2/V3)
     dtype = next(m.parameters()).dtype
     for i in range(config.num_hidden_layers):
         for n in (C - 1, 1) if C > 1 else (C,):
-            k = torch.randn(B, kv_heads, n, head_dim, dtype=dtype)
-            cache.update(k, torch.randn_like(k), i)
+            k = torch.randn(B, rows["keys"][0], n, rows["keys"][1], dtype=dtype)
+            v = torch.randn(B, rows["values"][0], n, rows["values"][1], dtype=dtype)
+            cache.update(k, v, i)
     return cache
 
 
