@@ -140,6 +140,8 @@ class _Source:
     candidate: dict[str, str] = dataclasses.field(default_factory=dict)
     # the model has strided convolutions or pooling: S (an image side) is probed as IMAGE_SCALE * prime
     strided: bool = False
+    # derive's retry: the widths probed even (2 * prime), for a step that halves one (x.chunk(2, -1))
+    even: bool = False
     # fields that each count the blocks of one of several stacks at the same depth (encoder, decoder)
     repeat_counts: list[str] = dataclasses.field(default_factory=list)
     # the context every trace runs in (transformers: the eager paths, symacct.models.hf.eager_paths)
@@ -328,6 +330,7 @@ _HALVING = {
 # 16 bytes, so widths other than D (already 8*H*prime) are probed as 16 * prime
 EXPERT_WIDTH_SCALE = 16
 _NOT_WIDTHS = {"H", "H_kv", "L", "E", "k"}  # counts: never a kept part of a width (Probe.cuts)
+_NOT_HALVED = {"B", "S", "S_max", "S_dec", "C", "L", "H", "H_kv", "E", "k", "tp"}  # sizes the even retry keeps
 _COUNTS = {"B", "S", "L", "D", "H", "H_kv", "V", "S_max", "E", "k", "patch_size", "image_size", *HEAD_WIDTHS}
 
 
@@ -360,6 +363,19 @@ def _to_layout(model: nn.Module, layout: torch.memory_format) -> None:
             for name, b in module._buffers.items():
                 if b is not None and b.dim() == dim:
                     module._buffers[name] = b.contiguous(memory_format=layout)
+
+
+def _odd_halves(failed: SymacctError) -> bool:
+    """Whether an op failed on two shapes one apart in one dimension, as the halves of an odd width are
+    (``x.chunk(2, -1)`` of a prime width): the retry that probes the widths even."""
+    if not failed.what.startswith("the op failed on fake tensors"):
+        return False
+    shapes = [s for s in failed.shapes or () if isinstance(s, tuple)]
+    return any(
+        len(a) == len(b) and any(abs(x - y) == 1 and min(x, y) > max(OFFSETS) for x, y in zip(a, b))
+        for i, a in enumerate(shapes)
+        for b in shapes[i + 1 :]
+    )
 
 
 def _strided(model: Any, src: _Source) -> bool:
@@ -673,6 +689,8 @@ def _probe_for(
         scale["S_max"] = 4
     if "E" in letters:  # grouped matmuls want 16-byte strides: widths are probed as multiples of 16
         scale |= {n: EXPERT_WIDTH_SCALE for n in letters if n not in _COUNTS}
+    if src.even:  # derive's retry for a step that halves a width: every width probed even
+        scale |= {n: 2 * scale.get(n, 1) for n in letters if n not in _NOT_HALVED}
     heads = kept[0] if len(kept) == 1 and isinstance(kept[0], int) and kept[0] > 0 else 1
     return make_probe(
         letters,
@@ -1020,6 +1038,7 @@ def _derive(
     _degenerate: bool = False,
     _own_fields: str | None = None,
     _strided: bool = False,
+    _even: bool = False,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
 
@@ -1142,6 +1161,7 @@ def _derive(
         _degenerate=_degenerate,
         _own_fields=_own_fields,
         _strided=_strided,
+        _even=_even,
     )
     req = _request(**kwargs)
     src: _Source | None = None
@@ -1192,6 +1212,15 @@ def _derive(
                 )
             except SymacctError as again:
                 later.append((f"with S probed as {IMAGE_SCALE} * prime", again))
+        if acct is None and not src.even and _odd_halves(failed):  # a width halved (chunk(2)): odd at primes
+            try:
+                acct = _derive(model, **{**kwargs, "_even": True})
+                note = (
+                    f"the step could not run with its widths probed as primes ({failed.what}): derived again with "
+                    "them probed as 2 * prime, as a step that halves a width (x.chunk(2, -1)) needs"
+                )
+            except SymacctError as again:
+                later.append(("with the widths probed as 2 * prime", again))
         own = _own_size_fields(src)  # sizes of the model's own (rotary_dim, word_embed_proj_dim): tied or kept
         for how in ("tie", "keep") if own and acct is None else ():  # "keep": a field equal to a width by chance
             try:
@@ -1257,6 +1286,7 @@ class Request:
     degenerate: bool
     own_fields: str | None = None  # derive's last tries: the fields of the model's own 'tie'd or kept, or all 'keep'
     strided: bool = False  # derive's retry: S probed as IMAGE_SCALE * prime though no module halves the image side
+    even: bool = False  # derive's retry: the widths probed as 2 * prime (a step that halves one)
     cache_dtype: torch.dtype | None = None  # the KV cache's dtype (serving steps; None: the compute dtype)
 
 
@@ -1302,6 +1332,7 @@ def _request(
     _degenerate: bool,
     _own_fields: str | None = None,
     _strided: bool = False,
+    _even: bool = False,
     tensor_parallel: Any = None,
     tp: int = 2,
     sdpa_backend: str | None = None,
@@ -1395,6 +1426,7 @@ def _request(
         degenerate=_degenerate,
         own_fields=_own_fields,
         strided=_strided,
+        even=_even,
         cache_dtype=kv_dtype,
     )
 
@@ -1500,6 +1532,7 @@ def read_source(model: Any, req: Request) -> _Source:
     src.inputs_given = inputs is not None
     src.input_dims = input_dims
     src.strided = req.strided or _strided(model, src)
+    src.even = req.even
     if src.layout is not None:
         src.notes.append(
             f"the model's parameters are {str(src.layout).removeprefix('torch.')}, as after "
@@ -1839,6 +1872,7 @@ def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, A
         src.input_dims,
         src.seq,
         src.strided,
+        src.even,
         src.layout,
         tuple(src.repeat_counts),
         sorted(src.values.items()) if cuda else None,
