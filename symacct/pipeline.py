@@ -1540,6 +1540,13 @@ def read_source(model: Any, req: Request) -> _Source:
         )
     if hf_task is not None:
         src.notes.append(hf_task.note)
+        if req.step == "forward" and req.inputs is None:  # what _drop_labels feeds instead
+            dec = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+            src.notes.append(
+                "step='forward' runs these inputs without the labels"
+                + (" (given as decoder_input_ids, so the decoder runs on S_dec positions)" if dec else "")
+                + " and computes no loss"
+            )
     if hf:
         check_experts_path(model)
         if req.routing is not None:

@@ -421,6 +421,27 @@ def test_bart_decoder_takes_the_eager_mask_path() -> None:
     check_exact(model, acct, [(2, 7, 5), (3, 11, 6)])
 
 
+def test_a_sequence_to_sequence_forward_step_feeds_the_labels_as_decoder_inputs() -> None:
+    """step='forward' of an encoder-decoder runs the task's inputs without labels: the labels' tensor goes in
+    as decoder_input_ids (the decoder still runs S_dec positions) and no loss is computed. The notes say so
+    (they named labels and output.loss, which the step does not use); exact against a real forward with
+    those inputs, where one with labels would hold the loss and the shifted labels too."""
+    torch.manual_seed(0)
+    config = T.BartConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    model = T.BartForConditionalGeneration(config)
+    acct = symacct.derive(model, step="forward")
+    assert any("without the labels (given as decoder_input_ids" in n for n in acct.notes)
+    for B, S, S_dec in [(2, 7, 5), (3, 11, 6)]:
+        args = task(model).inputs(model, B, S, S_dec=S_dec)
+        args["decoder_input_ids"] = args.pop("labels")
+        real = measure_memory(model, args, step="forward")
+        at = acct.at(B=B, S=S, S_dec=S_dec)
+        assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
+
+
 def test_albert_shares_its_layers_and_is_exact() -> None:
     """ALBERT runs one shared layer group num_hidden_layers times, and inner_group_num counts the layers of a
     group: no list of L blocks. derive keeps the layer count at the model's value (a note says so) and stays
