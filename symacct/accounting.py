@@ -259,8 +259,13 @@ class Accounting:
                     if c.path
                     else f"the model cannot run these sizes: {vals} breaks {c.describe()} (from {c.where})"
                 ),
-                hint="choose sizes the model runs"
-                + (f", or change the config fields they come from: {fields}" if fields else ""),
+                hint=(
+                    "choose sizes on the side derived, the side the probe's sizes fell on: the other side is "
+                    "another path, which this derivation did not trace (a sliding window: docs/serving.md)"
+                    if c.path
+                    else "choose sizes the model runs"
+                    + (f", or change the config fields they come from: {fields}" if fields else "")
+                ),
             )
         return full
 
