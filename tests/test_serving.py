@@ -477,3 +477,15 @@ def test_deepseek_v3_caches_its_latent_and_decodes_exactly():
     for t in range(T):
         at = decode.at(B=B, C=P + t)
         assert run(ids[:, P + t : P + t + 1].clone()) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+
+
+def test_serve_bounds_the_longest_context_by_the_window_derived():
+    """A Mistral derived within its window of 1,024 positions: the longest context that fits in memory is
+    searched only where the derivation holds (C + 1 <= 1024), and a note says the derivation bounds it. The
+    search used to step past the window and raise from inside serve()."""
+    from symacct.time.serving import serve
+
+    prefill, decode = _hf("mistral")[1:]
+    s = serve(prefill, decode, hardware="H100-SXM", context=512)
+    assert s.max_context == 1024
+    assert any("the derivation bounds it" in n and "sliding_window" in n for n in s.notes)

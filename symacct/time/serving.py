@@ -408,8 +408,18 @@ def serve(
     smax = decode.symbols.get("S_max")
     top = smax - 1 if smax else 1 << 24  # the most positions the model can cache before a step
 
+    beyond: list[str] = []  # why the derivation stops covering a longer context (a sliding window's path)
+
+    def covered(c: int) -> bool:
+        try:
+            decode.values_at(B=batch, C=c)
+        except SymacctError as e:
+            beyond[:] = [e.what]
+            return False
+        return True
+
     def fits(c: int) -> bool:
-        return decode.peak(B=batch, C=c) <= budget
+        return covered(c) and decode.peak(B=batch, C=c) <= budget
 
     if fits(1):
         lo, hi = 1, 2
@@ -422,6 +432,8 @@ def serve(
         max_context = lo + 1
         if lo == top and smax:
             notes.append(f"context: the position table bounds it (S_max = {smax}), not the memory")
+        elif lo < top and not covered(lo + 1):
+            notes.append(f"context: the derivation bounds it, not the memory ({beyond[0]})")
     else:
         notes.append("context: not even one cached position fits at this batch")
     return Serving(
