@@ -12,7 +12,8 @@ four blocks and at one above it (whose trace of the user's model keeps blocks 0,
   position (``symacct.trace.loops``). Before, the two probe traces at primes in the hundreds took minutes
   (this GRU cell about 110 s, then refused for another cause; transformers' Mamba over five, unanswered).
   Loops that read some positions, or a constant dimension, and an ``unbind`` whose pieces go to one op,
-  stay exact.
+  stay exact. PyTorch's own ``nn.RNN`` and ``nn.GRU`` step through time the same way on the CPU and are
+  refused the same way (``nn.GRU`` was refused for an op with no rule, after its traces).
 """
 
 from __future__ import annotations
@@ -153,3 +154,38 @@ def test_loops_that_do_not_grow_with_a_size_stay_exact() -> None:
     acct = symacct.derive(model, optimizer="adamw")
     assert "L" in acct.symbols
     exact_against_a_real_step(model, acct, points=((2, 7), (3, 11)))
+
+
+@dataclasses.dataclass
+class RNNConfig:
+    vocab: int = 50
+    width: int = 16
+    n_layers: int = 2
+    kind: str = "GRU"
+
+
+class TorchRNN(nn.Module):
+    """PyTorch's own nn.RNN or nn.GRU (the CPU kernels step through time, one small op group a step)."""
+
+    def __init__(self, config: RNNConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.rnn = getattr(nn, config.kind)(config.width, config.width, num_layers=config.n_layers, batch_first=True)
+        self.out = nn.Linear(config.width, config.vocab)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.emb(x))  # (B, S, W)
+        return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        V = self.config.vocab
+        return torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+
+
+@pytest.mark.parametrize("kind", ["RNN", "GRU"])
+def test_torch_recurrent_modules_are_refused_as_loops_over_the_sequence(kind: str) -> None:
+    with pytest.raises(symacct.SymacctError) as e:
+        symacct.derive(TorchRNN(RNNConfig(kind=kind)))
+    assert "reads a dimension of S index by index" in e.value.what and e.value.module == "rnn"
+    assert "nn.RNN and nn.GRU step through time" in str(e.value)

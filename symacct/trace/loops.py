@@ -1,7 +1,8 @@
-"""A Python loop over a size, seen while it runs: the probe refuses it at once instead of after its traces.
+"""A loop over a size, seen while it runs: the probe refuses it at once instead of after its traces.
 
 A forward that walks a dimension index by index (``for t in range(S): h = cell(x[:, t], h)``, a recurrent
-scan such as transformers' Mamba on the CPU) runs its body once per element, so its op count grows with the
+scan such as transformers' Mamba on the CPU, PyTorch's own ``nn.RNN`` and ``nn.GRU``, whose CPU kernels
+step through time op by op) runs its body once per element, so its op count grows with the
 size and the step cannot be factored: the comparison of the two probe traces refuses it as size-dependent
 control flow. At probe sizes (primes in the hundreds) and four blocks, those two traces can take many
 minutes before that refusal.
@@ -44,16 +45,16 @@ def walk_refusal(walk: Walk, *, node: str, module: str, op: str) -> SymacctError
     """The refusal of a loop over a size, naming the sizes it walks (``SymacctError.sizes``)."""
     names = ", ".join(walk.names)
     return SymacctError(
-        f"the step reads a dimension of {names} index by index, every index in turn: a Python loop over a "
-        "size (size-dependent control flow), whose op count grows with it",
+        f"the step reads a dimension of {names} index by index, every index in turn: a loop over a size "
+        "(size-dependent control flow), whose op count grows with it",
         node=node,
         module=module,
         op=op,
         shapes=[walk.shape],
         hint=f"the loop walks dimension {walk.dim} ({walk.shape[walk.dim]} at probe sizes); symacct factors a "
         "step by its layers only, so a loop must run the same number of times at every size: write it as "
-        "tensor ops over the whole dimension (a scan as cumsum or cumprod, a recurrence as one batched op such "
-        "as nn.GRU's), or make its count a fixed field of the config",
+        "tensor ops over the whole dimension (a scan as cumsum or cumprod), or make its count a fixed field of "
+        "the config. PyTorch's own nn.RNN and nn.GRU step through time this way on the CPU",
         sizes=walk.names,
     )
 
