@@ -376,6 +376,31 @@ def test_sheet_of_a_decode_step(tmp_path):
     assert (tmp_path / "gpt2-serving-memory.svg").exists() and (tmp_path / "gpt2.md").exists()
 
 
+def _served(model: Any, B: int, N: int) -> tuple[Any, Any, Any]:
+    """A transformers causal LM in eval mode: its derived prefill and decode, and ``run(a, b)``, which runs
+    positions a..b-1 of B random sequences of N tokens with the model's own cache (``_generation_call``)."""
+    import transformers
+
+    model.eval()
+    prefill, decode = symacct.derive(model, step="prefill"), symacct.derive(model, step="decode")
+    cache = transformers.DynamicCache(config=model.config)
+    ids = torch.randint(0, model.config.vocab_size, (B, N))
+    return prefill, decode, lambda a, b: _generation_call(model, cache, ids[:, a:b].clone())
+
+
+def _generation_call(model: Any, cache: Any, x: torch.Tensor) -> tuple[int, int, int]:
+    """One call of a transformers causal LM with its cache, as generate() makes it: its FLOPs (FlopCounterMode,
+    the CPU flash kernel and a mixture's grouped matmuls), its peak, and the cache's bytes after it."""
+    cached = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+    tracker = StorageTracker([*model.parameters(), *model.buffers(), x, *cached])
+    del cached  # weak references only: the cache's old entries die as it replaces them
+    counters = (FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter())
+    with torch.no_grad(), tracker, counters[0] as fc, counters[1] as flash, counters[2] as grouped:
+        model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+    held = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+    return fc.get_total_flops() + flash.total + grouped.total, tracker.peak, held
+
+
 def test_decode_beyond_a_small_window_holds_the_steady_states_cache():
     """A window of 4 that the probe's context passes: the decode formulas are those beyond the window, where
     each sliding layer keeps a view of its last concatenation (window positions) as generation leaves it
@@ -388,27 +413,14 @@ def test_decode_beyond_a_small_window_holds_the_steady_states_cache():
         vocab_size=64, max_position_embeddings=64, sliding_window=4,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(cfg).eval()
-    prefill, decode = symacct.derive(model, step="prefill"), symacct.derive(model, step="decode")
     B, P, T = 2, 7, 4
-    cache = transformers.DynamicCache(config=model.config)
-    ids = torch.randint(0, 64, (B, P + T))
-
-    def run(x: torch.Tensor) -> tuple[int, int, int]:
-        cached = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
-        tracker = StorageTracker([*model.parameters(), *model.buffers(), x, *cached])
-        del cached
-        with torch.no_grad(), tracker, FlopCounterMode(display=False) as fc, CpuFlashCounter() as flash:
-            model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-        held = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
-        return fc.get_total_flops() + flash.total, tracker.peak, held
-
+    prefill, decode, run = _served(transformers.MistralForCausalLM(cfg), B, P + T)
     at = prefill.at(B=B, S=P)
-    assert run(ids[:, :P].clone()) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    assert run(0, P) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
     position = 2 * B * 2 * 8 * 4  # keys and values of one position of one layer: B, H_kv, head_dim, fp32
     for t in range(T):
         at = decode.at(B=B, C=P + t)
-        flops, peak, held = run(ids[:, P + t : P + t + 1].clone())
+        flops, peak, held = run(P + t, P + t + 1)
         assert (flops, held) == (at.flops.forward, at.memory.kv_cache)
         if t == 0:
             assert 0 < peak - at.memory.peak <= (P - 4) * position * 2
@@ -455,28 +467,14 @@ def test_deepseek_v3_caches_its_latent_and_decodes_exactly():
         eos_token_id=2,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    prefill, decode = symacct.derive(model, step="prefill"), symacct.derive(model, step="decode")
     B, P, T = 2, 5, 3
-    cache = transformers.DynamicCache(config=model.config)
-    ids = torch.randint(0, 64, (B, P + T))
-
-    def run(x: torch.Tensor) -> tuple[int, int, int]:
-        cached = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
-        tracker = StorageTracker([*model.parameters(), *model.buffers(), x, *cached])
-        del cached
-        counters = (FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter())
-        with torch.no_grad(), tracker, counters[0] as fc, counters[1] as flash, counters[2] as grouped:
-            model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-        held = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
-        return fc.get_total_flops() + flash.total + grouped.total, tracker.peak, held
-
+    prefill, decode, run = _served(transformers.DeepseekV3ForCausalLM(cfg), B, P + T)
     at = prefill.at(B=B, S=P)
-    assert run(ids[:, :P].clone()) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    assert run(0, P) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
     assert at.memory.kv_cache == 2 * B * P * (16 + 8) * 4  # two layers: latent and rotary key, fp32
     for t in range(T):
         at = decode.at(B=B, C=P + t)
-        assert run(ids[:, P + t : P + t + 1].clone()) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+        assert run(P + t, P + t + 1) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
 
 
 def test_serve_bounds_the_longest_context_by_the_window_derived():
