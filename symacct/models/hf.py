@@ -194,16 +194,15 @@ def _cache(m: nn.Module, B: int, C: int) -> Any:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rows = {"keys": (kv_heads, head_dim), "values": (kv_heads, head_dim)}  # a layer's (heads, width) of each
+    keys = values = (kv_heads, head_dim)  # a layer's (heads, width) of each
     latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
     if isinstance(latent, int) and isinstance(rope, int):  # latent attention caches its compressed latent and
-        rows = {"keys": (1, latent), "values": (1, rope)}  # its rotary key, one head each (DeepSeek-V2/V3)
+        keys, values = (1, latent), (1, rope)  # its rotary key, one head each (DeepSeek-V2/V3)
     dtype = next(m.parameters()).dtype
     for i in range(config.num_hidden_layers):
         for n in (C - 1, 1) if C > 1 else (C,):
-            k = torch.randn(B, rows["keys"][0], n, rows["keys"][1], dtype=dtype)
-            v = torch.randn(B, rows["values"][0], n, rows["values"][1], dtype=dtype)
-            cache.update(k, v, i)
+            k = torch.randn(B, keys[0], n, keys[1], dtype=dtype)
+            cache.update(k, torch.randn(B, values[0], n, values[1], dtype=dtype), i)
     return cache
 
 

@@ -408,18 +408,16 @@ def serve(
     smax = decode.symbols.get("S_max")
     top = smax - 1 if smax else 1 << 24  # the most positions the model can cache before a step
 
-    beyond: list[str] = []  # why the derivation stops covering a longer context (a sliding window's path)
-
-    def covered(c: int) -> bool:
+    def uncovered(c: int) -> str | None:
+        """Why the derivation does not hold at a context of c cached positions (a sliding window's path)."""
         try:
             decode.values_at(B=batch, C=c)
         except SymacctError as e:
-            beyond[:] = [e.what]
-            return False
-        return True
+            return e.what
+        return None
 
     def fits(c: int) -> bool:
-        return covered(c) and decode.peak(B=batch, C=c) <= budget
+        return uncovered(c) is None and decode.peak(B=batch, C=c) <= budget
 
     if fits(1):
         lo, hi = 1, 2
@@ -432,8 +430,8 @@ def serve(
         max_context = lo + 1
         if lo == top and smax:
             notes.append(f"context: the position table bounds it (S_max = {smax}), not the memory")
-        elif lo < top and not covered(lo + 1):
-            notes.append(f"context: the derivation bounds it, not the memory ({beyond[0]})")
+        elif lo < top and (why := uncovered(lo + 1)) is not None:
+            notes.append(f"context: the derivation bounds it, not the memory ({why})")
     else:
         notes.append("context: not even one cached position fits at this batch")
     return Serving(
