@@ -424,3 +424,41 @@ def test_measuring_gives_each_module_its_own_mode_back(how: str) -> None:
         measure_memory(model, (x,), step=how)
     assert model.seen == [how != "forward"]  # the step ran in its own mode
     assert (model.training, model.lin.training, model.drop.training) == (False, False, True)
+
+
+@dataclasses.dataclass
+class _PooledConfig:
+    width: int = 16
+    n_layers: int = 2
+
+
+class _Pooled(torch.nn.Module):
+    """Blocks, then a pooler whose output no loss reads (transformers' BigBird masked LM builds its pooler and
+    drops its output): ``tanh`` saves its output for a backward that never runs."""
+
+    def __init__(self, config: _PooledConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(config.width, config.width) for _ in range(config.n_layers))
+        self.pool = torch.nn.Linear(config.width, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, width)
+        for block in self.blocks:
+            x = block(x).relu()
+        pooled = torch.tanh(self.pool(x[:, 0]))  # (B, width): dropped when forward returns
+        del pooled
+        return x.square().mean()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, self.config.width),)
+
+
+def test_what_a_branch_the_loss_never_reads_saves_is_freed_with_it() -> None:
+    """The pooler's saved output is freed when forward returns, as eager PyTorch frees it. symacct's pack hook
+    kept it, closing a reference cycle through its grad_fn: memory after the forward and the peak came out
+    B * width * 4 bytes high (``symacct.trace.versions.alias``). Its saved bytes still count as saved."""
+    from real_step import exact_against_a_real_step
+
+    model = _Pooled(_PooledConfig())
+    acct = symacct.derive(model, optimizer="adamw")
+    exact_against_a_real_step(model, acct)

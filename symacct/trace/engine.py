@@ -76,7 +76,7 @@ class SavedBox:
     __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor: torch.Tensor | None = tensor
+        self.tensor: torch.Tensor | None = versions.alias(tensor)  # no reference cycle through its grad_fn
         self.version = versions.version(tensor)
 
     def unpack(self) -> torch.Tensor:

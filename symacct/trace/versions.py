@@ -48,9 +48,28 @@ def check(t: torch.Tensor, saved_version: int, module: Callable[[], str] | None 
     )
 
 
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """What a pack hook keeps of ``t``: ``t`` without its autograd history (its storage, shape and version
+    counter), made outside every dispatch mode so that no trace or counter sees it.
+
+    A pack hook gets the live tensor. Where autograd saves the output of the node that saves it (tanh,
+    sigmoid, exp, relu keep their results), keeping ``t`` itself closes a reference cycle: the output's
+    ``grad_fn`` owns the saved variable, which owns the output. Part of that cycle is in C++, so no garbage
+    collection breaks it: the saved tensor lives until backward releases it, and where backward never reaches
+    the node (a branch the loss does not read, such as a pooler's output no head uses), for ever. PyTorch
+    keeps saved outputs without their history for this reason, and gives the history back on unpack, so the
+    alias loses nothing. A tensor saved as an input of the node (its ``grad_fn`` an earlier node, or none)
+    closes no cycle and is kept as it is (a detach is one more dispatch on every fake tensor)."""
+    fn = t.grad_fn
+    if fn is None or fn._sequence_nr() != torch.autograd._get_sequence_nr() - 1:
+        return t
+    with torch.utils._python_dispatch._disable_current_modes():
+        return t.detach()
+
+
 def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A saved-tensor pack hook that keeps ``t`` with its version (``unpack`` checks it)."""
-    return t, version(t)
+    """A saved-tensor pack hook that keeps ``t`` (its ``alias``) with its version (``unpack`` checks it)."""
+    return alias(t), version(t)
 
 
 def unpack(packed: tuple[torch.Tensor, int], module: Callable[[], str] | None = None) -> torch.Tensor:
