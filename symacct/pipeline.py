@@ -102,7 +102,7 @@ from symacct.sameness import (
     shortened,
 )
 from symacct.sameness import compare as compare_ops
-from symacct.symbols import ORDER, exact_form, letter_for_field, sym
+from symacct.symbols import ALIASES, ORDER, exact_form, letter_for_field, sym
 from symacct.time.hardware import get as get_hardware
 from symacct.trace.constraints import check as check_constraints
 from symacct.trace.constraints import learn as learn_constraints
@@ -163,10 +163,28 @@ class _Source:
     layout: torch.memory_format | None = None
 
 
+@contextlib.contextmanager
+def _global_reads(config: Any) -> Iterator[None]:
+    """Reads of a transformers config's global values, where it gives some fields per layer (Gemma 4's
+    ``head_dim`` of its full-attention layers): the global value is a size like any other; a layer's own value
+    stays in the config's per-layer overrides, a constant of the rebuilt model (the comparison with the user's
+    model checks that the rebuilt one is the same model)."""
+    flag = "allow_global_per_layer_attribute_access"
+    if "_heterogeneity_spec" not in getattr(config, "__dict__", {}) or getattr(config, flag, True):
+        yield
+        return
+    setattr(config, flag, True)
+    try:
+        yield
+    finally:
+        setattr(config, flag, False)
+
+
 def _config_items(config: Any) -> list[tuple[str, Any]]:
     """(name, value) of every field of a dataclass, dict or plain-object config."""
     if dataclasses.is_dataclass(config):
-        return [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+        with _global_reads(config):
+            return [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
     if isinstance(config, Mapping):
         return list(config.items())
     if hasattr(config, "__dict__"):
@@ -191,7 +209,8 @@ def _with_fields(config: Any, values: Mapping[str, int]) -> Any:
     (sizes ``__post_init__`` derives from the new values).
     """
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        new = dataclasses.replace(config, **values)
+        with _global_reads(config):
+            new = dataclasses.replace(config, **values)
         for k, v in vars(config).items():
             # an integer the new config derived itself (a size __post_init__ computes) is its own; one it lacks
             # (transformers keeps unknown keyword arguments such as decoder_start_token_id as attributes) is kept
@@ -428,6 +447,30 @@ def _follow_heads(src: _Source, degenerate: bool, tp: int | None = None) -> list
         notes.append(f"{', '.join(ones)} = 1: kept at 1 (a size of 1 runs other ops: broadcasts, free transposes)")
     for f in _follow_head_width(src):
         notes.append(f"{f} = {src.values[f]} is the model width over the heads: it follows D/H")
+    return notes
+
+
+def _own_letters(src: _Source) -> list[str]:
+    """Fields that read as one letter with different values (MiniMax's linear-attention ``block_size``, 256,
+    and its ``max_position_embeddings``, both S_max by name): one symbol cannot be both sizes, so the field
+    listed first in ``ALIASES`` keeps the letter (transformers' names first, nanoGPT's ``block_size`` last)
+    and the others are symbols of their own names. Fields with equal values share their letter (CodeGen's
+    ``n_positions`` and ``n_ctx``): one size, probed as one."""
+    by_letter: dict[str, list[str]] = defaultdict(list)
+    for f, letter in src.fields.items():
+        if letter != f:
+            by_letter[letter].append(f)
+    notes = []
+    for letter, names in sorted(by_letter.items()):
+        if len({src.values[f] for f in names}) < 2:
+            continue
+        keeper = next(f for f in ALIASES if f in names)
+        for f in names:
+            if f != keeper:
+                src.fields[f] = f
+        values = ", ".join(f"{f} = {src.values[f]}" for f in sorted(names))
+        own = ", ".join(sorted(f for f in names if f != keeper))
+        notes.append(f"{values} read as one size, {letter}, by name: {keeper} is {letter}; {own} a symbol of its own")
     return notes
 
 
@@ -691,6 +734,8 @@ def _probe_for(
         scale |= {n: EXPERT_WIDTH_SCALE for n in letters if n not in _COUNTS}
     if src.even:  # derive's retry for a step that halves a width: every width probed even
         scale |= {n: 2 * scale.get(n, 1) for n in letters if n not in _NOT_HALVED}
+    if "S" in scale and "S_max" in letters:  # the table still longer than S: S_max a multiple of S's factor too
+        scale["S_max"] = int(np.lcm(scale.get("S_max", 1), scale["S"]))
     heads = kept[0] if len(kept) == 1 and isinstance(kept[0], int) and kept[0] > 0 else 1
     return make_probe(
         letters,
@@ -1552,6 +1597,7 @@ def read_source(model: Any, req: Request) -> _Source:
         if req.routing is not None:
             check_routing(model, req.routing)
         _eager_transformers(src)
+    src.notes += _own_letters(src)
     layer = _layer_field(src)
     if layer is not None:
         field_name, path = layer

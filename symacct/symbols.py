@@ -20,7 +20,8 @@ from typing import Any
 
 import sympy
 
-# config field name -> letter
+# config field name -> letter; where two fields of one config read as one letter with different values (MiniMax's
+# linear-attention block_size and its max_position_embeddings), the one listed first keeps it (symacct.pipeline)
 ALIASES: dict[str, str] = {
     "n_embd": "D",
     "d_model": "D",
@@ -30,8 +31,8 @@ ALIASES: dict[str, str] = {
     "n_heads": "H",
     "num_attention_heads": "H",
     "num_heads": "H",
-    "n_kv_heads": "H_kv",
     "num_key_value_heads": "H_kv",
+    "n_kv_heads": "H_kv",
     "num_kv_heads": "H_kv",  # Falcon
     "n_layer": "L",
     "n_layers": "L",
@@ -42,18 +43,21 @@ ALIASES: dict[str, str] = {
     "hidden_dim": "F",
     "d_ff": "F",
     "ffn_hidden_size": "F",  # Falcon, Megatron
-    "block_size": "S_max",
-    "max_seq_len": "S_max",
     "max_position_embeddings": "S_max",
     "n_positions": "S_max",
-    "n_ctx": "S_max",
-    "max_len": "S_max",
+    "max_seq_len": "S_max",
     "max_seq_length": "S_max",
+    "max_len": "S_max",
+    "n_ctx": "S_max",
+    "block_size": "S_max",  # nanoGPT's context; elsewhere a chunk's or a sparse-attention block's length
     "num_local_experts": "E",
     "num_experts": "E",
     "n_routed_experts": "E",
+    "moe_num_experts": "E",  # Aria, ERNIE 4.5, Hunyuan MoE
     "num_experts_per_tok": "k",
     "moe_top_k": "k",
+    "moe_topk": "k",
+    "top_k_experts": "k",  # Gemma 4
 }
 
 # fixed order used whenever symbols are printed or sorted
