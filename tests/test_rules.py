@@ -317,3 +317,42 @@ def test_a_complex_product_costs_its_real_arithmetic_and_is_exact() -> None:
     complex_muls = [n for _, n in records(acct.graph) if n.op == "aten.mul.Tensor" and "complex64" in str(n.dtypes)]
     assert len(complex_muls) == 2  # the rotation, and its gradient (times the conjugate)
     assert all(sympy.expand(n.cost.flops_other - 6 * B * S * 8) == 0 for n in complex_muls)
+
+
+class _PolarRotary(torch.nn.Module):
+    """The rotation built in forward from its angles with ``torch.polar`` (Llama 4's rotary embedding), then
+    applied as a complex product."""
+
+    def __init__(self, config: _RotaryConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.q = torch.nn.Linear(config.width, config.width)
+        self.register_buffer("freqs", torch.arange(config.width // 2).float() / config.width, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, W = x.shape
+        angles = torch.outer(torch.arange(S, dtype=torch.float32), self.freqs)  # (S, W/2)
+        rotation = torch.polar(torch.ones_like(angles), angles)  # (S, W/2) complex
+        q = torch.view_as_complex(self.q(x).reshape(B, S, W // 2, 2))  # (B, S, W/2) complex
+        return torch.view_as_real(q * rotation).flatten(2).square().sum()  # (B, S, W)
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, self.config.width),)
+
+
+def test_polar_costs_a_cosine_a_sine_and_two_products_an_element() -> None:
+    """``torch.polar`` had no rule (refused, as Llama 4's rotary embedding was): 4 FLOPs per complex element,
+    and the step is exact against a real one."""
+    import sympy
+    from real_step import exact_against_a_real_step
+
+    import symacct
+    from symacct.cost.graph import records
+    from symacct.symbols import sym
+
+    model = _PolarRotary(_RotaryConfig())
+    acct = symacct.derive(model, optimizer="adamw", fixed=["width"])
+    exact_against_a_real_step(model, acct)
+    polar = [n for _, n in records(acct.graph) if n.op == "aten.polar.default"]
+    assert len(polar) == 1
+    assert sympy.expand(polar[0].cost.flops_other - 4 * sym("S") * 8) == 0

@@ -54,6 +54,7 @@ COMPLEX_PER_ELEMENT: dict[str, int] = {
     "mul": 6,
     "add": 2,
     "sub": 2,
+    "polar": 4,  # abs * cos(angle) + i * abs * sin(angle): cos, sin, two multiplies (Llama 4's rotary table)
 }
 
 
@@ -93,6 +94,9 @@ rule(
 # Python's operators on bool tensors (``a | b``: DTensor's vocabulary-parallel embedding masks the ids
 # out of its shard's range): aliases of bitwise_or / and / xor that carry no pointwise tag
 rule(aten.__or__, aten.__and__, aten.__xor__)(pointwise)
+
+# a complex tensor from magnitudes and angles (``torch.polar``, Llama 4's rotary table): elementwise, untagged
+rule(aten.polar)(pointwise)
 
 
 def _foreach_packets() -> tuple[torch._ops.OpOverloadPacket, ...]:
