@@ -191,3 +191,37 @@ def test_functional_pooling_is_probed_at_even_sides_and_exact(ceil_mode):
     exact_against_a_real_step(model, acct, [(2, 16), (3, 36)])
     with pytest.raises(SymacctError, match="divides S"):  # an odd side pools to other sizes: refused
         acct.at(B=2, S=30)
+
+
+@dataclasses.dataclass
+class PooledSequenceConfig:
+    width: int = 8
+    max_len: int = 64  # S_max: the position table's rows
+
+
+class PooledSequence(torch.nn.Module):
+    """Learned positions, then the sequence halved by ``F.avg_pool1d`` (a funnel's downsampling): derive probes
+    S as 64 * prime again, and the position table's S_max with it (it must stay longer than S). Before, that
+    probe failed inside symacct ("S_max must exceed S", reported as a defect of symacct)."""
+
+    def __init__(self, config: PooledSequenceConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.pos = torch.nn.Parameter(torch.randn(config.max_len, config.width))
+        self.proj = torch.nn.Linear(config.width, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, width)
+        h = self.proj(x + self.pos[: x.shape[1]])  # (B, S, width)
+        h = torch.nn.functional.avg_pool1d(h.transpose(1, 2), 2)  # (B, width, S/2)
+        return h.square().mean()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, self.config.width),)
+
+
+def test_a_halved_sequence_is_probed_at_even_lengths_below_its_table() -> None:
+    torch.manual_seed(0)
+    model = PooledSequence(PooledSequenceConfig())
+    acct = symacct.derive(model, optimizer="adamw")
+    assert any("avg_pool2d" in n for n in acct.notes)  # avg_pool1d runs as avg_pool2d on the CPU
+    exact_against_a_real_step(model, acct, [(2, 16), (3, 36)])

@@ -655,3 +655,37 @@ def test_mamba_on_the_cpu_is_refused_as_a_loop_over_the_sequence() -> None:
         symacct.derive(model)
     assert "reads a dimension of S index by index" in e.value.what
     assert e.value.module == "backbone.layers.0.mixer" and e.value.sizes == ("S",)
+
+
+def test_gemma4_with_per_layer_head_widths_is_exact() -> None:
+    """Gemma 4's config gives its full-attention layers a head width of their own (``global_head_dim``) through
+    per-layer overrides, and refuses a read of the global ``head_dim`` (AmbiguousGlobalPerLayerAttributeError).
+    derive read every field and failed inside symacct, reported as a defect of symacct. It reads the global
+    values now; the layers' own values stay constants of the rebuilt model. With per-layer embeddings, key/value
+    sharing across layers and the mixture-of-experts block, exact."""
+    config = T.Gemma4TextConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, global_head_dim=16, vocab_size=64, max_position_embeddings=64, sliding_window=4,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, num_kv_shared_layers=2,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = T.Gemma4ForCausalLM(config)
+    check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
+
+
+def test_bigbird_masked_lm_with_its_unread_pooler_is_exact() -> None:
+    """BigBird's masked LM builds a pooler whose output no loss reads (a saved ``tanh`` output freed when forward
+    returns: ``symacct.trace.versions.alias``), and its config has a ``block_size`` (a sparse-attention block)
+    beside ``max_position_embeddings``, both S_max by name (``tests/test_shared_letters.py``). Before, the probe
+    built a position table of block_size rows and the model was refused as not the one given."""
+    config = T.BigBirdConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+        max_position_embeddings=64, block_size=4, attention_type="original_full",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = T.BigBirdForMaskedLM(config)
+    acct = symacct.derive(model, optimizer="adamw")
+    assert any("block_size = 4, max_position_embeddings = 64 read as one size" in n for n in acct.notes)
+    check_exact(model, acct, [(2, 7), (3, 11)])
