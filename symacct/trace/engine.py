@@ -94,16 +94,23 @@ class Saved:
     under the sequence number of the node that saves it (made just before its saved variables are packed:
     ``_get_sequence_nr() - 1``), so that ``release`` empties a node's boxes when it has run, as the
     engine's ``release_variables`` does. ``note(t)`` is called on each tensor packed (the recorder counts
-    its storage)."""
+    its storage), ``same(kept, t)`` on what its box keeps (``versions.alias``: the recorder reads it as ``t``)."""
 
-    def __init__(self, note: Callable[[torch.Tensor], object] | None = None) -> None:
+    def __init__(
+        self,
+        note: Callable[[torch.Tensor], object] | None = None,
+        same: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+    ) -> None:
         self.note = note
+        self.same = same
         self.boxes: dict[int, list[weakref.ref[SavedBox]]] = {}
 
     def pack(self, t: torch.Tensor) -> SavedBox:
         if self.note is not None:
             self.note(t)
         box = SavedBox(t)
+        if self.same is not None:
+            self.same(box.tensor, t)  # type: ignore[arg-type]
         self.boxes.setdefault(torch.autograd._get_sequence_nr() - 1, []).append(weakref.ref(box))
         return box
 

@@ -267,6 +267,12 @@ class _Ids:
             self._n_values += 1
         return TMeta(tuple(int(s) for s in t.shape), t.dtype, vid, self.storage(t))
 
+    def same_value(self, alias: torch.Tensor, t: torch.Tensor) -> None:
+        """``alias`` (what the pack hook keeps of a saved tensor: ``versions.alias``) is ``t``'s value: backward
+        reads it where the forward made ``t``."""
+        if alias is not t:
+            self._values[local(alias)] = self.meta(t).vid
+
     def storage(self, t: torch.Tensor) -> int:
         st = local(t).untyped_storage()
         key = st._cdata
@@ -917,8 +923,11 @@ def record_step(
                 trace.saved_storages[st] = local(t).untyped_storage().nbytes()
 
         def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-            note(t)
-            return versions.pack(t)
+            if not only_ops:
+                note(t)
+            packed = versions.pack(t)
+            ids.same_value(packed[0], t)
+            return packed
 
         def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:  # PyTorch's in-place check, kept
             return versions.unpack(packed, recorder.module)
@@ -955,11 +964,12 @@ def record_step(
                 # the loss is part of the step: what it saves for backward is activations too, and it runs
                 # under autocast as the forward does (as PyTorch's AMP recipe has it)
                 # hooks are set for a trace of ops only too: their presence changes what some ops run (a detach)
-                boxes = Saved(None if only_ops else note)  # the Python engine empties each node's once it has run
+                # the Python engine empties each node's once it has run
+                boxes = Saved(None if only_ops else note, ids.same_value)
                 if python_engine:
                     saving = torch.autograd.graph.saved_tensors_hooks(boxes.pack, boxes.unpack)
                 else:
-                    saving = torch.autograd.graph.saved_tensors_hooks(versions.pack if only_ops else pack, unpack)
+                    saving = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
                 with saving, composing(seen), _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
                     value = _call_loss(loss, out) if loss is not None else out
