@@ -148,6 +148,7 @@ FAMILIES: dict[str, Callable[[], Any]] = {
                           sliding_window=4),
     "olmo3": _decoder("Olmo3Config", "Olmo3ForCausalLM", num_key_value_heads=2, sliding_window=4),
     "seed-oss": _decoder("SeedOssConfig", "SeedOssForCausalLM", num_key_value_heads=2, head_dim=8),
+    "convbert": _decoder("ConvBertConfig", "ConvBertForMaskedLM", embedding_size=32),
     "convnext": lambda: T.ConvNextForImageClassification(
         T.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 2], num_stages=2, image_size=32)
     ),

@@ -356,3 +356,48 @@ def test_polar_costs_a_cosine_a_sine_and_two_products_an_element() -> None:
     polar = [n for _, n in records(acct.graph) if n.op == "aten.polar.default"]
     assert len(polar) == 1
     assert sympy.expand(polar[0].cost.flops_other - 4 * sym("S") * 8) == 0
+
+
+@dataclasses.dataclass
+class _SpanConfig:
+    width: int = 8
+    kernel: int = 3
+
+
+class _Span(torch.nn.Module):
+    """Patches of the sequence by ``nn.Unfold`` (ConvBERT's span-based convolution: ``aten.im2col``), mixed,
+    then folded back by ``nn.Fold`` (``aten.col2im``: overlapping patches add)."""
+
+    def __init__(self, config: _SpanConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.mix = torch.nn.Linear(config.width * config.kernel, config.width * config.kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, width)
+        B, S, W = x.shape
+        k = self.config.kernel
+        img = x.transpose(1, 2).unsqueeze(-1)  # (B, W, S, 1)
+        cols = torch.nn.functional.unfold(img, (k, 1), padding=(k // 2, 0))  # (B, W*k, S)
+        cols = self.mix(cols.transpose(1, 2)).transpose(1, 2)  # (B, W*k, S)
+        out = torch.nn.functional.fold(cols, (S, 1), (k, 1), padding=(k // 2, 0))  # (B, W, S, 1)
+        return out.square().mean()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, self.config.width),)
+
+
+def test_unfold_is_a_copy_and_fold_adds_every_column_element() -> None:
+    """``im2col`` and ``col2im`` had no rule (ConvBERT was refused): a copy, and one add per column element."""
+    import sympy
+    from real_step import exact_against_a_real_step
+
+    import symacct
+    from symacct.cost.graph import records
+    from symacct.symbols import sym
+
+    model = _Span(_SpanConfig())
+    acct = symacct.derive(model, optimizer="adamw", fixed=["width", "kernel"])
+    exact_against_a_real_step(model, acct)
+    by_op = {n.op: n for _, n in records(acct.graph)}
+    assert by_op["aten.im2col.default"].cost.flops_other == 0
+    assert sympy.expand(by_op["aten.col2im.default"].cost.flops_other - 24 * sym("B") * sym("S")) == 0

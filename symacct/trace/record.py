@@ -334,8 +334,28 @@ def _grouped_mm_cpu(
     return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
+def _made_like_input(func: Any) -> Callable[..., torch.Tensor]:
+    """``func`` on fake CPU tensors, with the storage its CPU kernel leaves: ``im2col`` and ``col2im`` (nn.Unfold,
+    nn.Fold) allocate their result like their input (``empty_like``), then resize it to its shape. The storage
+    keeps the larger of the two sizes: F.fold of (2, 24, 7) columns into a (2, 8, 7, 1) image holds 1,344 bytes,
+    not 448 (the meta kernel's)."""
+
+    def run(inp: torch.Tensor, *args: Any) -> torch.Tensor:
+        out = func(inp, *args)
+        if inp.device.type != "cpu" or inp.numel() <= out.numel():
+            return out
+        whole = torch.empty(inp.numel(), dtype=out.dtype, device=out.device)
+        return whole.as_strided(out.shape, out.stride())
+
+    return run
+
+
 # ops whose meta kernel follows another device's rules than the CPU kernel's: the CPU kernel's rules instead
-_CPU_KERNELS: dict[Any, Callable[..., torch.Tensor]] = {aten._grouped_mm.default: _grouped_mm_cpu}
+_CPU_KERNELS: dict[Any, Callable[..., torch.Tensor]] = {
+    aten._grouped_mm.default: _grouped_mm_cpu,
+    aten.im2col.default: _made_like_input(aten.im2col.default),
+    aten.col2im.default: _made_like_input(aten.col2im.default),
+}
 
 
 # ``_c10d_functional.wait_tensor`` returns the tensor it waited for (a collective's output, in place); its

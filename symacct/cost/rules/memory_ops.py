@@ -165,10 +165,12 @@ def create(call: Call) -> Cost:
     aten.replication_pad1d,
     aten.replication_pad2d,
     aten.replication_pad3d,
+    aten.im2col,
 )
 def copy(call: Call) -> Cost:
     """A copy reads its source and writes its result: 0 FLOPs (nearest upsampling is one: a gather; so are a
-    pixel shuffle, a permutation of elements, and reflection or replication padding).
+    pixel shuffle, a permutation of elements, reflection or replication padding, and ``im2col``, nn.Unfold's
+    patches: ConvBERT's span-based convolution).
 
     ``cat`` / ``stack`` of distinct tensors of the output's dtype read what they write: counted as the
     output's bytes, a formula whatever the list's length (DTensor gathers a tensor split on its last dim
@@ -231,6 +233,13 @@ def embedding_backward(call: Call) -> Cost:
         rows, width = call.outputs[0].shape  # the weight's gradient: [V, D]
         return Cost(flops=4 * numel(idx.shape) * rows * width)
     return Cost(flops_other=numel(grad.shape))
+
+
+@rule(aten.col2im)
+def col2im(call: Call) -> Cost:
+    """nn.Fold, and im2col's backward: every element of the columns is added into its place in the image
+    (overlapping patches sum): 1 FLOP each, as a scatter-add."""
+    return Cost(flops_other=numel(call.inputs[0].shape))
 
 
 @rule(aten._local_scalar_dense, aten.item)
