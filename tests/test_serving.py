@@ -397,8 +397,12 @@ def _generation_call(model: Any, cache: Any, x: torch.Tensor) -> tuple[int, int,
     counters = (FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter())
     with torch.no_grad(), tracker, counters[0] as fc, counters[1] as flash, counters[2] as grouped:
         model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-    held = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
-    return fc.get_total_flops() + flash.total + grouped.total, tracker.peak, held
+    cached = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]  # not a shared layer
+    return (
+        fc.get_total_flops() + flash.total + grouped.total,
+        tracker.peak,
+        sum(t.untyped_storage().nbytes() for t in cached),
+    )
 
 
 def test_decode_beyond_a_small_window_holds_the_steady_states_cache():
@@ -487,3 +491,26 @@ def test_serve_bounds_the_longest_context_by_the_window_derived():
     s = serve(prefill, decode, hardware="H100-SXM", context=512)
     assert s.max_context == 1024
     assert any("the derivation bounds it" in n and "sliding_window" in n for n in s.notes)
+
+
+def test_gemma4_caches_each_layers_own_head_width_and_shares_across_layers():
+    """Gemma 4's full-attention layers have a head width of their own (16 here, 8 in the sliding layers), and
+    its last layers read the cache of earlier ones (``num_kv_shared_layers``: transformers gives them a cache
+    layer that holds nothing). The decode probe read the global head width, which Gemma 4's config refuses
+    to give (refused, "could not build the inputs"); it now fills each layer with its own widths and skips
+    the shared ones. A prompt, then tokens one at a time: FLOPs, peak and the cache's bytes are exact."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Gemma4TextConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, global_head_dim=16, vocab_size=64, max_position_embeddings=64, sliding_window=4,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, num_kv_shared_layers=2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    B, P, T = 2, 5, 3
+    prefill, decode, run = _served(transformers.Gemma4ForCausalLM(cfg), B, P + T)
+    at = prefill.at(B=B, S=P)
+    assert run(0, P) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    for t in range(T):
+        at = decode.at(B=B, C=P + t)
+        assert run(P + t, P + t + 1) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)

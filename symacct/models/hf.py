@@ -191,19 +191,28 @@ def _cache(m: nn.Module, B: int, C: int) -> Any:
     cache = transformers.DynamicCache(config=config)
     if C == 0:
         return cache
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    keys = values = (kv_heads, head_dim)  # a layer's (heads, width) of each
-    latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
-    if isinstance(latent, int) and isinstance(rope, int):  # latent attention caches its compressed latent and
-        keys, values = (1, latent), (1, rope)  # its rotary key, one head each (DeepSeek-V2/V3)
+    per_layer = getattr(config, "per_layer_config", None)  # a layer's own values where the config has them
     dtype = next(m.parameters()).dtype
     for i in range(config.num_hidden_layers):
+        if type(cache.layers[i]).__name__ == "DummyLayer":  # a layer that reads another's cache (Gemma 4), or none
+            continue
+        keys, values = _cached_widths(per_layer[i] if per_layer is not None else config)
         for n in (C - 1, 1) if C > 1 else (C,):
             k = torch.randn(B, keys[0], n, keys[1], dtype=dtype)
             cache.update(k, torch.randn(B, values[0], n, values[1], dtype=dtype), i)
     return cache
+
+
+def _cached_widths(config: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(heads, width) of the keys and of the values a layer caches, from its config (a layer's own, where the
+    config gives its full-attention layers another head width, as Gemma 4's does)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
+    if isinstance(latent, int) and isinstance(rope, int):  # latent attention caches its compressed latent and
+        return (1, latent), (1, rope)  # its rotary key, one head each (DeepSeek-V2/V3)
+    return (kv_heads, head_dim), (kv_heads, head_dim)
 
 
 def serving_inputs(model: nn.Module, step: str) -> Callable[..., dict[str, Any]]:
