@@ -405,6 +405,18 @@ def _generation_call(model: Any, cache: Any, x: torch.Tensor) -> tuple[int, int,
     )
 
 
+def _exact_through_generation(model: Any, B: int, P: int, T: int) -> Any:
+    """A prompt of P tokens, then T tokens one at a time, as generation runs them: each call's FLOPs, peak and
+    cache bytes equal the derived prefill's and decode's. The prefill's figures at (B, P)."""
+    prefill, decode, run = _served(model, B, P + T)
+    first = prefill.at(B=B, S=P)
+    assert run(0, P) == (first.flops.forward, first.memory.peak, first.memory.kv_cache)
+    for t in range(T):
+        at = decode.at(B=B, C=P + t)
+        assert run(P + t, P + t + 1) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    return first
+
+
 def test_decode_beyond_a_small_window_holds_the_steady_states_cache():
     """A window of 4 that the probe's context passes: the decode formulas are those beyond the window, where
     each sliding layer keeps a view of its last concatenation (window positions) as generation leaves it
@@ -471,14 +483,9 @@ def test_deepseek_v3_caches_its_latent_and_decodes_exactly():
         eos_token_id=2,
     )  # fmt: skip
     torch.manual_seed(0)
-    B, P, T = 2, 5, 3
-    prefill, decode, run = _served(transformers.DeepseekV3ForCausalLM(cfg), B, P + T)
-    at = prefill.at(B=B, S=P)
-    assert run(0, P) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    B, P = 2, 5
+    at = _exact_through_generation(transformers.DeepseekV3ForCausalLM(cfg), B, P, 3)
     assert at.memory.kv_cache == 2 * B * P * (16 + 8) * 4  # two layers: latent and rotary key, fp32
-    for t in range(T):
-        at = decode.at(B=B, C=P + t)
-        assert run(P + t, P + t + 1) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
 
 
 def test_serve_bounds_the_longest_context_by_the_window_derived():
@@ -507,10 +514,4 @@ def test_gemma4_caches_each_layers_own_head_width_and_shares_across_layers():
         bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     torch.manual_seed(0)
-    B, P, T = 2, 5, 3
-    prefill, decode, run = _served(transformers.Gemma4ForCausalLM(cfg), B, P + T)
-    at = prefill.at(B=B, S=P)
-    assert run(0, P) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
-    for t in range(T):
-        at = decode.at(B=B, C=P + t)
-        assert run(P + t, P + t + 1) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    _exact_through_generation(transformers.Gemma4ForCausalLM(cfg), 2, 5, 3)
