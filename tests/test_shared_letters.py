@@ -68,6 +68,9 @@ def test_two_fields_named_as_one_size_with_one_value_stay_one_symbol() -> None:
 
 
 def test_minimax_keeps_max_position_embeddings_as_s_max() -> None:
+    """MiniMax's block_size (256, its lightning attention's chunk) sizes three buffers a linear-attention layer;
+    read as S_max, they were evaluated at max_position_embeddings (64): memory after the forward came out
+    989,184 bytes low, silently. Exact now, block_size a symbol of its own."""
     T = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = T.MiniMaxConfig(
@@ -76,6 +79,7 @@ def test_minimax_keeps_max_position_embeddings_as_s_max() -> None:
     )  # fmt: skip
     model = T.MiniMaxForCausalLM(config)
     acct = symacct.derive(model, optimizer="adamw")
+    assert acct.symbols["block_size"] == 256 and acct.symbols["S_max"] == 64
     from test_transformers import check_exact
 
     check_exact(model, acct, [(2, 7), (3, 11)])
