@@ -462,17 +462,19 @@ def _own_letters(src: _Source) -> list[str]:
             by_letter[letter].append(f)
     notes = []
     for letter, names in sorted(by_letter.items()):
+        if len(names) < 2:
+            continue
         values = ", ".join(f"{f} = {src.values[f]}" for f in sorted(names))
-        if len(names) > 1 and len({src.values[f] for f in names}) == 1:
+        if len({src.values[f] for f in names}) == 1:
             notes.append(f"{values} read as one size, {letter}, by name: one symbol (a size at() gives sets both)")
-        if len({src.values[f] for f in names}) < 2:
             continue
         keeper = next(f for f in ALIASES if f in names)
-        for f in names:
-            if f != keeper:
-                src.fields[f] = f
-        own = ", ".join(sorted(f for f in names if f != keeper))
-        notes.append(f"{values} read as one size, {letter}, by name: {keeper} is {letter}; {own} a symbol of its own")
+        own = sorted(f for f in names if f != keeper)
+        for f in own:
+            src.fields[f] = f
+        notes.append(
+            f"{values} read as one size, {letter}, by name: {keeper} is {letter}; {', '.join(own)} a symbol of its own"
+        )
     return notes
 
 
