@@ -634,6 +634,21 @@ def test_sequence_classification_takes_the_labels_its_problem_type_reads(num_lab
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
 
 
+def test_a_decoder_classifier_trains_without_a_kv_cache_and_is_exact() -> None:
+    """Mistral's sequence classifier builds a KV cache when ``use_cache`` is left to its config, and its
+    sliding-window cache makes a tensor a layer outside the layer stack: derive refused it as "not the model
+    given" (6 ``lift_fresh`` in the given model, 4 in the rebuilt one). The step passes ``use_cache=False``
+    where the forward takes it, as the causal LM's does; an encoder's classifier (BERT above) takes none."""
+    config = T.MistralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64, pad_token_id=0, num_labels=3, sliding_window=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = T.MistralForSequenceClassification(config)
+    assert task(model).inputs(model, 2, 5)["use_cache"] is False
+    check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
+
+
 def test_swin_pools_a_transposed_sequence_and_is_exact() -> None:
     """Swin's pooler averages the transposed sequence, so the gradient reaches its last layer norm transposed:
     PyTorch's meta kernel returned the input's gradient in those strides, the CPU kernel returns it contiguous,

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -147,7 +148,10 @@ def _class_labels(m: nn.Module, B: int) -> torch.Tensor:
 
 
 def _classify_text(m: nn.Module, B: int, S: int) -> dict[str, Any]:
-    return {"input_ids": _ids(m, B, S), "labels": _class_labels(m, B)}
+    inputs = {"input_ids": _ids(m, B, S), "labels": _class_labels(m, B)}
+    if "use_cache" in inspect.signature(m.forward).parameters:  # a decoder's classifier: no KV cache in a
+        inputs["use_cache"] = False  # training step, as for a causal LM (Mistral's builds one, a layer at a time)
+    return inputs
 
 
 def _classify_image(m: nn.Module, B: int, S: int) -> dict[str, Any]:
