@@ -1065,3 +1065,40 @@ def test_a_retry_that_stops_elsewhere_says_where():
         symacct.derive(_Attn(_AttnConfig()), step="forward")
     assert "embed_dim must be divisible by num_heads" in str(e.value)
     assert "the step stopped elsewhere" in str(e.value) and "fused inference path" in str(e.value)
+
+
+@dataclasses.dataclass
+class _TableConfig:
+    vocab: int = 64
+    width: int = 16
+    sparse: bool = False
+
+
+class _Table(nn.Module):
+    """An embedding table and a linear read-out; ``sparse`` makes the table's gradient a sparse COO tensor."""
+
+    def __init__(self, config: _TableConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width, sparse=config.sparse)
+        self.out = nn.Linear(config.width, config.vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids (B, S)
+        logits = self.out(self.emb(ids))  # (B, S, vocab)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_a_sparse_gradient_is_refused_by_its_op():
+    """``nn.Embedding(sparse=True)`` makes its weight's gradient a sparse COO tensor, whose bytes depend on how
+    many rows the batch touched (values). The recorder asked the tensor for its storage and failed, reported as
+    "a defect of symacct"; now the op that makes it is refused with the module and what to do. The dense table
+    derives."""
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(_Table(_TableConfig(sparse=True)), loss=lambda out: out, optimizer="sgd")
+    assert "layout torch.sparse_coo" in e.value.what and e.value.module == "emb"
+    assert "defect" not in str(e.value) and "sparse=False" in e.value.hint
+    dense = symacct.derive(_Table(_TableConfig()), loss=lambda out: out, optimizer="sgd")
+    assert dense.at(B=2, S=7).params == 2 * 64 * 16 + 64

@@ -14,12 +14,18 @@ says what one training step is. The convention, per task:
   every position a target (the cost of the loss does not depend on which
   positions are masked: ignored positions still go through log-softmax).
 - sequence classification: ``input_ids`` and one label per sequence.
+- token classification (``*ForTokenClassification``): ``input_ids`` and a
+  class index per position, ``labels`` (B, S).
+- extractive question answering (``*ForQuestionAnswering``): ``input_ids``
+  and the answer's ``start_positions`` and ``end_positions`` (B,), positions
+  inside the sequence (the cost does not depend on which).
 - image classification: ``pixel_values`` (B, C, image_size, image_size) and
   one label per image; S reaches no tensor (the image size is a config field).
 - a base model (no head): ``input_ids``; the loss is the sum of the last
   hidden state (a stand-in objective, said so in the notes).
 
-``use_cache=False`` always: a training step keeps no KV cache.
+``use_cache=False`` wherever the forward takes it: a training step keeps no
+KV cache.
 
 Mixtures of experts: transformers' default experts path (``grouped_mm``)
 sorts the B*S*k (token, expert) pairs by expert and multiplies them with one
@@ -148,10 +154,26 @@ def _class_labels(m: nn.Module, B: int) -> torch.Tensor:
 
 
 def _classify_text(m: nn.Module, B: int, S: int) -> dict[str, Any]:
-    inputs = {"input_ids": _ids(m, B, S), "labels": _class_labels(m, B)}
-    if "use_cache" in inspect.signature(m.forward).parameters:  # a decoder's classifier: no KV cache in a
-        inputs["use_cache"] = False  # training step, as for a causal LM (Mistral's builds one, a layer at a time)
+    return _with_no_cache(m, {"input_ids": _ids(m, B, S), "labels": _class_labels(m, B)})
+
+
+def _with_no_cache(m: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs`` with ``use_cache=False`` where the forward takes it (a decoder's head): a training step keeps
+    no KV cache, as for a causal LM (Mistral's classifier builds one otherwise, a layer at a time, outside the
+    layer stack)."""
+    if "use_cache" in inspect.signature(m.forward).parameters:
+        inputs["use_cache"] = False
     return inputs
+
+
+def _classify_tokens(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+    return _with_no_cache(m, {"input_ids": _ids(m, B, S), "labels": torch.randint(0, _labels(m), (B, S))})
+
+
+def _answer_span(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+    start = torch.randint(0, S, (B,))
+    end = torch.minimum(start + torch.randint(0, S, (B,)), torch.tensor(S - 1))
+    return _with_no_cache(m, {"input_ids": _ids(m, B, S), "start_positions": start, "end_positions": end})
 
 
 def _classify_image(m: nn.Module, B: int, S: int) -> dict[str, Any]:
@@ -275,6 +297,21 @@ def task(model: nn.Module) -> Task:
             _output_loss,
             "sequence classification step: input_ids (B, S), one label a sequence (as the config's problem_type "
             "reads it), output.loss",
+        )
+    if name.endswith("ForTokenClassification"):
+        return Task(
+            "token-classification",
+            _classify_tokens,
+            _output_loss,
+            "token classification step: input_ids (B, S), a class index a position, labels (B, S), output.loss",
+        )
+    if name.endswith("ForQuestionAnswering"):
+        return Task(
+            "question-answering",
+            _answer_span,
+            _output_loss,
+            "extractive question answering step: input_ids (B, S), the answer's start_positions and "
+            "end_positions (B,), output.loss",
         )
     if name.endswith("ForImageClassification"):
         return Task(

@@ -504,6 +504,25 @@ def _text(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
+def _strided_only(func: Any, out: Any, index: int, module: str) -> None:
+    """Refuse an op that returns a sparse (or other non-strided) tensor: its bytes and the costs of the ops that
+    read it are set by how many of its entries are stored, a count of values that a fake tensor does not have
+    (``nn.Embedding(sparse=True)``'s gradient, for one)."""
+    tensors = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ()
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise SymacctError(
+                f"the step makes a tensor of layout {t.layout}: its bytes and the costs of the ops that read it "
+                "depend on how many entries it stores (values), which a trace on fake tensors does not have",
+                node=f"#{index}",
+                module=module,
+                op=str(func),
+                shapes=[tuple(t.shape)],
+                hint="keep the step's tensors dense: nn.Embedding(..., sparse=False) (the default) and "
+                "EmbeddingBag likewise, no to_sparse() in forward",
+            )
+
+
 def _failure(func: Any, e: Exception) -> tuple[str, str]:
     """What went wrong when an op failed on fake tensors, and what the user can do about it."""
     if "convert all Tensors to FakeTensors" in str(e):
@@ -723,6 +742,7 @@ class _Recorder(TorchDispatchMode):
                 what, node=f"#{len(self.trace.ops)}", module=self.module(), op=str(func), shapes=shapes, hint=hint
             ) from e
         out = eager.as_on_the_cpu(func, args, out)
+        _strided_only(func, out, len(self.trace.ops), self.module())
         if func in SPLITTING and self.phase == "forward" and self.loops.primes:
             self.loops.split(func, args, out)
         known.propagate(func, args, kwargs, out)
