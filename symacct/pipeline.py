@@ -107,6 +107,8 @@ from symacct.time.hardware import get as get_hardware
 from symacct.trace.constraints import check as check_constraints
 from symacct.trace.constraints import learn as learn_constraints
 from symacct.trace.context_parallel import sharded as sequence_sharded
+from symacct.trace.hooks import describe as describe_hook
+from symacct.trace.hooks import hooks_of
 from symacct.trace.probe import (
     FIRST_PRIMES,
     HEAD_PRIMES,
@@ -285,6 +287,7 @@ def _source(
                 hint="without a config only B and S are symbols; drop fixed=",
             )
         original = model
+        _refuse_tensor_hooks(model)
 
         def build_copy(vals: dict[str, int]) -> nn.Module:
             return copy.deepcopy(original)
@@ -351,6 +354,22 @@ EXPERT_WIDTH_SCALE = 16
 _NOT_WIDTHS = {"H", "H_kv", "L", "E", "k"}  # counts: never a kept part of a width (Probe.cuts)
 _NOT_HALVED = {"B", "S", "S_max", "S_dec", "C", "L", "H", "H_kv", "E", "k", "tp"}  # sizes the even retry keeps
 _COUNTS = {"B", "S", "L", "D", "H", "H_kv", "V", "S_max", "E", "k", "patch_size", "image_size", *HEAD_WIDTHS}
+
+
+def _refuse_tensor_hooks(model: nn.Module) -> None:
+    """A model without a config is traced as a fake copy: its modules' hooks come with it, its parameters' do
+    not (a fake tensor is made anew from each), so a step with them is refused rather than traced without."""
+    for key, names in hooks_of(model).items():
+        where, kind, module = describe_hook(key)
+        if module != where:  # a parameter's hook
+            raise SymacctError(
+                f"the model has a {kind} on its parameter {where} ({', '.join(names)}), which the fake copy "
+                "derive traces would run without: a parameter's hooks are not copied with it (they can free "
+                "gradients inside backward or add ops)",
+                module=module,
+                hint="pass a factory with dims={...} that builds the model and registers the hook (it is then "
+                "traced), or derive the model without it",
+            )
 
 
 def _converted_layout(model: nn.Module) -> torch.memory_format | None:
@@ -779,13 +798,20 @@ def _record(
     vals = _field_values(src, probe)
     B, S = probe.values["B"], probe.values.get("S", src.seq)
 
+    hooks: dict[str, tuple[str, ...]] = {}
+
     def build(fake: FakeTensorMode) -> nn.Module:
         if src.configless:
             with FakeCopyMode(fake):  # parameters copied as fake tensors, nothing real allocated
-                return src.build(vals)
-        return _build_fake(lambda: src.build(vals), fake, (precision or {}).get("device", "cpu"))
+                model = src.build(vals)
+        else:
+            model = _build_fake(lambda: src.build(vals), fake, (precision or {}).get("device", "cpu"))
+        hooks.update(hooks_of(model))  # as built: before a tensor-parallel plan or an optimizer adds its own
+        return model
 
-    return _trace(src, probe, build, B, S, step, loss, optimizer, precision or {})
+    trace = _trace(src, probe, build, B, S, step, loss, optimizer, precision or {})
+    trace.hooks = hooks
+    return trace
 
 
 def _size_primes(probe: Probe) -> dict[int, str]:

@@ -47,6 +47,9 @@ from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from symacct.cost.layers import op_blocks
 from symacct.errors import SymacctError
 from symacct.options import dtype_key
+from symacct.trace.hooks import describe as describe_hook
+from symacct.trace.hooks import hooks_of
+from symacct.trace.hooks import keys as hook_places
 from symacct.trace.record import OpRecord, StepTrace
 
 D = TypeVar("D")
@@ -71,6 +74,7 @@ def fake_copy(model: nn.Module, fake: FakeTensorMode, device: str = "cpu") -> nn
                     memo[id(t)] = _empty_like(t, device)
     with FakeCopyMode(fake):
         out = copy.deepcopy(model, memo)
+        _copy_tensor_hooks(model, memo)
     moved: dict[int, torch.Tensor] = {}
     with fake:  # what the memo did not hold (a tensor subclass on the meta device)
         for module in out.modules():
@@ -82,6 +86,20 @@ def fake_copy(model: nn.Module, fake: FakeTensorMode, device: str = "cpu") -> nn
                         moved[id(t)] = _empty_like(t, device)
                     table[name] = moved[id(t)]
     return out
+
+
+def _copy_tensor_hooks(model: nn.Module, memo: dict[int, Any]) -> None:
+    """Register each parameter's hooks on its copy (``copy.deepcopy`` makes a fake parameter anew, without
+    them), each hook copied with the same memo: a bound method is bound to the copied module, so a hook the
+    constructor registered (an optimizer stepped inside backward) runs on the copy as on the model."""
+    for p in model.parameters():
+        q = memo.get(id(p))
+        if q is None or q is p:
+            continue
+        for fn in (getattr(p, "_backward_hooks", None) or {}).values():
+            q.register_hook(copy.deepcopy(fn, memo))
+        for fn in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            q.register_post_accumulate_grad_hook(copy.deepcopy(fn, memo))
 
 
 def _elsewhere(t: torch.Tensor | None, kind: str) -> bool:
@@ -298,6 +316,8 @@ def compare_settings(
     - with ``grads`` (a training step), whether a parameter requires a gradient: a frozen part of the model is
       not trained by the probe model, which trains every parameter its config builds;
     - how parameters are tied;
+    - the hooks on its modules and parameters (``symacct.trace.hooks``): one registered after construction
+      runs in the user's step only, and can keep tensors alive, free gradients inside backward or add ops;
     - with ``dtypes`` (no ``params_dtype`` given), the dtype of every parameter and buffer: a model cast to
       bf16 runs the fp32 model's ops, and would otherwise be derived with fp32 bytes.
     """
@@ -317,8 +337,34 @@ def compare_settings(
                 "the model at the sizes given and freezes the same parameters, or derive the model as built",
             )
     _compare_ties(model, probe)
+    _compare_hooks(model, probe, counts, probe_blocks)
     if dtypes:
         _compare_dtypes(model, probe, counts, probe_blocks)
+
+
+def _compare_hooks(model: nn.Module, probe: StepTrace, counts: dict[str, int], probe_blocks: int) -> None:
+    """Each place of the user's model holds the hooks its counterpart in the probe model holds (block i of a
+    layer stack against the probe's block in its position), by the hooks' names."""
+    mine = hooks_of(model)
+    if not mine and not probe.hooks:  # the common case: no hook on either
+        return
+    for key in hook_places(model):
+        have = mine.get(key, ())
+        for name in _probe_names(key, counts, probe_blocks):
+            theirs = probe.hooks.get(name, ())
+            if have != theirs:
+                where, kind, module = describe_hook(key)
+                added = sorted(set(have) - set(theirs)) or sorted(set(theirs) - set(have))
+                state = "has" if set(have) - set(theirs) else "lacks"
+                other = "has not" if state == "has" else "has"
+                raise SymacctError(
+                    f"the given model {state} a {kind} on {where} ({', '.join(added)}) that the model rebuilt from "
+                    f"its config {other}: a hook runs in the step, and can keep tensors alive, free gradients "
+                    "inside backward or add ops, so the figures of the rebuilt model would not be this model's",
+                    module=module,
+                    hint="register it where the model is built (its __init__), or pass a factory with dims={...} "
+                    "that builds the model at the sizes given and registers it, or derive the model without it",
+                )
 
 
 def _kinds(model: nn.Module, params: dict[str, Any], buffers: dict[str, Any]) -> list[tuple[str, Any, dict[str, Any]]]:

@@ -182,6 +182,16 @@ def test_hooks_the_python_engine_would_not_run_are_refused() -> None:
 
     with pytest.raises(SymacctError, match="module backward hook"):
         _trace(with_module_hook, True)
+
+    def with_parameter_hook() -> torch.nn.Module:  # registered before the step: it was skipped without a word
+        m = Cruncher(CruncherConfig(dim=8, n_layers=2))
+        m.layers[1].weight.register_hook(lambda g: 2 * g)
+        return m
+
+    with pytest.raises(SymacctError, match="parameter layers.1.weight has a gradient hook") as e:
+        _trace(with_parameter_hook, True)
+    assert e.value.module == "layers.1"
+    assert _trace(with_parameter_hook, False).ops
     x = torch.ones(2, requires_grad=True)
     x.register_hook(lambda g: g)  # restored after the trace: registering works again
 

@@ -143,6 +143,7 @@ class StepTrace:
     param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # parameter name -> its dtype as traced
     param_frozen: set[str] = field(default_factory=set)  # parameters that require no gradient
+    hooks: dict[str, tuple[str, ...]] = field(default_factory=dict)  # as built (symacct.trace.hooks), set by derive
     buffer_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # buffer name (shared: each) -> shape
     buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # buffer name -> its dtype as traced
     module_names: list[str] = field(default_factory=list)  # named_modules order
@@ -926,6 +927,13 @@ def record_step(
             trace.param_dtypes[name] = p.dtype
             if not p.requires_grad:
                 trace.param_frozen.add(name)
+            if python_engine and getattr(p, "_backward_hooks", None):  # run by the C++ engine only
+                raise SymacctError(
+                    f"the model's parameter {name} has a gradient hook (Tensor.register_hook), which symacct's "
+                    "Python autograd engine (CUDA without a GPU) does not run",
+                    module=name.rpartition(".")[0],
+                    hint="derive on a machine with a GPU, or with device='cpu'",
+                )
         for name, p in model.named_parameters():
             m = ids.meta(p)
             trace.owner[m.storage] = name
