@@ -649,6 +649,33 @@ def test_a_decoder_classifier_trains_without_a_kv_cache_and_is_exact() -> None:
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
 
 
+@pytest.mark.parametrize("head", ["BertForTokenClassification", "MistralForQuestionAnswering"])
+def test_token_classification_and_question_answering_have_a_default_step(head: str) -> None:
+    """Two more heads with a default step: a class index a position (``labels`` (B, S)), and an answer's start
+    and end positions (B,). Mistral's question-answering head takes no ``use_cache`` but hands its keyword
+    arguments to its base model, which builds a sliding-window cache a layer at a time when not told otherwise
+    (refused as not the model given): the step passes ``use_cache=False`` through."""
+    if head.startswith("Bert"):
+        config: Any = T.BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, num_labels=5,
+        )  # fmt: skip
+    else:
+        config = T.MistralConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=64, max_position_embeddings=64, pad_token_id=0, sliding_window=4,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(T, head)(config)
+    inputs = task(model).inputs(model, 2, 5)
+    if head.startswith("Bert"):
+        assert inputs["labels"].shape == (2, 5)
+    else:
+        assert inputs["start_positions"].shape == (2,) and inputs["use_cache"] is False
+        assert bool((inputs["start_positions"] <= inputs["end_positions"]).all())
+    check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
+
+
 def test_swin_pools_a_transposed_sequence_and_is_exact() -> None:
     """Swin's pooler averages the transposed sequence, so the gradient reaches its last layer norm transposed:
     PyTorch's meta kernel returned the input's gradient in those strides, the CPU kernel returns it contiguous,

@@ -158,10 +158,13 @@ def _classify_text(m: nn.Module, B: int, S: int) -> dict[str, Any]:
 
 
 def _with_no_cache(m: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
-    """``inputs`` with ``use_cache=False`` where the forward takes it (a decoder's head): a training step keeps
-    no KV cache, as for a causal LM (Mistral's classifier builds one otherwise, a layer at a time, outside the
-    layer stack)."""
-    if "use_cache" in inspect.signature(m.forward).parameters:
+    """``inputs`` with ``use_cache=False`` where the forward takes it, or hands its keyword arguments on to a
+    base model that does (a decoder's question-answering head): a training step keeps no KV cache, as for a
+    causal LM (Mistral's classifier builds one otherwise, a layer at a time, outside the layer stack)."""
+    params = inspect.signature(m.forward).parameters
+    passed_on = any(p.kind is p.VAR_KEYWORD for p in params.values())  # a head that hands **kwargs to its base
+    base = getattr(m, "base_model", None)
+    if "use_cache" in params or (passed_on and "use_cache" in inspect.signature(base.forward).parameters):
         inputs["use_cache"] = False
     return inputs
 
