@@ -1068,7 +1068,7 @@ def no_cycle_collection() -> Iterator[None]:
 def _locked(fn: Callable[..., Accounting]) -> Callable[..., Accounting]:
     @functools.wraps(fn)
     def derive(model: Any, **options: Any) -> Accounting:
-        with _LOCK, no_cycle_collection():
+        with _LOCK, no_cycle_collection(), torch.inference_mode(False):  # called inside inference_mode: as outside
             try:
                 return fn(model, **options)
             except SymacctError:

@@ -359,8 +359,9 @@ def _compare_hooks(model: nn.Module, probe: StepTrace, counts: dict[str, int], p
                 other = "has not" if state == "has" else "has"
                 raise SymacctError(
                     f"the given model {state} a {kind} on {where} ({', '.join(added)}) that the model rebuilt from "
-                    f"its config {other}: a hook runs in the step, and can keep tensors alive, free gradients "
-                    "inside backward or add ops, so the figures of the rebuilt model would not be this model's",
+                    f"its config {other}: a hook or a replaced method runs in the step, and can keep tensors alive, "
+                    "free gradients inside backward or add ops, so the figures of the rebuilt model would not be "
+                    "this model's",
                     module=module,
                     hint="register it where the model is built (its __init__), or pass a factory with dims={...} "
                     "that builds the model at the sizes given and registers it, or derive the model without it",

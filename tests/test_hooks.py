@@ -144,3 +144,23 @@ def test_a_gradient_hook_the_constructor_registers_is_traced() -> None:
     scaled = symacct.derive(model)
     n = sum(p.numel() for p in model.parameters())
     assert scaled.at(B=2, S=7).flops.other_backward - unscaled.at(B=2, S=7).flops.other_backward == n  # a divide each
+
+
+def test_a_forward_replaced_on_the_instance_is_refused() -> None:
+    """``module.forward = types.MethodType(f, module)`` (a patch keeping the MLP's output) runs in the user's
+    step only: the op counts match the rebuilt model's, the memory did not (896 bytes low after the forward)."""
+    import types
+
+    kept: list[Any] = []
+    model = GPT2(GPT2Config(**SMALL))
+    mlp = model.blocks[0].mlp
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = type(self).forward(self, x)
+        kept.append(y)
+        return y
+
+    mlp.forward = types.MethodType(forward, mlp)
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(model)
+    assert "has a replaced method on blocks.0.mlp (forward -> " in e.value.what and e.value.module == "blocks.0.mlp"

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import symacct
-from symacct import SymacctError
+from symacct import SymacctError, memo
 from symacct.models import GPT2, Cruncher, CruncherConfig, GPT2Config, Llama, LlamaConfig
 from symacct.recipes import MixedPrecisionAdamW
 
@@ -537,10 +537,14 @@ def test_bad_options_are_refused_in_one_error():
         symacct.derive(compiled)
 
 
-def test_derive_inside_no_grad_is_the_same_step():
+def test_derive_inside_no_grad_or_inference_mode_is_the_same_step():
     model = GPT2(GPT2Config(**SMALL))
     plain = symacct.derive(model, optimizer="adamw")
     with torch.no_grad():
+        inside = symacct.derive(model, optimizer="adamw")
+    assert inside.flops.total == plain.flops.total and inside.memory.peak == plain.memory.peak
+    memo.clear()  # every trace taken: inside inference_mode the probe model was built of inference
+    with torch.inference_mode():  # tensors, refused as "cannot be saved for backward"
         inside = symacct.derive(model, optimizer="adamw")
     assert inside.flops.total == plain.flops.total and inside.memory.peak == plain.memory.peak
 
