@@ -23,6 +23,7 @@ ORDER = [
     "recipes",
     "options",
     "formula",
+    "trace.hooks",
     "trace.known",
     "trace.versions",
     "trace.saved",
