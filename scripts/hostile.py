@@ -164,6 +164,8 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("derive mask longer", changed(lambda m: setattr(m.blocks[0].attn, "mask", mask32)), REFUSE),
         ("derive unused buffer", changed(lambda m: m.register_buffer("extra", torch.zeros(99))), REFUSE),
         ("derive heads set", changed(lambda m: setattr(m.blocks[1].attn, "n_head", 8)), REFUSE),
+        ("derive hook added", changed(lambda m: m.blocks[0].register_forward_hook(lambda *a: None)), REFUSE),
+        ("derive layers cut", changed(lambda m: setattr(m, "blocks", m.blocks[:1])), REFUSE),
         ("serve two models", lambda: serve(prefill, wide_decode, hardware="H100-SXM", context=8), REFUSE),
         ("tp one head a rank", one_head_a_rank, lambda v: v is True),
         ("derive fused inference path", lambda: symacct.derive(encoder, step="forward", inputs=tokens), REFUSE),

@@ -934,7 +934,16 @@ def _same_model(
     S_max (``x[:, :S]`` of a whole table runs no slice op).
     """
     blocks = probe.layers or 1
-    compare_settings(model, trace, stacks, blocks, dtypes=precision.get("params_dtype") is None, grads=step == "train")
+    depth = [(f, src.values[f]) for f, letter in src.fields.items() if letter == "L" and f in src.values]
+    compare_settings(
+        model,
+        trace,
+        stacks,
+        blocks,
+        dtypes=precision.get("params_dtype") is None,
+        grads=step == "train",
+        depth=depth[0] if len(depth) == 1 and probe.layers is not None else None,
+    )
     B, S = probe.values["B"], probe.values.get("S", src.seq)
     dims = _input_dims(src, probe)
     for f, letter in src.fields.items():

@@ -305,7 +305,13 @@ def _positions(i: int, n: int, probe_blocks: int) -> list[int]:
 
 
 def compare_settings(
-    model: nn.Module, probe: StepTrace, stacks: list[str], probe_blocks: int, dtypes: bool, grads: bool
+    model: nn.Module,
+    probe: StepTrace,
+    stacks: list[str],
+    probe_blocks: int,
+    dtypes: bool,
+    grads: bool,
+    depth: tuple[str, int] | None = None,
 ) -> None:
     """Refuse, before any op is compared, when the user's ``model`` differs from the probe model in what the op
     comparison would report only as an op count, or not at all:
@@ -319,9 +325,23 @@ def compare_settings(
     - the hooks on its modules and parameters (``symacct.trace.hooks``): one registered after construction
       runs in the user's step only, and can keep tensors alive, free gradients inside backward or add ops;
     - with ``dtypes`` (no ``params_dtype`` given), the dtype of every parameter and buffer: a model cast to
-      bf16 runs the fp32 model's ops, and would otherwise be derived with fp32 bytes.
+      bf16 runs the fp32 model's ops, and would otherwise be derived with fp32 bytes;
+    - with ``depth`` (the config field read as L and its value), the number of blocks of each layer stack: the
+      probe model builds L of them, and a stack cut or grown after construction (layers pruned, the config
+      left as it was) runs as many blocks as it holds while the figures are taken at the config's L.
     """
     counts = _stack_counts(model, stacks)
+    if depth is not None:
+        field, value = depth
+        for path, n in counts.items():
+            if n != value:
+                raise SymacctError(
+                    f"the given model's layer stack {path} has {n} blocks where its config's {field} = {value} "
+                    f"builds {value}: the figures would be the config's model's, at L = {value}",
+                    module=path,
+                    hint=f"set the config's {field} to the number of blocks the model holds (the model rebuilt from "
+                    "it then has as many), or pass a factory with dims={...}",
+                )
     if len(counts) == len(stacks):  # every stack found in the user's model: its names map onto the probe's
         _compare_names(model, probe, counts, probe_blocks)
     for name, p in model.named_parameters(remove_duplicate=False):

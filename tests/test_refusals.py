@@ -1106,3 +1106,20 @@ def test_a_sparse_gradient_is_refused_by_its_op():
     assert "defect" not in str(e.value) and "sparse=False" in e.value.hint
     dense = symacct.derive(_Table(_TableConfig()), loss=lambda out: out, optimizer="sgd")
     assert dense.at(B=2, S=7).params == 2 * 64 * 16 + 64
+
+
+def test_a_layer_stack_cut_after_construction_is_refused():
+    """Layers pruned from the model (``model.blocks = model.blocks[:2]``) with the config left at 4: the op
+    comparison matches block by block, so derive gave the figures of the config's four-layer model at L = 4
+    while the model runs two (FLOPs and memory twice the real ones here). Refused now; with the config set to
+    the blocks kept, derived and exact."""
+    model = GPT2(GPT2Config(**{**SMALL, "n_layer": 4}))
+    model.blocks = model.blocks[:2]
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(model)
+    assert "layer stack blocks has 2 blocks where its config's n_layer = 4 builds 4" in e.value.what
+    model.config.n_layer = 2
+    counted = FlopCounterMode(display=False)
+    with counted:
+        model(*model.example_inputs(2, 8)).backward()
+    assert symacct.derive(model).at(B=2, S=8).flops.hardware == counted.get_total_flops()

@@ -391,12 +391,15 @@ def carry_checkpointing(user: nn.Module, probe: nn.Module) -> None:
     modules, not in the config: set it the same way on the model rebuilt at probe sizes.
 
     Only when every module that can checkpoint has the same setting (the usual all-layers case); otherwise the
-    rebuilt model differs, and derive's comparison of the two refuses it.
+    rebuilt model differs, and derive's comparison of the two refuses it. The forward hook transformers then
+    registers on the input embeddings (``enable_input_require_grads``) is registered on the rebuilt model too.
     """
     settings = carried_settings(user)
     by_type = {t: (on, fn) for t, on, fn in settings}
     if len(by_type) != len(settings):
         return
+    if getattr(user, "_require_grads_hooks", None):  # the input embeddings' forward hook checkpointing registers
+        probe.enable_input_require_grads()  # (reentrant: the embeddings' output requires grad); compared as a hook
     for m in probe.modules():
         if type(m) in by_type:
             on, fn = by_type[type(m)]
