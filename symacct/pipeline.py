@@ -1584,6 +1584,15 @@ def read_source(model: Any, req: Request) -> _Source:
             "ops and keep other tensors",
             hint="pass the eager module, model._orig_mod (the figures are then those of eager execution)",
         )
+    if isinstance(model, nn.Module):
+        compiled = [path for path, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        if compiled:  # module.compile(): the module itself, compiled in place
+            raise SymacctError(
+                f"the model's module {compiled[0] or '<root>'} is compiled in place (module.compile()): symacct "
+                "traces eager PyTorch, and a compiled graph may fuse ops and keep other tensors",
+                module=compiled[0] or "<root>",
+                hint="derive the model before compiling it (the figures are then those of eager execution)",
+            )
     inputs, loss = req.inputs, req.loss
     hf_task = None
     input_dims: tuple[str, ...] = ()

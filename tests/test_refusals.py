@@ -535,6 +535,9 @@ def test_bad_options_are_refused_in_one_error():
     compiled = torch.compile(model)
     with pytest.raises(SymacctError, match="_orig_mod"):
         symacct.derive(compiled)
+    model.blocks[0].compile()  # compiled in place: it was traced as eager without a word
+    with pytest.raises(SymacctError, match=r"module blocks.0 is compiled in place \(module.compile\(\)\)"):
+        symacct.derive(model)
 
 
 def test_derive_inside_no_grad_or_inference_mode_is_the_same_step():
