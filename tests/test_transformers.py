@@ -649,14 +649,23 @@ def test_a_decoder_classifier_trains_without_a_kv_cache_and_is_exact() -> None:
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
 
 
-@pytest.mark.parametrize("head", ["BertForTokenClassification", "MistralForQuestionAnswering"])
+@pytest.mark.parametrize(
+    "head", ["BertForTokenClassification", "MistralForQuestionAnswering", "BartForQuestionAnswering"]
+)
 def test_token_classification_and_question_answering_have_a_default_step(head: str) -> None:
     """Two more heads with a default step: a class index a position (``labels`` (B, S)), and an answer's start
     and end positions (B,). Mistral's question-answering head takes no ``use_cache`` but hands its keyword
     arguments to its base model, which builds a sliding-window cache a layer at a time when not told otherwise
-    (refused as not the model given): the step passes ``use_cache=False`` through."""
-    if head.startswith("Bert"):
-        config: Any = T.BertConfig(
+    (refused as not the model given): the step passes ``use_cache=False`` through. An encoder-decoder's head
+    (BART's) makes its decoder's inputs from ``input_ids`` (S_dec = S): the same step."""
+    if head.startswith("Bart"):
+        config: Any = T.BartConfig(
+            d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=64, max_position_embeddings=64, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        )  # fmt: skip
+    elif head.startswith("Bert"):
+        config = T.BertConfig(
             vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=64, num_labels=5,
         )  # fmt: skip

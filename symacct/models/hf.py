@@ -19,6 +19,8 @@ says what one training step is. The convention, per task:
 - extractive question answering (``*ForQuestionAnswering``): ``input_ids``
   and the answer's ``start_positions`` and ``end_positions`` (B,), positions
   inside the sequence (the cost does not depend on which).
+  An encoder-decoder's classification and question-answering heads (BART's,
+  T5's) make the decoder's inputs from ``input_ids``: the same steps.
 - image classification: ``pixel_values`` (B, C, image_size, image_size) and
   one label per image; S reaches no tensor (the image size is a config field).
 - a base model (no head): ``input_ids``; the loss is the sum of the last
@@ -268,7 +270,8 @@ def task(model: nn.Module) -> Task:
     """The default step of a transformers model, from the name of its class (its head)."""
     name = type(model).__name__
     config = model.config
-    if getattr(config, "is_encoder_decoder", False):
+    heads = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+    if getattr(config, "is_encoder_decoder", False) and not name.endswith(heads):
         if name.endswith("ForConditionalGeneration"):
             return Task(
                 "seq2seq-lm",
