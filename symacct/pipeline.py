@@ -1585,6 +1585,15 @@ def read_source(model: Any, req: Request) -> _Source:
             hint="pass the eager module, model._orig_mod (the figures are then those of eager execution)",
         )
     if isinstance(model, nn.Module):
+        lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise SymacctError(
+                f"the model's parameter {lazy[0]} is not initialized yet (a lazy module: nn.LazyLinear and the like "
+                "take their shapes from the first input)",
+                module=lazy[0].rpartition(".")[0] or "<root>",
+                hint="run the model once on an input of the real widths (its parameters then have their shapes), "
+                "then derive",
+            )
         compiled = [path for path, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
         if compiled:  # module.compile(): the module itself, compiled in place
             raise SymacctError(

@@ -1126,3 +1126,41 @@ def test_a_layer_stack_cut_after_construction_is_refused():
     with counted:
         model(*model.example_inputs(2, 8)).backward()
     assert symacct.derive(model).at(B=2, S=8).flops.hardware == counted.get_total_flops()
+
+
+@dataclasses.dataclass
+class _LazyConfig:
+    width: int = 32
+
+
+class _Lazy(nn.Module):
+    """A lazy first layer: its weight's shape comes from the first input."""
+
+    def __init__(self, config: _LazyConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.first = nn.LazyLinear(config.width)
+        self.out = nn.Linear(config.width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, 16)
+        return self.out(torch.relu(self.first(x))).sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, 16),)
+
+
+def test_lazy_modules_are_refused_with_what_to_do():
+    """A lazy module's parameters failed inside symacct ("a defect of symacct") before the model had run, and
+    the model rebuilt from its config, lazy again, failed to build under the fake mode after. Both are refused
+    with the reason now. Without a config the materialised model is copied as it is: derived."""
+    model = _Lazy(_LazyConfig())
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(model)
+    assert "parameter first.weight is not initialized yet" in e.value.what and e.value.module == "first"
+    model(*model.example_inputs(2, 1))  # materialised: the rebuilt model is lazy again
+    with pytest.raises(SymacctError, match="it has lazy modules"):
+        symacct.derive(model)
+    plain = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 1))
+    plain(torch.randn(2, 16))
+    acct = symacct.derive(plain, inputs=lambda B, S: (torch.randn(B, 16),), loss=lambda out: out.sum())
+    assert acct.at(B=4, S=1).params == 16 * 32 + 32 + 32 + 1

@@ -877,6 +877,13 @@ def record_step(
     except SymacctError:
         raise
     except Exception as e:
+        if "UninitializedParameter" in str(e):  # made under the fake mode, a lazy module's parameter fails
+            raise SymacctError(
+                f"could not build the model at probe sizes: it has lazy modules (nn.LazyLinear and the like), whose "
+                f"parameters take their shapes from the first input: {type(e).__name__}: {_text(e)}",
+                hint="build the model with the widths given (nn.Linear(in, out)), or pass a factory with dims={...} "
+                "that does",
+            ) from e
         raise SymacctError(
             f"could not build the model at probe sizes: {type(e).__name__}: {_text(e)}",
             hint="the model must be rebuildable as type(model)(config) with other sizes; "
