@@ -49,6 +49,7 @@ import dataclasses
 import functools
 import gc
 import inspect
+import sys
 import threading
 import warnings
 from collections import defaultdict
@@ -578,7 +579,7 @@ def _build_fake(make: Callable[[], nn.Module], fake: FakeTensorMode, device: str
     (``nn.TransformerEncoder``'s clones of its layer: PyTorch copies a fake tensor into a fake mode of its own,
     which the step then cannot mix with ``fake``)."""
     try:
-        with fake, warnings.catch_warnings():
+        with fake, warnings.catch_warnings(), _no_weight_init():
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # a deep copy's
             model = make()
     except (DataDependentOutputException, DynamicOutputShapeException):
@@ -592,6 +593,31 @@ def _build_fake(make: Callable[[], nn.Module], fake: FakeTensorMode, device: str
     with torch.device("meta"):
         model = make()
     return fake_copy(model, fake, device)
+
+
+@contextlib.contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """transformers' weight initialisation (``PreTrainedModel.initialize_weights``) switched off, as transformers
+    itself does on the meta device: it sets values only, which a fake tensor does not hold, and some of it is
+    Python loops over a size (Marian's and Pegasus's sinusoidal tables, position by position: two minutes at
+    probe sizes). Weights are still tied (``init_weights`` ties them after this)."""
+    tf = sys.modules.get("transformers")
+    base = getattr(tf, "PreTrainedModel", None) if tf is not None else None
+    if base is None or "initialize_weights" not in base.__dict__:
+        yield
+        return
+    original = base.__dict__["initialize_weights"]
+    here = threading.get_ident()
+
+    def initialize_weights(self: Any) -> None:  # another thread's models are initialised as ever
+        if threading.get_ident() != here:
+            original(self)
+
+    base.initialize_weights = initialize_weights  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        base.initialize_weights = original  # type: ignore[method-assign]
 
 
 def _tensors_of(model: nn.Module) -> Iterator[torch.Tensor]:

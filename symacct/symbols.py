@@ -31,6 +31,8 @@ ALIASES: dict[str, str] = {
     "n_heads": "H",
     "num_attention_heads": "H",
     "num_heads": "H",
+    "encoder_attention_heads": "H",  # BART and its kin: one symbol where encoder and decoder agree
+    "decoder_attention_heads": "H",
     "num_key_value_heads": "H_kv",
     "n_kv_heads": "H_kv",
     "num_kv_heads": "H_kv",  # Falcon
@@ -38,11 +40,14 @@ ALIASES: dict[str, str] = {
     "n_layers": "L",
     "num_hidden_layers": "L",
     "vocab_size": "V",
+    "decoder_vocab_size": "V",  # Marian: the decoder's own vocabulary, its embeddings and LM head
     "intermediate_size": "F",
     "ffn_dim": "F",
     "hidden_dim": "F",
     "d_ff": "F",
     "ffn_hidden_size": "F",  # Falcon, Megatron
+    "encoder_ffn_dim": "F",  # BART and its kin
+    "decoder_ffn_dim": "F",
     "max_position_embeddings": "S_max",
     "n_positions": "S_max",
     "max_seq_len": "S_max",

@@ -103,6 +103,11 @@ FAMILIES: dict[str, Callable[[], Any]] = {
                         decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=64,
                         max_position_embeddings=64, **IDS)
     ),
+    "marian": lambda: T.MarianMTModel(  # decoder_vocab_size reads as V; its sinusoidal tables are not initialised
+        T.MarianConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=64,
+                       max_position_embeddings=64, decoder_start_token_id=1, **IDS)
+    ),  # fmt: skip
     # transformers 5.25 families added at stop 53 (each exact as built here, on the first hunt or after its fix)
     "afmoe": _decoder("AfmoeConfig", "AfmoeForCausalLM", num_key_value_heads=2, head_dim=8, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=16),

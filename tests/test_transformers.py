@@ -421,6 +421,35 @@ def test_bart_decoder_takes_the_eager_mask_path() -> None:
     check_exact(model, acct, [(2, 7, 5), (3, 11, 6)])
 
 
+def _bart(heads: int, ffn: int) -> Any:
+    torch.manual_seed(0)
+    return T.BartForConditionalGeneration(
+        T.BartConfig(
+            d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=heads,
+            decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, vocab_size=64,
+            max_position_embeddings=32,
+        )
+    )  # fmt: skip
+
+
+def test_bart_heads_and_ffn_widths_are_symbols_and_hold_at_other_sizes() -> None:
+    """BART's encoder_/decoder_attention_heads and encoder_/decoder_ffn_dim had no letter: kept at their values,
+    so the sheet had no H and no F (and the heads, probed as sizes of their own, stopped the step at the first
+    probe). They read as H and F now, one symbol each where encoder and decoder agree. The formulas, derived
+    at 4 heads and width 48, against a real step of a model built at 2 heads and width 40."""
+    acct = symacct.derive(_bart(4, 48))
+    assert acct.fields["H"] == "encoder_attention_heads" and acct.fields["F"] == "encoder_ffn_dim"
+    assert any("decoder_attention_heads = 4, encoder_attention_heads = 4 read as one size, H" in n for n in acct.notes)
+    other = _bart(2, 40)
+    args = task(other).inputs(other, 2, 7, S_dec=5)
+    counted = measure_step(other, args, loss=task(other).loss)
+    at = acct.at(B=2, S=7, S_dec=5, H=2, F=40)
+    uncounted = counted.flash_forward + counted.flash_backward
+    assert at.flops.hardware == counted.flops_total + uncounted
+    assert at.memory.activations == counted.saved_bytes
+    assert at.params == sum(p.numel() for p in other.parameters())
+
+
 def test_a_sequence_to_sequence_forward_step_feeds_the_labels_as_decoder_inputs() -> None:
     """step='forward' of an encoder-decoder runs the task's inputs without labels: the labels' tensor goes in
     as decoder_input_ids (the decoder still runs S_dec positions) and no loss is computed. The notes say so
@@ -740,3 +769,26 @@ def test_bigbird_masked_lm_with_its_unread_pooler_is_exact() -> None:
     acct = symacct.derive(model, optimizer="adamw")
     assert any("block_size = 4, max_position_embeddings = 64 read as one size" in n for n in acct.notes)
     check_exact(model, acct, [(2, 7), (3, 11)])
+
+
+def test_weights_are_not_initialised_in_the_models_derive_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The models derive builds at probe sizes hold fake tensors, whose values nothing reads: transformers'
+    weight initialisation is skipped there (Marian's sinusoidal tables took two minutes of a first derive, a
+    Python loop over the probe's positions and widths), as transformers skips it on the meta device. Tying runs
+    after it and still ties: the parameter count is the tied model's."""
+    calls: list[str] = []
+    original = T.PreTrainedModel.initialize_weights
+
+    def counted(self: Any) -> None:
+        calls.append(type(self).__name__)
+        original(self)
+
+    monkeypatch.setattr(T.PreTrainedModel, "initialize_weights", counted)
+    config = T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    model = T.GPT2LMHeadModel(config)
+    built = list(calls)
+    assert "GPT2LMHeadModel" in built  # the user's model: initialised
+    acct = symacct.derive(model)
+    assert calls == built
+    assert acct.at(B=2, S=8).params == sum(p.numel() for p in model.parameters())  # lm_head tied to wte
+    assert T.PreTrainedModel.initialize_weights is counted

@@ -272,7 +272,7 @@ def task(model: nn.Module) -> Task:
     config = model.config
     heads = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
     if getattr(config, "is_encoder_decoder", False) and not name.endswith(heads):
-        if name.endswith("ForConditionalGeneration"):
+        if name.endswith(("ForConditionalGeneration", "MTModel")):  # MarianMTModel: a translation LM head
             return Task(
                 "seq2seq-lm",
                 _seq2seq,
