@@ -374,11 +374,11 @@ def _compare_hooks(model: nn.Module, probe: StepTrace, counts: dict[str, int], p
             theirs = probe.hooks.get(name, ())
             if have != theirs:
                 where, kind, module = describe_hook(key)
-                added = sorted(set(have) - set(theirs)) or sorted(set(theirs) - set(have))
-                state = "has" if set(have) - set(theirs) else "lacks"
-                other = "has not" if state == "has" else "has"
+                extra = Counter(have) - Counter(theirs)  # hooks the given model has beyond the rebuilt one's
+                state, other = ("has", "has not") if extra else ("lacks", "has")
+                named = sorted((extra or Counter(theirs) - Counter(have)).elements())
                 raise SymacctError(
-                    f"the given model {state} a {kind} on {where} ({', '.join(added)}) that the model rebuilt from "
+                    f"the given model {state} a {kind} on {where} ({', '.join(named)}) that the model rebuilt from "
                     f"its config {other}: a hook or a replaced method runs in the step, and can keep tensors alive, "
                     "free gradients inside backward or add ops, so the figures of the rebuilt model would not be "
                     "this model's",

@@ -1,21 +1,18 @@
 """The hooks registered on a model object, and the methods replaced on its modules: what the step runs
 besides its modules' own code.
 
-A forward hook can keep a module's output alive to the end of the step (a
-feature extractor), a parameter's post-accumulate-grad hook can step the
-optimizer and free the gradient inside backward (PyTorch's "optimizer in
-backward" recipe: the peak drops by most of the gradients), a gradient hook
-adds ops to backward; a module's ``forward`` replaced on the instance (``module.forward = types.MethodType(f,
-module)``, as patching libraries do) runs instead of the class's. ``derive`` traces the model rebuilt from its config,
-which has only the hooks its constructor registers, so
-``symacct.sameness.compare_settings`` compares what :func:`hooks_of` finds
-on both models and refuses a difference.
+A forward hook can keep a module's output alive to the end of the step (a feature extractor); a parameter's
+post-accumulate-grad hook can step the optimizer and free the gradient inside backward (PyTorch's "optimizer
+in backward" recipe); a gradient hook adds ops to backward; a module's ``forward`` replaced on the instance
+(``module.forward = types.MethodType(f, module)``, as patching libraries do) runs instead of the class's.
+``derive`` traces the model rebuilt from its config, which has only the hooks its constructor registers, so
+``symacct.sameness.compare_settings`` compares what :func:`hooks_of` finds on both models and refuses a
+difference.
 
-A hook (or a replaced method) is named by where it is registered, its kind
-and the function's qualified name (``functools.partial`` unwrapped, a callable object by its
-class): a hook the constructor registers has the same name in both models.
-Global hooks (``torch.nn.modules.module.register_module_forward_hook``) run
-for every model alike and are traced as they are.
+A hook (or a replaced method) is named by where it is registered, its kind and the function's qualified name
+(``functools.partial`` unwrapped, a callable object by its class): a hook the constructor registers has the
+same name in both models. Global hooks (``torch.nn.modules.module.register_module_forward_hook``) run for
+every model alike and are traced as they are.
 """
 
 from __future__ import annotations
@@ -109,4 +106,4 @@ def describe(key: str) -> tuple[str, str, str]:
     "gradient hook", "blocks.0.ln")."""
     path, _, kind = key.rpartition(".")
     module = path if kind in (*MODULE_KINDS.values(), "_replaced") else path.rpartition(".")[0]
-    return path or "<root>", KIND_NAMES[kind], module
+    return path or "<root>", KIND_NAMES[kind], module or "<root>"
