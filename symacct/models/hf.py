@@ -166,7 +166,8 @@ def _with_no_cache(m: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
     params = inspect.signature(m.forward).parameters
     passed_on = any(p.kind is p.VAR_KEYWORD for p in params.values())  # a head that hands **kwargs to its base
     base = getattr(m, "base_model", None)
-    if "use_cache" in params or (passed_on and "use_cache" in inspect.signature(base.forward).parameters):
+    takes = base is not None and base is not m and "use_cache" in inspect.signature(base.forward).parameters
+    if "use_cache" in params or (passed_on and takes):
         inputs["use_cache"] = False
     return inputs
 
