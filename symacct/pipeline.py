@@ -1357,6 +1357,9 @@ def _derive(
                 later.append((f"with {', '.join(heads)} kept at their values", again))
                 acct = None
         if acct is None:
+            broken = _fails_at_own_sizes(model, src, req, failed)
+            if broken is not None:
+                raise broken from failed
             elsewhere = [(how, e) for how, e in later if e.what != failed.what and not e.internal]
             if not elsewhere:
                 raise  # the first failure, with its cause: neither retry was what the step needed
@@ -1372,6 +1375,50 @@ def _derive(
         acct.notes.insert(0, note)
         return acct
     return account(model, src, known, req)
+
+
+OWN_SIZES_FAIL = "the model's forward fails at its own sizes too"
+
+
+def _fails_at_own_sizes(model: Any, src: _Source, req: Request, failed: SymacctError) -> SymacctError | None:
+    """Where the step failed at probe sizes and no retry ran it: the user's model run on fake tensors at its own
+    sizes (B = 2, S = 8 or below its position table). If it fails there too, the model as given cannot run the
+    step (DeepSeek-V3 with key/value heads it does not use for its latent attention: SDPA refuses the repeated
+    keys), and the probe's sizes are not the cause that the probe-size refusal would suggest."""
+    if not failed.what.startswith(("the model's forward failed at probe sizes", "the op failed on fake tensors")):
+        return None
+    if src.configless or req.dims is not None or src.input_dims or not isinstance(model, nn.Module):
+        return None
+    S = 8 if src.seq is None else src.seq
+    for f, letter in src.fields.items():
+        if letter == "S_max":
+            S = max(1, min(S, src.values[f] - 1))
+    device = req.precision.get("device", "cpu")
+    try:
+        with src.context():
+            record_step(
+                lambda fake: fake_copy(model, fake, device),
+                lambda m: src.inputs(m, 2, S),
+                loss=src.loss,
+                step="forward" if req.step in SERVING else req.step,
+                only_ops=True,
+                device=device,
+            )
+    except SymacctError as e:
+        cause = e.what.removeprefix("the model's forward failed at probe sizes: ")
+        cause = cause.removeprefix("the op failed on fake tensors: ")
+        return SymacctError(
+            f"{OWN_SIZES_FAIL} (B=2, S={S}): {cause}",
+            node=e.node,
+            module=e.module,
+            op=e.op,
+            shapes=e.shapes,
+            hint="the model as given cannot run this step, whatever the sizes: run it once eagerly to see the error "
+            "(a config whose fields contradict each other, inputs the model does not take)",
+        )
+    except Exception:  # noqa: BLE001 - anything else: the probe-size refusal stands
+        return None
+    return None
 
 
 # ---- the passes of a derivation, each from one result to the next ---------------------------------------------

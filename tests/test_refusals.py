@@ -1164,3 +1164,40 @@ def test_lazy_modules_are_refused_with_what_to_do():
     plain(torch.randn(2, 16))
     acct = symacct.derive(plain, inputs=lambda B, S: (torch.randn(B, 16),), loss=lambda out: out.sum())
     assert acct.at(B=4, S=1).params == 16 * 32 + 32 + 32 + 1
+
+
+@dataclasses.dataclass
+class _MisfitConfig:
+    width: int = 16
+
+
+class _Misfit(nn.Module):
+    """Its inputs are one feature wider than its layer takes: it fails at every size, its own included."""
+
+    def __init__(self, config: _MisfitConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.lin = nn.Linear(config.width, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, width + 1)
+        return self.lin(x).sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, self.config.width + 1),)
+
+
+def test_a_model_that_fails_at_its_own_sizes_is_told_so():
+    """A step that fails at probe sizes was refused as a probe-size failure, with a hint about size relations,
+    also where the model cannot run at any size (DeepSeek-V3 given fewer key/value heads than heads: its latent
+    attention repeats keys it has one a head). The model is now run at its own sizes before that refusal."""
+    from symacct.pipeline import OWN_SIZES_FAIL
+
+    model = _Misfit(_MisfitConfig())
+    with pytest.raises(RuntimeError):
+        model(*model.example_inputs(2, 1))
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(model)
+    assert e.value.what == (
+        f"{OWN_SIZES_FAIL} (B=2, S=8): RuntimeError: a and b must have same reduction dim, but got [2, 17] X [16, 16]."
+    )
+    assert "probe sizes" not in e.value.what and e.value.module == "lin"
