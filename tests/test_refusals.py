@@ -1114,8 +1114,8 @@ def test_a_sparse_gradient_is_refused_by_its_op():
 def test_a_layer_stack_cut_after_construction_is_refused():
     """Layers pruned from the model (``model.blocks = model.blocks[:2]``) with the config left at 4: the op
     comparison matches block by block, so derive gave the figures of the config's four-layer model at L = 4
-    while the model runs two (FLOPs and memory twice the real ones here). Refused now; with the config set to
-    the blocks kept, derived and exact."""
+    while the model runs two (at B = 2, S = 8 with AdamW: 1,327,104 FLOPs against 688,128 counted, a peak of
+    232,660 bytes against 127,092). Refused now; with the config set to the blocks kept, derived and exact."""
     model = GPT2(GPT2Config(**{**SMALL, "n_layer": 4}))
     model.blocks = model.blocks[:2]
     with pytest.raises(SymacctError) as e:
