@@ -91,7 +91,7 @@ from symacct.models.hf import (
 from symacct.models.hf import serving_inputs as hf_serving_inputs
 from symacct.models.hf import task as task_for
 from symacct.models.hf import tp_plan as hf_tp_plan
-from symacct.options import CACHE_DTYPES, OPTIMIZERS, optimizer_factory, torch_dtype
+from symacct.options import CACHE_DTYPES, OPTIMIZERS, dtype_key, optimizer_factory, torch_dtype
 from symacct.sameness import (
     AT_OWN_SIZES,
     NOT_THE_SAME,
@@ -1100,10 +1100,31 @@ def no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
+@contextlib.contextmanager
+def hermetic() -> Iterator[None]:
+    """The state a derivation must not take from its caller's thread. Inside ``torch.inference_mode()`` it
+    traces the step it traces outside. Anomaly detection (``torch.autograd.detect_anomaly``), a debugging
+    mode that reads every gradient's values for NaN, is switched off: the step it checks is the same step.
+    An autocast the caller entered is refused: it would cast the backward and the optimizer's step too,
+    where derive's ``autocast`` option casts the forward and the loss (PyTorch's AMP recipe), and the
+    figures would not be those of the options the result reports."""
+    for kind in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(kind):
+            name = dtype_key(torch.get_autocast_dtype(kind))
+            raise SymacctError(
+                f"derive was called inside torch.autocast('{kind}', dtype={torch.get_autocast_dtype(kind)}); "
+                "symacct traces the step its options describe and does not take an autocast from the caller",
+                hint=f"call derive outside the autocast context, with autocast='{name}' (--autocast {name}) for "
+                "the forward and the loss under autocast and the backward outside, as PyTorch's AMP recipe has it",
+            )
+    with torch.inference_mode(False), torch.autograd.set_detect_anomaly(False):
+        yield
+
+
 def _locked(fn: Callable[..., Accounting]) -> Callable[..., Accounting]:
     @functools.wraps(fn)
     def derive(model: Any, **options: Any) -> Accounting:
-        with _LOCK, no_cycle_collection(), torch.inference_mode(False):  # called inside inference_mode: as outside
+        with _LOCK, no_cycle_collection(), hermetic():
             try:
                 return fn(model, **options)
             except SymacctError:
@@ -2032,9 +2053,9 @@ def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, A
     """The memo key of a derivation (``symacct.memo``), or None (not memoised): the model's class, the
     config each probe builds, the size fields and their letters, the probe sizes, derive's options (the
     optimizer class a name stands for), the cost rules, and the global settings a trace reads (the default
-    dtype, deterministic algorithms, an autocast the caller entered, SDPA's backends). With CUDA kernels
-    chosen by size (``_own_size``) the model's own sizes too. A model without config, or a factory, is not
-    memoised: its build reads the user's object."""
+    dtype, deterministic algorithms, SDPA's backends; ``hermetic`` refuses an autocast the caller entered).
+    With CUDA kernels chosen by size (``_own_size``) the model's own sizes too. A model without config, or a
+    factory, is not memoised: its build reads the user's object."""
     if src.config_at is None or src.configless:
         return None
     probe_list = (probes.first, probes.second)
@@ -2068,7 +2089,6 @@ def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, A
     settings = (
         torch.get_default_dtype(),
         torch.are_deterministic_algorithms_enabled(),
-        tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
         tuple(f() for f in _SDPA_FLAGS),
         rule_registry.generation(),
         OPTIMIZERS.get(optimizer.lower()) if isinstance(optimizer, str) else None,  # the class a name stands for
@@ -2184,7 +2204,7 @@ def _timelines(
     def timeline(layers: int | None) -> Timeline:
         if layers not in cache:
             more = dataclasses.replace(probe, layers=layers, _cache={})
-            with _LOCK, no_cycle_collection():
+            with _LOCK, no_cycle_collection(), hermetic():
                 got = _record(src, more, req.step, src.loss, req.make_opt, req.precision)
             cache[layers] = Timeline.of(got, intervals(got, probe), device)
         return cache[layers]

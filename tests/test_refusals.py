@@ -552,6 +552,32 @@ def test_derive_inside_no_grad_or_inference_mode_is_the_same_step():
     assert inside.flops.total == plain.flops.total and inside.memory.peak == plain.memory.peak
 
 
+def test_derive_under_anomaly_detection_is_the_same_step():
+    model = GPT2(GPT2Config(**SMALL))
+    plain = symacct.derive(model)
+    memo.clear()  # every trace taken: anomaly mode's NaN check read a gradient's value, refused as the
+    with torch.autograd.detect_anomaly():  # model's "data-dependent control flow"
+        inside = symacct.derive(model)
+    assert inside.flops.total == plain.flops.total and inside.memory.peak == plain.memory.peak
+    assert torch.is_anomaly_enabled() is False
+
+
+@pytest.mark.parametrize("kind, dtype, name", [("cpu", torch.bfloat16, "bf16"), ("cpu", torch.float16, "fp16")])
+def test_an_autocast_the_caller_entered_is_refused(kind, dtype, name):
+    """It cast the backward too, where the ``autocast`` option casts the forward and the loss: the peak of
+    a two-layer GPT-2 (D = 32, H = 2, V = 64) at B = 2, S = 8 came out 295,816 bytes against the option's
+    241,416, with the
+    options reporting no autocast; with the option as well, the option's figures changed; inside an fp16
+    autocast, the option bf16 failed inside symacct."""
+    model = GPT2(GPT2Config(**SMALL))
+    with torch.autocast(kind, dtype=dtype):
+        with pytest.raises(SymacctError, match=rf"inside torch.autocast\('{kind}'.*autocast='{name}'"):
+            symacct.derive(model)
+        with pytest.raises(SymacctError, match="does not take an autocast from the caller"):
+            symacct.derive(model, autocast="bf16")
+    assert symacct.derive(model, autocast=name).options["autocast"] == str(dtype)
+
+
 def test_inputs_that_ignore_b_are_noted():
     def linear(D: int) -> nn.Module:
         return nn.Linear(D, D)
