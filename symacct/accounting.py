@@ -483,6 +483,10 @@ def _sizes(name: str, value: Any, arrays: bool) -> Any:
     """A size (with ``arrays``: an array of sizes) as int / int64; refused unless every entry is a positive integer."""
     if isinstance(value, (bool, np.bool_)) or (not arrays and not isinstance(value, (int, np.integer))):
         raise SymacctError(f"{name}={value!r} is not a positive integer", hint="sizes are positive integers")
+    if not arrays:  # a Python integer of any size: the formulas are evaluated in Python integers
+        if value <= 0:
+            raise SymacctError(f"{name}={value!r} is not a positive integer", hint="sizes are positive")
+        return int(value)
     a = np.asarray(value)
     if a.dtype == object or a.dtype.kind not in "iuf" or a.size == 0:
         raise SymacctError(f"{name}={value!r} is not a positive integer", hint="sizes are positive integers")

@@ -61,6 +61,16 @@ def test_sweep_refuses_what_at_refuses(gpt2):
     assert list(gpt2.sweep("flops.total", B=np.array([2.0]), S=8)) == [gpt2.at(B=2, S=8).flops.total]
 
 
+def test_at_takes_a_python_integer_of_any_size(gpt2):
+    """B = 10**30 was refused as "not a positive integer": it went through a numpy array on its way in,
+    where it is an object. The formulas are evaluated in Python integers, so it is exact: gpt2's FLOPs
+    are linear in B and its saved activations affine (the loss's few saved bytes do not grow with B)."""
+    one, two, big = gpt2.at(B=1, S=8), gpt2.at(B=2, S=8), gpt2.at(B=10**30, S=8)
+    assert big.flops.total == 10**30 * one.flops.total
+    slope = two.memory.activations - one.memory.activations
+    assert big.memory.activations == one.memory.activations + (10**30 - 1) * slope
+
+
 # ---- the model derived must be the model given --------------------------------------------------
 
 
