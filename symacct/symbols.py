@@ -54,6 +54,7 @@ ALIASES: dict[str, str] = {
     "max_seq_length": "S_max",
     "max_len": "S_max",
     "n_ctx": "S_max",
+    "max_target_positions": "S_max",  # an encoder-decoder's decoder positions (Whisper, Speech2Text)
     "block_size": "S_max",  # nanoGPT's context; elsewhere a chunk's or a sparse-attention block's length
     "num_local_experts": "E",
     "num_experts": "E",

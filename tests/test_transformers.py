@@ -792,3 +792,53 @@ def test_weights_are_not_initialised_in_the_models_derive_builds(monkeypatch: py
     assert calls == built
     assert acct.at(B=2, S=8).params == sum(p.numel() for p in model.parameters())  # lm_head tied to wte
     assert T.PreTrainedModel.initialize_weights is counted
+
+
+def _whisper(head: str = "ForConditionalGeneration", **sizes: int) -> Any:
+    torch.manual_seed(0)
+    config = T.WhisperConfig(**{
+        "vocab_size": 64, "num_mel_bins": 8, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
+        "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 48, "decoder_ffn_dim": 48,
+        "max_source_positions": 32, "max_target_positions": 32, "decoder_start_token_id": 1, "pad_token_id": 0,
+        "num_labels": 3, **sizes,
+    })  # fmt: skip
+    return getattr(T, f"Whisper{head}")(config)
+
+
+def test_whisper_speech_to_text_is_exact() -> None:
+    """Whisper's forward takes input_features, not input_ids: it got the text sequence-to-sequence step and
+    was refused with a hint about size relations ("'NoneType' object has no attribute 'shape'"). Its step
+    is a mel spectrogram of the length its encoder requires (max_source_positions times its convolutions'
+    strides) and labels of S tokens; max_target_positions, the decoder's position table, is S_max. The
+    formulas hold at another encoder length too."""
+    model = _whisper()
+    acct = symacct.derive(model, optimizer="adamw")
+    assert acct.fields["S_max"] == "max_target_positions" and "max_source_positions" in acct.symbols
+    check_exact(model, acct, [(2, 9), (3, 12)])
+    with pytest.raises(SymacctError, match="S <= S_max"):
+        acct.at(B=2, S=33)
+    other = _whisper(max_source_positions=24)
+    counted = measure_step(other, task(other).inputs(other, 2, 7), loss=task(other).loss)
+    at = acct.at(B=2, S=7, max_source_positions=24)
+    assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
+
+
+def test_whisper_audio_classification_is_exact_with_its_layers_a_symbol() -> None:
+    """Whisper's encoder with a classifier: one label a clip. Its config's begin_suppress_tokens (two token
+    ids) was read as a per-layer list of this two-layer model, which kept L at its value."""
+    model = _whisper("ForAudioClassification")
+    acct = symacct.derive(model, optimizer="adamw")
+    assert acct.fields["L"] == "encoder_layers"
+    check_exact(model, acct, [(2, 9), (3, 12)])
+
+
+def test_a_model_that_takes_no_token_ids_is_refused_by_its_inputs() -> None:
+    """Wav2Vec2's classifier takes input_values (raw audio): given input_ids, its forward failed and the
+    refusal blamed the probe's sizes."""
+    config = T.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+    )  # fmt: skip
+    model = T.Wav2Vec2ForSequenceClassification(config)
+    with pytest.raises(SymacctError, match=r"takes no input_ids \(it takes input_values, attention_mask, labels\)"):
+        symacct.derive(model)

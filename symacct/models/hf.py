@@ -137,6 +137,70 @@ def _seq2seq(m: nn.Module, B: int, S: int, S_dec: int | None = None) -> dict[str
     return {"input_ids": _ids(m, B, S), "labels": _ids(m, B, S if S_dec is None else S_dec), "use_cache": False}
 
 
+def _whisper_frames(m: nn.Module) -> int:
+    """The mel frames a Whisper-style encoder requires: its position table's rows times its two
+    convolutions' strides (3,000 at Whisper's sizes: 30 s of audio; the encoder refuses any other length)."""
+    enc = m.get_encoder()
+    convs = [getattr(enc, n, None) for n in ("conv1", "conv2")]
+    if not all(isinstance(c, nn.Conv1d) for c in convs):
+        raise SymacctError(
+            f"{type(m).__name__}: an encoder of mel frames without Whisper's two convolutions (conv1, conv2)",
+            hint="pass inputs=lambda m, B, S: {'input_features': ..., 'labels': ...} and loss=lambda out: out.loss",
+        )
+    return m.config.max_source_positions * convs[0].stride[0] * convs[1].stride[0]
+
+
+def _speech_whisper(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+    c = m.config
+    return {"input_features": torch.randn(B, c.num_mel_bins, _whisper_frames(m)), "labels": _ids(m, B, S),
+            "use_cache": False}  # fmt: skip
+
+
+def _classify_mel(m: nn.Module, B: int, S: int) -> dict[str, Any]:
+    return {"input_features": torch.randn(B, m.config.num_mel_bins, _whisper_frames(m)), "labels": _class_labels(m, B)}
+
+
+def _no_token_task(model: nn.Module) -> Task:
+    """The default step of a model whose forward takes no ``input_ids``: Whisper's (a mel spectrogram of the
+    fixed length its encoder requires) as a sequence-to-sequence LM or an audio classifier; no other. Other
+    speech models' convolutions shorten their input with rounding (Speech2Text halves its frames rounding
+    up), a length that is no product of symbols."""
+    name, c = type(model).__name__, model.config
+    whisper = _takes(model, "input_features") and all(
+        isinstance(getattr(c, f, None), int) for f in ("num_mel_bins", "max_source_positions")
+    )
+    if whisper and name.endswith("ForConditionalGeneration"):
+        return Task(
+            "speech-seq2seq",
+            _speech_whisper,
+            _output_loss,
+            "speech sequence-to-sequence step (Whisper): input_features (B, num_mel_bins, frames), the frames "
+            "fixed by the encoder (max_source_positions times its convolutions' strides: 30 s of audio at "
+            "Whisper's sizes, whatever the audio's length), and labels (B, S), output.loss; S is the decoder's "
+            "length",
+        )
+    if whisper and name.endswith("ForAudioClassification"):
+        return Task(
+            "audio-classification",
+            _classify_mel,
+            _output_loss,
+            "audio classification step (Whisper's encoder): input_features (B, num_mel_bins, frames), the "
+            "frames fixed by the encoder (max_source_positions times its convolutions' strides), one label a "
+            "clip, output.loss; S reaches no tensor",
+        )
+    first = [k for k in inspect.signature(model.forward).parameters if k != "self"][:3]
+    raise SymacctError(
+        f"{name}: no default step for a model whose forward takes no input_ids (it takes {', '.join(first)})",
+        hint="pass inputs=lambda m, B, S: {...} (the model's keyword inputs) and loss=lambda out: ...",
+    )
+
+
+def _takes(model: nn.Module, key: str) -> bool:
+    """Whether the model's forward names ``key`` (transformers' heads name their inputs; ``**kwargs`` carries
+    other options)."""
+    return key in inspect.signature(model.forward).parameters
+
+
 def _masked(m: nn.Module, B: int, S: int) -> dict[str, Any]:
     return {"input_ids": _ids(m, B, S), "labels": _ids(m, B, S)}
 
@@ -272,6 +336,8 @@ def task(model: nn.Module) -> Task:
     name = type(model).__name__
     config = model.config
     heads = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+    if not _takes(model, "input_ids") and not name.endswith("ForImageClassification"):
+        return _no_token_task(model)
     if getattr(config, "is_encoder_decoder", False) and not name.endswith(heads):
         if name.endswith(("ForConditionalGeneration", "MTModel")):  # MarianMTModel: a translation LM head
             return Task(
