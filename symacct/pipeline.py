@@ -1788,7 +1788,23 @@ def read_source(model: Any, req: Request) -> _Source:
         )
     if counts:
         src.notes.append(f"{', '.join(counts)} count the modules of a list (not the layers): kept at their values")
+    nested = _nested_configs(model)
+    if nested:
+        src.notes.append(
+            f"{', '.join(nested)}: configs inside the model's config; symacct reads the top-level fields as sizes, "
+            "and theirs are kept at their values (derive a model built from one of them alone for its sizes as "
+            "symbols, e.g. transformers.AutoModelForCausalLM.from_config(config.text_config))"
+        )
     return src
+
+
+def _nested_configs(model: Any) -> list[str]:
+    """The fields of the model's config that are configs themselves (a multimodal model's ``text_config`` and
+    ``vision_config``): no field of theirs is read as a size."""
+    config = getattr(model, "config", None)
+    if config is None or isinstance(config, Mapping) or not hasattr(config, "__dict__"):
+        return []
+    return sorted(k for k, v in vars(config).items() if dataclasses.is_dataclass(v) and hasattr(v, "to_dict"))
 
 
 # the widths a field of the model's own may follow when equal, in the order preferred when several are (not

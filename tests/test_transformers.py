@@ -842,3 +842,30 @@ def test_a_model_that_takes_no_token_ids_is_refused_by_its_inputs() -> None:
     model = T.Wav2Vec2ForSequenceClassification(config)
     with pytest.raises(SymacctError, match=r"takes no input_ids \(it takes input_values, attention_mask, labels\)"):
         symacct.derive(model)
+
+
+def test_a_multimodal_model_points_to_its_language_model() -> None:
+    """Gemma 3's multimodal class keeps its sizes in text_config and vision_config. It has no default step
+    (the refusal names the language model to derive instead); with text inputs given it derives, exact,
+    every width kept at its value, and a note says why the formula has no D or L."""
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=64, sliding_window=8)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                  patch_size=4)  # fmt: skip
+    torch.manual_seed(0)
+    model = T.Gemma3ForConditionalGeneration(T.Gemma3Config(text_config=text, vision_config=vision))
+    with pytest.raises(SymacctError, match=r"derive its language model alone.*from_config\(config.text_config\)"):
+        symacct.derive(model)
+
+    def inputs(m: Any, B: int, S: int) -> dict[str, Any]:
+        ids = torch.randint(0, 100, (B, S))
+        return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+
+    acct = symacct.derive(model, inputs=inputs, loss=lambda out: out.loss)
+    assert sorted(acct.free_symbols()) == ["B", "S"]
+    assert any(n.startswith("text_config, vision_config: configs inside the model's config") for n in acct.notes)
+    args = inputs(model, 2, 9)
+    counted = measure_step(model, args, loss=lambda out: out.loss)
+    at = acct.at(B=2, S=9)
+    assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
+    assert at.memory.activations == counted.saved_bytes

@@ -402,6 +402,13 @@ def task(model: nn.Module) -> Task:
             "base model (no head): input_ids (B, S); the loss is a stand-in, the sum of the last hidden state "
             "(pass loss= for another)",
         )
+    if name.endswith("ForConditionalGeneration") and getattr(config, "text_config", None) is not None:
+        raise SymacctError(
+            f"{name}: no default step for a multimodal model (its images or audio need inputs of their own)",
+            hint="derive its language model alone, transformers.AutoModelForCausalLM.from_config(config.text_config), "
+            "for its sizes as symbols; or pass inputs=lambda m, B, S: {...} (the model's keyword inputs) and "
+            "loss=lambda out: out.loss",
+        )
     raise SymacctError(
         f"{name}: no default step for this head",
         hint="pass inputs=lambda m, B, S: {...} (the model's keyword inputs) and loss=lambda out: ...",
