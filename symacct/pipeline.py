@@ -1741,7 +1741,7 @@ def read_source(model: Any, req: Request) -> _Source:
             "model.to(memory_format=...): the model rebuilt from its config is converted so too"
         )
     if hf_task is not None:
-        src.notes.append(hf_task.note)
+        src.notes.append(f"{type(model).__name__}: {hf_task.note}")  # the class: a config.json names none
         if req.step == "forward" and req.inputs is None:  # what _drop_labels feeds instead
             dec = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
             src.notes.append(

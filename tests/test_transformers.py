@@ -814,6 +814,7 @@ def test_whisper_speech_to_text_is_exact() -> None:
     model = _whisper()
     acct = symacct.derive(model, optimizer="adamw")
     assert acct.fields["S_max"] == "max_target_positions" and "max_source_positions" in acct.symbols
+    assert acct.notes[0].startswith("WhisperForConditionalGeneration: speech sequence-to-sequence step")
     check_exact(model, acct, [(2, 9), (3, 12)])
     with pytest.raises(SymacctError, match="S <= S_max"):
         acct.at(B=2, S=33)
@@ -869,3 +870,24 @@ def test_a_multimodal_model_points_to_its_language_model() -> None:
     at = acct.at(B=2, S=9)
     assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
     assert at.memory.activations == counted.saved_bytes
+
+
+@pytest.mark.parametrize(
+    ("config", "built"),
+    [
+        (lambda: T.BartConfig(d_model=16, encoder_layers=1, decoder_layers=1), "BartForConditionalGeneration"),
+        (lambda: _whisper().config, "WhisperForConditionalGeneration"),
+        (lambda: T.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2), "LlamaForCausalLM"),
+    ],
+)  # fmt: skip
+def test_a_config_json_without_architectures_builds_the_whole_model(tmp_path: Path, config: Any, built: str) -> None:
+    """An encoder-decoder's config.json without an ``architectures`` entry was built as its causal-LM head,
+    the decoder alone (BartForCausalLM, WhisperForCausalLM), and its sheet was the decoder's with nothing to
+    say so. It is built with its sequence-to-sequence head, and the task's note names the class."""
+    from symacct.models.loading import load_model
+
+    data = config().to_dict()
+    data.pop("architectures", None)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    model = load_model(str(tmp_path / "config.json"), {})
+    assert type(model).__name__ == built

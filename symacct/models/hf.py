@@ -604,8 +604,10 @@ def is_config_file(name: str) -> bool:
 def model_from_config_file(path: str, overrides: dict[str, Any]) -> nn.Module:
     """The model a published ``config.json`` describes, built on the meta device (no weights, nothing allocated).
 
-    The class is the config's first ``architectures`` entry (``LlamaForCausalLM``); without one, the causal-LM
-    head of its ``model_type``, else the base model. ``overrides`` (already parsed) replace config fields.
+    The class is the config's first ``architectures`` entry (``LlamaForCausalLM``); without one, the head of
+    its ``model_type`` that trains the whole model: for an encoder-decoder the sequence-to-sequence head
+    (speech-to-text for Whisper's kin: their causal-LM head is the decoder alone), else the causal-LM head,
+    else the base model. ``overrides`` (already parsed) replace config fields. The notes name the class.
     """
     file, data = _read_config(path)
     if not isinstance(data, dict) or "model_type" not in data:
@@ -634,10 +636,15 @@ def model_from_config_file(path: str, overrides: dict[str, Any]) -> nn.Module:
         with torch.device("meta"):
             if cls is not None:
                 return cls(config)
-            try:
-                return transformers.AutoModelForCausalLM.from_config(config)
-            except ValueError:
-                return transformers.AutoModel.from_config(config)
+            heads = ["AutoModelForCausalLM"]
+            if getattr(config, "is_encoder_decoder", False):
+                heads = ["AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq"]
+            for head in heads:
+                try:
+                    return getattr(transformers, head).from_config(config)
+                except ValueError:  # no such head for this model_type
+                    continue
+            return transformers.AutoModel.from_config(config)
     except SymacctError:
         raise
     except Exception as e:
