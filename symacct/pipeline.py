@@ -566,11 +566,12 @@ def _follow_head_width(src: _Source) -> list[str]:
 
 def _list_fields(config: Any) -> dict[str, Any]:
     """The config's lists that may hold one entry a layer: not lists of token ids (Whisper's
-    ``begin_suppress_tokens``, two ids, read as per-layer in a two-layer model, kept L at its value)."""
+    ``begin_suppress_tokens``, two ids, read as per-layer in a two-layer model, kept L at its value; Llama
+    3.1's ``eos_token_id``, three)."""
     return {
         k: v
         for k, v in _config_items(config)
-        if isinstance(v, (list, tuple)) and v and not k.endswith(("_tokens", "_token_ids", "_ids"))
+        if isinstance(v, (list, tuple)) and v and not k.endswith(("_tokens", "_id", "_ids"))
     }
 
 

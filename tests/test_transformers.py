@@ -891,3 +891,14 @@ def test_a_config_json_without_architectures_builds_the_whole_model(tmp_path: Pa
     (tmp_path / "config.json").write_text(json.dumps(data))
     model = load_model(str(tmp_path / "config.json"), {})
     assert type(model).__name__ == built
+
+
+def test_a_list_of_token_ids_is_not_read_as_one_entry_a_layer() -> None:
+    """Llama 3.1's config gives three end-of-sequence ids; in a three-layer model the list was read as
+    per-layer and differing, so the stack was left unfactored and L kept at its value."""
+    config = T.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=[1, 2, 3],
+    )  # fmt: skip
+    acct = symacct.derive(T.LlamaForCausalLM(config))
+    assert sym("L") in acct.flops.total.free_symbols and not any("per-layer list" in n for n in acct.notes)
