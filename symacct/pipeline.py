@@ -979,11 +979,10 @@ def _same_model(
     )
     B, S = probe.values["B"], probe.values.get("S", src.seq)
     dims = _input_dims(src, probe)
+    S = _below_tables(src, S)
     for f, letter in src.fields.items():
-        if letter == "S_max":
-            S = max(1, min(S, src.values[f] - 1))
-            if "C" in dims:  # cached positions and new ones share the table: C + S < S_max
-                dims["C"] = max(1, min(dims["C"], src.values[f] - S - 1))  # (a whole table runs no slice)
+        if letter == "S_max" and "C" in dims:  # cached positions and new ones share the table: C + S < S_max
+            dims["C"] = max(1, min(dims["C"], src.values[f] - S - 1))  # (a whole table runs no slice)
     device = precision.get("device", "cpu")
     if TP in precision and _splits_sequence(precision):  # sequence parallelism: whole shards of S at the degree
         S = max(precision[TP], S - S % precision[TP])
@@ -1408,6 +1407,14 @@ def _derive(
 OWN_SIZES_FAIL = "the model's forward fails at its own sizes too"
 
 
+def _below_tables(src: _Source, S: int) -> int:
+    """``S``, lowered below every position table (S_max) of the model's own sizes (at least 1)."""
+    for f, letter in src.fields.items():
+        if letter == "S_max":
+            S = max(1, min(S, src.values[f] - 1))
+    return S
+
+
 def _fails_at_own_sizes(model: Any, src: _Source, req: Request, failed: SymacctError) -> SymacctError | None:
     """Where the step failed at probe sizes and no retry ran it: the user's model run on fake tensors at its own
     sizes (B = 2, S = 8 or below its position table). If it fails there too, the model as given cannot run the
@@ -1417,10 +1424,7 @@ def _fails_at_own_sizes(model: Any, src: _Source, req: Request, failed: SymacctE
         return None
     if src.configless or req.dims is not None or src.input_dims or not isinstance(model, nn.Module):
         return None
-    S = 8 if src.seq is None else src.seq
-    for f, letter in src.fields.items():
-        if letter == "S_max":
-            S = max(1, min(S, src.values[f] - 1))
+    S = _below_tables(src, 8 if src.seq is None else src.seq)
     device = req.precision.get("device", "cpu")
     try:
         with src.context():
