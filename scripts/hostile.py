@@ -118,6 +118,14 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         with torch.no_grad():
             return symacct.derive(GPT2(small)).flops.total
 
+    def in_autocast() -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return symacct.derive(GPT2(small)).memory.peak
+
+    def in_anomaly_mode() -> Any:
+        with torch.autograd.detect_anomaly(check_nan=True):
+            return symacct.derive(GPT2(small)).memory.peak
+
     mask32 = torch.ones(32, 32, dtype=torch.bool).tril()  # (S_max, S_max) is (16, 16) in the config's model
     from symacct.time.serving import serve
 
@@ -169,6 +177,9 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("serve two models", lambda: serve(prefill, wide_decode, hardware="H100-SXM", context=8), REFUSE),
         ("tp one head a rank", one_head_a_rank, lambda v: v is True),
         ("derive fused inference path", lambda: symacct.derive(encoder, step="forward", inputs=tokens), REFUSE),
+        ("derive inside autocast", in_autocast, REFUSE),
+        ("derive in anomaly mode", in_anomaly_mode, lambda v: v == g.memory.peak),
+        ("at B 10**30", lambda: g.at(B=10**30, S=8).flops.total, lambda v: v == 10**30 * g.at(B=1, S=8).flops.total),
         ("at B 0", lambda: g.at(B=0, S=8), REFUSE),
         ("at B 1.5", lambda: g.at(B=1.5, S=8), REFUSE),
         ("at B True", lambda: g.at(B=True, S=8), REFUSE),
