@@ -122,6 +122,10 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return symacct.derive(GPT2(small)).memory.peak
 
+    def hooks_disabled() -> Any:
+        with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+            return symacct.derive(GPT2(small)).memory.peak
+
     def in_anomaly_mode() -> Any:
         with torch.autograd.detect_anomaly(check_nan=True):
             return symacct.derive(GPT2(small)).memory.peak
@@ -179,6 +183,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("derive fused inference path", lambda: symacct.derive(encoder, step="forward", inputs=tokens), REFUSE),
         ("derive inside autocast", in_autocast, REFUSE),
         ("derive in anomaly mode", in_anomaly_mode, lambda v: v == g.memory.peak),
+        ("derive saved hooks disabled", hooks_disabled, REFUSE),
         ("at B 10**30", lambda: g.at(B=10**30, S=8).flops.total, lambda v: v == 10**30 * g.at(B=1, S=8).flops.total),
         ("at B 0", lambda: g.at(B=0, S=8), REFUSE),
         ("at B 1.5", lambda: g.at(B=1.5, S=8), REFUSE),

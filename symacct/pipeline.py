@@ -1113,7 +1113,8 @@ def hermetic() -> Iterator[None]:
     mode that reads every gradient's values for NaN, is switched off: the step it checks is the same step.
     An autocast the caller entered is refused: it would cast the backward and the optimizer's step too,
     where derive's ``autocast`` option casts the forward and the loss (PyTorch's AMP recipe), and the
-    figures would not be those of the options the result reports."""
+    figures would not be those of the options the result reports. Saved-tensor hooks disabled by the caller
+    are refused: symacct counts with them."""
     for kind in ("cpu", "cuda"):
         if torch.is_autocast_enabled(kind):
             name = dtype_key(torch.get_autocast_dtype(kind))
@@ -1123,6 +1124,12 @@ def hermetic() -> Iterator[None]:
                 hint=f"call derive outside the autocast context, with autocast='{name}' (--autocast {name}) for "
                 "the forward and the loss under autocast and the backward outside, as PyTorch's AMP recipe has it",
             )
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        raise SymacctError(
+            "derive was called where saved-tensor hooks are disabled (torch.autograd.graph."
+            "disable_saved_tensors_hooks); symacct counts the tensors autograd saves with such hooks",
+            hint="call derive outside that context",
+        )
     with torch.inference_mode(False), torch.autograd.set_detect_anomaly(False):
         yield
 

@@ -588,6 +588,14 @@ def test_an_autocast_the_caller_entered_is_refused(kind, dtype, name):
     assert symacct.derive(model, autocast=name).options["autocast"] == str(dtype)
 
 
+def test_saved_tensor_hooks_disabled_by_the_caller_are_refused():
+    """They failed inside symacct ("symacct failed: RuntimeError: ... a defect of symacct")."""
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+        with pytest.raises(SymacctError, match="saved-tensor hooks are disabled") as e:
+            symacct.derive(GPT2(GPT2Config(**SMALL)))
+    assert not e.value.internal
+
+
 def test_inputs_that_ignore_b_are_noted():
     def linear(D: int) -> nn.Module:
         return nn.Linear(D, D)
