@@ -1697,6 +1697,12 @@ def read_source(model: Any, req: Request) -> _Source:
             hint="pass the eager module, model._orig_mod (the figures are then those of eager execution)",
         )
     if isinstance(model, nn.Module):
+        if isinstance(model, torch.jit.ScriptModule):  # it failed inside the TorchScript interpreter on fake tensors
+            raise SymacctError(
+                f"the model is a TorchScript module ({type(model).__name__}, from torch.jit.script or "
+                "torch.jit.trace): symacct traces eager PyTorch",
+                hint="pass the eager module it was made from (the figures are then those of eager execution)",
+            )
         lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
         if lazy:
             raise SymacctError(

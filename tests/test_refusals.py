@@ -550,6 +550,14 @@ def test_bad_options_are_refused_in_one_error():
         symacct.derive(model)
 
 
+def test_a_torchscript_model_is_refused_by_name():
+    """It failed inside the TorchScript interpreter and the refusal blamed the probe's sizes."""
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    for scripted in (torch.jit.script(mlp), torch.jit.trace(mlp, torch.randn(2, 8))):
+        with pytest.raises(SymacctError, match="the model is a TorchScript module"):
+            symacct.derive(scripted, inputs=lambda m, B, S: (torch.randn(B, 8),), loss=lambda y: y.sum())
+
+
 def test_derive_inside_no_grad_or_inference_mode_is_the_same_step():
     model = GPT2(GPT2Config(**SMALL))
     plain = symacct.derive(model, optimizer="adamw")
