@@ -1822,7 +1822,11 @@ def _nested_configs(model: Any) -> list[str]:
     config = getattr(model, "config", None)
     if config is None or isinstance(config, Mapping) or not hasattr(config, "__dict__"):
         return []
-    return sorted(k for k, v in vars(config).items() if dataclasses.is_dataclass(v) and hasattr(v, "to_dict"))
+    return sorted(
+        k
+        for k, v in vars(config).items()
+        if dataclasses.is_dataclass(v) and not isinstance(v, type) and hasattr(v, "to_dict")
+    )
 
 
 # the widths a field of the model's own may follow when equal, in the order preferred when several are (not
