@@ -1726,7 +1726,7 @@ def read_source(model: Any, req: Request) -> _Source:
     hf = req.dims is None and is_transformers_model(model)
     if hf and req.step not in SERVING:
         if inputs is None or loss is None:
-            hf_task = task_for(model)
+            hf_task = task_for(model, inputs=inputs is None)
         if inputs is None:
             inputs = _drop_labels(hf_task.inputs) if req.step == "forward" else hf_task.inputs
             input_dims = hf_task.dims
@@ -1759,7 +1759,10 @@ def read_source(model: Any, req: Request) -> _Source:
             "model.to(memory_format=...): the model rebuilt from its config is converted so too"
         )
     if hf_task is not None:
-        src.notes.append(f"{type(model).__name__}: {hf_task.note}")  # the class: a config.json names none
+        if req.inputs is None:  # the class first: a config.json names none
+            src.notes.append(f"{type(model).__name__}: {hf_task.note}")
+        elif req.loss is None and req.step == "train":
+            src.notes.append(f"{type(model).__name__}: the inputs given, the loss of its {hf_task.name} step")
         if req.step == "forward" and req.inputs is None:  # what _drop_labels feeds instead
             dec = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
             src.notes.append(

@@ -902,3 +902,24 @@ def test_a_list_of_token_ids_is_not_read_as_one_entry_a_layer() -> None:
     )  # fmt: skip
     acct = symacct.derive(T.LlamaForCausalLM(config))
     assert sym("L") in acct.flops.total.free_symbols and not any("per-layer list" in n for n in acct.notes)
+
+
+def test_inputs_given_take_only_the_heads_loss() -> None:
+    """With inputs given and no loss, the task is asked for its loss only: a base model whose forward takes
+    no input_ids (ViT's pixel_values) keeps the stand-in loss, where the check for input_ids refused it,
+    and the note no longer describes default inputs that were not used."""
+    torch.manual_seed(0)
+    config = T.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+                         image_size=16, patch_size=4)  # fmt: skip
+    model = T.ViTModel(config)
+
+    def inputs(m: Any, B: int, S: int) -> dict[str, Any]:
+        c = m.config
+        return {"pixel_values": torch.randn(B, c.num_channels, c.image_size, c.image_size)}
+
+    acct = symacct.derive(model, inputs=inputs)
+    assert acct.notes[0] == "ViTModel: the inputs given, the loss of its base step"
+    counted = measure_step(model, inputs(model, 2, 8), loss=lambda out: out.last_hidden_state.sum())
+    at = acct.at(B=2, S=8)
+    assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
+    assert at.memory.activations == counted.saved_bytes

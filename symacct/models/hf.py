@@ -331,12 +331,13 @@ def serving_inputs(model: nn.Module, step: str) -> Callable[..., dict[str, Any]]
     }
 
 
-def task(model: nn.Module) -> Task:
-    """The default step of a transformers model, from the name of its class (its head)."""
+def task(model: nn.Module, *, inputs: bool = True) -> Task:
+    """The default step of a transformers model, from the name of its class (its head). ``inputs=False``: the
+    caller gives the inputs and takes only the loss, which a forward without ``input_ids`` has too."""
     name = type(model).__name__
     config = model.config
     heads = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
-    if not _takes(model, "input_ids") and not name.endswith("ForImageClassification"):
+    if inputs and not _takes(model, "input_ids") and not name.endswith("ForImageClassification"):
         return _no_token_task(model)
     if getattr(config, "is_encoder_decoder", False) and not name.endswith(heads):
         if name.endswith(("ForConditionalGeneration", "MTModel")):  # MarianMTModel: a translation LM head
