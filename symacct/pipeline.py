@@ -1117,9 +1117,10 @@ def hermetic() -> Iterator[None]:
     are refused: symacct counts with them."""
     for kind in ("cpu", "cuda"):
         if torch.is_autocast_enabled(kind):
-            name = dtype_key(torch.get_autocast_dtype(kind))
+            dtype = torch.get_autocast_dtype(kind)
+            name = dtype_key(dtype)
             raise SymacctError(
-                f"derive was called inside torch.autocast('{kind}', dtype={torch.get_autocast_dtype(kind)}); "
+                f"derive was called inside torch.autocast('{kind}', dtype={dtype}); "
                 "symacct traces the step its options describe and does not take an autocast from the caller",
                 hint=f"call derive outside the autocast context, with autocast='{name}' (--autocast {name}) for "
                 "the forward and the loss under autocast and the backward outside, as PyTorch's AMP recipe has it",

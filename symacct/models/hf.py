@@ -150,14 +150,17 @@ def _whisper_frames(m: nn.Module) -> int:
     return m.config.max_source_positions * convs[0].stride[0] * convs[1].stride[0]
 
 
+def _mel(m: nn.Module, B: int) -> torch.Tensor:
+    """A batch of mel spectrograms of the length a Whisper-style encoder requires: (B, num_mel_bins, frames)."""
+    return torch.randn(B, m.config.num_mel_bins, _whisper_frames(m))
+
+
 def _speech_whisper(m: nn.Module, B: int, S: int) -> dict[str, Any]:
-    c = m.config
-    return {"input_features": torch.randn(B, c.num_mel_bins, _whisper_frames(m)), "labels": _ids(m, B, S),
-            "use_cache": False}  # fmt: skip
+    return {"input_features": _mel(m, B), "labels": _ids(m, B, S), "use_cache": False}
 
 
 def _classify_mel(m: nn.Module, B: int, S: int) -> dict[str, Any]:
-    return {"input_features": torch.randn(B, m.config.num_mel_bins, _whisper_frames(m)), "labels": _class_labels(m, B)}
+    return {"input_features": _mel(m, B), "labels": _class_labels(m, B)}
 
 
 def _no_token_task(model: nn.Module) -> Task:
