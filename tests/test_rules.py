@@ -401,3 +401,111 @@ def test_unfold_is_a_copy_and_fold_adds_every_column_element() -> None:
     by_op = {n.op: n for _, n in records(acct.graph)}
     assert by_op["aten.im2col.default"].cost.flops_other == 0
     assert sympy.expand(by_op["aten.col2im.default"].cost.flops_other - 24 * sym("B") * sym("S")) == 0
+
+
+@dataclasses.dataclass
+class _BagConfig:
+    vocab_size: int = 24
+    n_embd: int = 8
+    mode: str = "mean"
+    weighted: bool = False  # per-sample weights (a learned weight per table row, looked up): sum mode only
+    last_offset: bool = False  # flat indices with offsets, include_last_offset=True
+
+
+class _Bags(torch.nn.Module):
+    """nn.EmbeddingBag over each sequence (a bag of its S tokens), as a recommender's or fastText's input layer."""
+
+    def __init__(self, config: _BagConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.bag = torch.nn.EmbeddingBag(c.vocab_size, c.n_embd, mode=c.mode, include_last_offset=c.last_offset)
+        self.row_weight = torch.nn.Parameter(torch.rand(c.vocab_size)) if c.weighted else None
+        self.head = torch.nn.Linear(c.n_embd, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (B, S)
+        weights = self.row_weight[ids] if self.row_weight is not None else None  # (B, S)
+        if self.config.last_offset:
+            offsets = torch.arange(0, ids.numel() + 1, ids.shape[1])  # (B + 1,)
+            bags = self.bag(ids.flatten(), offsets)  # (B, D)
+        else:
+            bags = self.bag(ids, per_sample_weights=weights)  # (B, D)
+        return self.head(bags).square().mean()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab_size, (B, S)),)
+
+
+@pytest.mark.parametrize(
+    "mode, weighted, last_offset",
+    [("sum", False, False), ("mean", False, False), ("max", False, False), ("sum", True, False),
+     ("mean", False, True), ("max", False, True)],
+)  # fmt: skip
+def test_embedding_bag_exact_and_its_buffers_as_the_cpu_kernel_leaves_them(
+    mode: str, weighted: bool, last_offset: bool
+) -> None:
+    """nn.EmbeddingBag had no rule (refused). Its CPU kernel leaves offset2bag (mean and max) a storage one index
+    longer than its size, and bag_size (include_last_offset) one entry longer; both are saved for backward, so
+    the saved bytes missed 8 until the trace took the CPU's storage (``eager.bag_buffers``). FLOPs other, by
+    hand: n = B*S entries of D elements accumulated (a max compares), times 2 with per-sample weights, plus a
+    mean's B*D divisions; the backward scatters each entry (a max only each bag's winners), scaled first."""
+    import sympy
+    from real_step import exact_against_a_real_step
+
+    import symacct
+    from symacct.cost.graph import records
+    from symacct.symbols import sym
+
+    model = _Bags(_BagConfig(mode=mode, weighted=weighted, last_offset=last_offset))
+    acct = symacct.derive(model, optimizer="adamw")
+    exact_against_a_real_step(model, acct)
+    B, S, D = sym("B"), sym("S"), sym("D")
+    by_op = {n.op: n.cost.flops_other for _, n in records(acct.graph) if "embedding_bag" in n.op}
+    forward = B * S * D * (2 if weighted else 1) + (B * D if mode == "mean" else 0)
+    backward = B * D if mode == "max" else B * S * D * (2 if weighted or mode == "mean" else 1)
+    assert sympy.expand(by_op["aten._embedding_bag.default"] - forward) == 0
+    assert sympy.expand(by_op["aten._embedding_bag_backward.default"] - backward) == 0
+    if weighted:
+        assert sympy.expand(by_op["aten._embedding_bag_per_sample_weights_backward.default"] - 2 * B * S * D) == 0
+
+
+@dataclasses.dataclass
+class _BoundedConfig:
+    vocab_size: int = 24
+    n_embd: int = 8
+
+
+class _Bounded(torch.nn.Module):
+    """nn.Embedding(max_norm=1.0): the looked-up rows renormalised in place before each lookup."""
+
+    def __init__(self, config: _BoundedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = torch.nn.Embedding(config.vocab_size, config.n_embd, max_norm=1.0)
+        self.head = torch.nn.Linear(config.n_embd, config.vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (B, S)
+        return self.head(self.wte(ids)).square().mean()  # (B, S, V) -> ()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab_size, (B, S)),)
+
+
+def test_embedding_max_norm_renormalises_the_rows_looked_up() -> None:
+    """``embedding_renorm_`` had no rule (refused): 3 FLOPs per element of every row looked up (an upper bound:
+    the kernel renormalises each distinct row once), exact against a real step otherwise."""
+    import sympy
+    from real_step import exact_against_a_real_step
+
+    import symacct
+    from symacct.cost.graph import records
+    from symacct.symbols import sym
+
+    model = _Bounded(_BoundedConfig())
+    acct = symacct.derive(model, optimizer="adamw")
+    exact_against_a_real_step(model, acct)
+    renorm = [n.cost for _, n in records(acct.graph) if n.op == "aten.embedding_renorm_.default"]
+    assert len(renorm) == 1
+    B, S, D = sym("B"), sym("S"), sym("D")
+    assert sympy.expand(renorm[0].flops_other - 3 * B * S * D) == 0
+    assert sympy.expand(renorm[0].bytes_written - 4 * B * S * D) == 0

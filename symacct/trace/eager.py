@@ -6,11 +6,12 @@ step with a fake one, and each has a test that fails without it).
   and views in the other;
 - dtypes: a mixed-precision norm's statistics, a loss of a prediction and a target in two dtypes (``dtypes``),
   where autograd would add a cast the real step does not run;
-- storage: a reduced loss that keeps its input-sized buffer (``storage``);
+- storage: a reduced loss that keeps its input-sized buffer (``storage``), EmbeddingBag's index buffers that keep
+  an entry more than their sizes (``bag_buffers``);
 - refusals: a loss whose CPU kernel refuses two dtypes (``mixed_loss``): the real step fails there.
 
-The dtype and stride corrections are the CPU's (a fake CUDA tensor is left as the meta kernel makes it); the
-storage one holds for CUDA too (the kernels share the code that resizes).
+The dtype, stride and EmbeddingBag corrections are the CPU's (a fake CUDA tensor is left as the meta kernel makes
+it); the loss storage one holds for CUDA too (the kernels share the code that resizes).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from torch._prims_common import suggest_memory_format
+from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
 
@@ -175,14 +177,54 @@ def storage(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     return whole.resize_(())
 
 
+# EmbeddingBag's CPU kernels (``make_offset2bag_out``, ``make_bag_size_out``) size two index buffers before they
+# resize them, and a resize to fewer elements keeps the storage: offset2bag, where the kernel makes one (the mean
+# and max modes, a sum off its fast path), keeps N + 1 indices for its N; bag_size, with ``include_last_offset``,
+# keeps one entry per offset, a bag's plus one. The meta kernel allocates both at their sizes. Both are saved for
+# the backward.
+_CPU_BAG_BUFFERS = {aten._embedding_bag.default, aten._embedding_bag_forward_only.default}
+
+
+def bag_buffers(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """Give EmbeddingBag's index buffers the storage the CPU kernel leaves them (``_CPU_BAG_BUFFERS``)."""
+    if func not in _CPU_BAG_BUFFERS or not isinstance(out, tuple) or out[0].device.type != "cpu":
+        return out
+    output, offset2bag, bag_size, *rest = out
+    offsets = args[2]  # (bags,), or (bags + 1,) with include_last_offset, as the kernel tells the two apart
+    if offset2bag.numel() > 0:
+        offset2bag = _kept(offset2bag, offset2bag.numel() + 1)
+    if offsets.dim() == 1 and output.size(0) == offsets.size(0) - 1:
+        bag_size = _kept(bag_size, offsets.size(0))
+    return (output, offset2bag, bag_size, *rest)
+
+
+# a tensor made by ``_kept`` -> the elements its storage holds beyond its own (the trace reads its bytes as its
+# shape's product plus these: ``StepTrace.bytes_of``)
+KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _kept(t: torch.Tensor, numel: int) -> torch.Tensor:
+    """A tensor of ``t``'s shape and dtype over a storage of ``numel`` elements: allocated, then resized down."""
+    kept = torch.empty(numel, dtype=t.dtype, device=t.device).resize_(t.shape)
+    KEPT[kept] = numel - t.numel()
+    return kept
+
+
 def as_on_the_cpu(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     """``out`` of ``func(*args)`` on fake tensors, with the strides, dtypes and storage the eager kernel gives
     it (the values are fake either way)."""
     if func not in _CORRECTED:  # nearly every op: one lookup
         return out
-    return storage(func, args, dtypes(func, args, strides(func, args, out)))
+    return bag_buffers(func, args, storage(func, args, dtypes(func, args, strides(func, args, out))))
 
 
 _CORRECTED = frozenset(
-    [*_CPU_CONTIGUOUS_OUT, *_CPU_GRAD_LAYOUT, *_CPU_MIXED_NORMS, *_CPU_PREDICTION_DTYPE, *_WHOLE_STORAGE_LOSSES]
+    [
+        *_CPU_CONTIGUOUS_OUT,
+        *_CPU_GRAD_LAYOUT,
+        *_CPU_MIXED_NORMS,
+        *_CPU_PREDICTION_DTYPE,
+        *_WHOLE_STORAGE_LOSSES,
+        *_CPU_BAG_BUFFERS,
+    ]
 ) | {aten.native_group_norm_backward.default}

@@ -137,6 +137,8 @@ class StepTrace:
     storage_nbytes: dict[int, int] = field(default_factory=dict)
     # storage -> (shape, itemsize) of a tensor that spans it: its size read dimension by dimension
     storage_shape: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    # storage -> elements it holds beyond that tensor's: a kernel's buffer resized down (``eager.bag_buffers``)
+    storage_extra: dict[int, int] = field(default_factory=dict)
     external_storages: set[int] = field(default_factory=set)  # params, buffers, inputs
     param_names: dict[int, list[str]] = field(default_factory=dict)  # storage -> names
     # parameter name (tied ones under each name) -> its shape as built (a DTensor's: the whole, unsharded)
@@ -173,18 +175,23 @@ class StepTrace:
         self.storage_nbytes[st] = nbytes
         if t.device.type == "cpu":
             self.storage_device[st] = "cpu"
-        if t.numel() * t.element_size() == nbytes:
+        extra = eager.KEPT.get(t, 0)
+        if (t.numel() + extra) * t.element_size() == nbytes:
             self.storage_shape[st] = (tuple(int(d) for d in t.shape), t.element_size())
+            if extra:
+                self.storage_extra[st] = extra
 
     def bytes_of(self, st: int, read: Callable[[int], Any], nbytes: int | None = None) -> Any:
         """The bytes of a storage as a formula: itemsize times the product of its dimensions read one by one
-        (a product of shifted sizes such as (H + 2*H_kv)*D/H times D reads only so), else the number read whole."""
+        (a product of shifted sizes such as (H + 2*H_kv)*D/H times D reads only so), with the elements a kernel
+        kept beyond them (``storage_extra``), else the number read whole."""
         nb = self.storage_nbytes.get(st, nbytes) if nbytes is None else nbytes
         shape = self.storage_shape.get(st)
-        if shape is not None and shape[0] and math.prod(shape[0]) * shape[1] == nb:
+        extra = self.storage_extra.get(st, 0)
+        if shape is not None and shape[0] and (math.prod(shape[0]) + extra) * shape[1] == nb:
             dims = [read(d) for d in shape[0]]
             if all(d is not None for d in dims):
-                return shape[1] * math.prod(dims)
+                return shape[1] * (math.prod(dims) + extra)
         return read(nb)
 
 

@@ -246,3 +246,58 @@ def col2im(call: Call) -> Cost:
 def read_scalar(call: Call) -> Cost:
     """``tensor.item()`` on a one-element tensor: reads its bytes, writes none."""
     return Cost(bytes_written=0)
+
+
+@rule(aten._embedding_bag, aten._embedding_bag_forward_only)
+def embedding_bag(call: Call) -> Cost:
+    """nn.EmbeddingBag: n looked-up rows reduced into their bags. Reads the indices, offsets, per-sample weights
+    and the gathered rows, not the table; writes the bags and the index buffers the kernel returns. 1 FLOP per
+    element looked up (an add into its bag, or a max's comparison), 1 more with per-sample weights (the
+    product) and 1 per output element for a mean (the division)."""
+    args = call.args
+    mode = args[4] if len(args) > 4 else call.kwargs.get("mode", 0)
+    psw = args[6] if len(args) > 6 else call.kwargs.get("per_sample_weights")
+    weight, idx, out = call.inputs[0], call.inputs[1], call.outputs[0]  # [V, D], [n] (the bags' indices), [bags, D]
+    n, width = numel(idx.shape), weight.shape[1]
+    flops = n * width * (2 if psw is not None else 1) + (numel(out.shape) if mode == 1 else 0)
+    read = sum((nbytes(t) for t in distinct(call.inputs[1:])), 0) + n * width * weight.itemsize
+    return Cost(flops_other=flops, bytes_read=read)
+
+
+@rule(aten._embedding_bag_backward)
+def embedding_bag_backward(call: Call) -> Cost:
+    """EmbeddingBag's table gradient: each bag's gradient row scatter-added into a zeroed (V, D) table once per
+    index in the bag (1 FLOP per element), scaled first by the per-sample weight or the mean's 1/size (1 more);
+    a max adds only the winning entries, one per output element. Bytes as read and written (the whole table
+    written, as ``embedding_dense_backward``)."""
+    grad, idx = call.inputs[0], call.inputs[1]  # grad: [bags, D], idx: [n]
+    args = call.args
+    mode = args[8] if len(args) > 8 else call.kwargs.get("mode", 0)
+    psw = args[10] if len(args) > 10 else call.kwargs.get("per_sample_weights")
+    width = grad.shape[1]
+    if mode == 2:
+        return Cost(flops_other=numel(grad.shape))
+    scaled = mode == 1 or psw is not None
+    return Cost(flops_other=numel(idx.shape) * width * (2 if scaled else 1))
+
+
+@rule(aten._embedding_bag_per_sample_weights_backward)
+def embedding_bag_weights_backward(call: Call) -> Cost:
+    """The per-sample weights' gradient: for each of the n entries, the dot product of its bag's gradient row
+    with its table row (2 FLOPs per element of the row). Reads those rows, not the table."""
+    weight, idx = call.inputs[1], call.inputs[2]  # the table [V, D], the indices [n] (the gradient [bags, D] first)
+    n, width = numel(idx.shape), weight.shape[1]
+    others = [t for t in distinct(call.inputs) if t.vid != weight.vid]
+    read = sum((nbytes(t) for t in others), 0) + n * width * weight.itemsize
+    return Cost(flops_other=2 * n * width, bytes_read=read)
+
+
+@rule(aten.embedding_renorm_)
+def embedding_renorm(call: Call) -> Cost:
+    """``nn.Embedding(max_norm=...)``: each looked-up row's norm taken and the row scaled in place where it
+    exceeds the bound, before the lookup. Counted for every index (the kernel renormalises each distinct row
+    once, a number that depends on the values: an upper bound, as the lookup's own bytes count duplicates):
+    3 FLOPs per element (square, add, scale); reads the indices and the rows, writes the rows."""
+    weight, idx = call.inputs[0], call.inputs[1]  # weight: [V, D], idx: [...] (tokens)
+    rows = numel(idx.shape) * weight.shape[1] * weight.itemsize
+    return Cost(flops_other=3 * numel(idx.shape) * weight.shape[1], bytes_read=nbytes(idx) + rows, bytes_written=rows)
