@@ -126,6 +126,10 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
             return symacct.derive(GPT2(small)).memory.peak
 
+    def in_saved_hooks() -> Any:
+        with torch.autograd.graph.save_on_cpu():
+            return symacct.derive(GPT2(small)).memory.peak
+
     def in_anomaly_mode() -> Any:
         with torch.autograd.detect_anomaly(check_nan=True):
             return symacct.derive(GPT2(small)).memory.peak
@@ -184,6 +188,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("derive inside autocast", in_autocast, REFUSE),
         ("derive in anomaly mode", in_anomaly_mode, lambda v: v == g.memory.peak),
         ("derive saved hooks disabled", hooks_disabled, REFUSE),
+        ("derive inside save_on_cpu", in_saved_hooks, REFUSE),
         ("at B 10**30", lambda: g.at(B=10**30, S=8).flops.total, lambda v: v == 10**30 * g.at(B=1, S=8).flops.total),
         ("at B 0", lambda: g.at(B=0, S=8), REFUSE),
         ("at B 1.5", lambda: g.at(B=1.5, S=8), REFUSE),

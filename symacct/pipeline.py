@@ -1114,7 +1114,9 @@ def hermetic() -> Iterator[None]:
     An autocast the caller entered is refused: it would cast the backward and the optimizer's step too,
     where derive's ``autocast`` option casts the forward and the loss (PyTorch's AMP recipe), and the
     figures would not be those of the options the result reports. Saved-tensor hooks disabled by the caller
-    are refused: symacct counts with them."""
+    are refused: symacct counts with them. So are saved-tensor hooks the caller set (``save_on_cpu``, a
+    compressing pair): symacct's own hooks, set inside them, would take their place, and the figures would be
+    those of a step without them; a model that sets them in its forward is counted with them."""
     for kind in ("cpu", "cuda"):
         if torch.is_autocast_enabled(kind):
             dtype = torch.get_autocast_dtype(kind)
@@ -1130,6 +1132,14 @@ def hermetic() -> Iterator[None]:
             "derive was called where saved-tensor hooks are disabled (torch.autograd.graph."
             "disable_saved_tensors_hooks); symacct counts the tensors autograd saves with such hooks",
             hint="call derive outside that context",
+        )
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        raise SymacctError(
+            "derive was called inside saved-tensor hooks the caller set (torch.autograd.graph.saved_tensors_hooks, "
+            "save_on_cpu); symacct traces with hooks of its own, which would take their place: the figures would "
+            "be those of a step without the caller's",
+            hint="call derive outside that context; to count what such hooks keep, set them in the model's "
+            "forward (derive counts a model's own saved-tensor hooks)",
         )
     with torch.inference_mode(False), torch.autograd.set_detect_anomaly(False):
         yield

@@ -604,6 +604,61 @@ def test_saved_tensor_hooks_disabled_by_the_caller_are_refused():
     assert not e.value.internal
 
 
+def _to_half(t: torch.Tensor) -> torch.Tensor:
+    return t.half() if t.is_floating_point() else t
+
+
+def _to_float(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype == torch.float16 else t
+
+
+class _Compressed(GPT2):
+    """GPT-2, its forward under a compressing saved-tensor pair (fp16 copies kept for backward)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(_to_half, _to_float):
+            return super().forward(idx, targets)
+
+
+def test_saved_tensor_hooks_the_caller_set_are_refused():
+    """They were ignored: symacct's own hooks, set inside them, took their place, and a two-layer GPT-2 (D = 16,
+    H = 4, V = 32) at B = 2, S = 8 came out with the 55,108 bytes of activations of a step without them, where
+    the step run inside that compressing pair keeps fp16 copies. Inside the model's forward the same pair is
+    counted (fewer bytes), and that is the way the refusal names."""
+    small = GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)
+    plain = symacct.derive(GPT2(small)).at(B=2, S=8).memory.activations
+    with torch.autograd.graph.saved_tensors_hooks(_to_half, _to_float):
+        with pytest.raises(SymacctError, match="inside saved-tensor hooks the caller set.*in the model's forward"):
+            symacct.derive(GPT2(small))
+    with torch.autograd.graph.save_on_cpu():
+        with pytest.raises(SymacctError, match="inside saved-tensor hooks the caller set"):
+            symacct.derive(GPT2(small))
+    inside = symacct.derive(_Compressed(small))
+    assert inside.at(B=2, S=8).memory.activations < plain
+
+
+class _OneInput(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx)
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.example_inputs(B, S)  # (idx, targets): one more than forward takes
+
+
+def test_inputs_the_forward_does_not_take_are_named_as_such():
+    """They were refused as "the model's forward failed at probe sizes", with a hint about size relations."""
+    small = GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)
+    with pytest.raises(SymacctError, match=r"does not take the step's inputs: _OneInput.forward\(idx.*too many") as e:
+        symacct.derive(_OneInput(GPT2(small)))
+    assert "probe sizes" not in str(e.value) and not e.value.internal
+    with pytest.raises(SymacctError, match="does not take the step's inputs.*missing a required argument: 'idx'"):
+        symacct.derive(GPT2(small), inputs=lambda m, B, S: {"ids": torch.zeros(B, S, dtype=torch.long)})
+
+
 def test_inputs_that_ignore_b_are_noted():
     def linear(D: int) -> nn.Module:
         return nn.Linear(D, D)

@@ -1146,6 +1146,14 @@ def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], record
                 hint="torch.func.grad, vjp, jacrev and hessian refuse them: compute the inner gradient with "
                 "torch.autograd.grad(..., create_graph=True), which derive traces",
             ) from e
+        unfit = _unfit_inputs(model, args) if isinstance(e, TypeError) else None
+        if unfit is not None:
+            raise SymacctError(
+                f"the model's forward does not take the step's inputs: {unfit}",
+                module=type(model).__name__,
+                hint="the inputs builder (inputs=, or the model's example_inputs) returns what forward takes: a "
+                "tuple is passed by position, a dict by keyword",
+            ) from e
         raise SymacctError(
             f"the model's forward failed at probe sizes: {type(e).__name__}: {_text(e)}",
             module=recorder.module(),
@@ -1153,6 +1161,22 @@ def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], record
             "the model needs (heads dividing the width, key/value heads dividing the heads) must come from "
             "fields symacct knows (n_head, n_kv_heads, ...), or keep those fields at their values with fixed=[...]",
         ) from e
+
+
+def _unfit_inputs(model: nn.Module, args: tuple[Any, ...] | dict[str, Any]) -> str | None:
+    """Why ``model.forward`` cannot be called with ``args`` (its signature refuses them), else None; None too
+    where a forward pre-hook may change the arguments first."""
+    if model._forward_pre_hooks:
+        return None
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward with no signature to read (a builtin)
+        return None
+    try:
+        sig.bind(**args) if isinstance(args, dict) else sig.bind(*args)
+    except TypeError as e:
+        return f"{type(model).__name__}.forward{sig}: {e}"
+    return None
 
 
 def _call_loss(loss: Callable[[Any], torch.Tensor], out: Any) -> Any:
