@@ -712,8 +712,8 @@ def _step_args(p: argparse.ArgumentParser, steps: tuple[str, ...] = ("train", "f
         "--sdpa-backend",
         choices=("flash", "cudnn", "efficient", "math"),
         default=None,
-        help="with --device cuda: the kernel scaled_dot_product_attention runs (default: as PyTorch chooses on "
-        "--hardware, or on this GPU)",
+        help="the kernel scaled_dot_product_attention runs (default: as PyTorch chooses on --hardware with --device "
+        "cuda, on this GPU, or on the CPU; the CPU runs flash or math)",
     )
 
 

@@ -1248,7 +1248,8 @@ def _derive(
             ``"flash"``, ``"cudnn"``, ``"efficient"`` or ``"math"``; needed on
             CUDA without a GPU when the model calls SDPA (there is no device to
             choose it), a restriction of PyTorch's choice with one
-            (symacct.trace.sdpa).
+            (symacct.trace.sdpa). On the CPU, ``"flash"`` (its CPU kernel) or
+            ``"math"``, a restriction of the CPU's choice.
         hardware: with ``device="cuda"``, the GPU (a catalog name or entry)
             whose kernel choices the step follows: SDPA runs the kernel
             PyTorch 2.14 picks on it (by compute capability, dtype, head dim,
@@ -1564,7 +1565,7 @@ def _request(
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise SymacctError(f"{name}={dt!r} is not a floating dtype", hint="use torch.bfloat16 or torch.float16")
     check_device(device)
-    check_backend(sdpa_backend)
+    check_backend(sdpa_backend, device)
     precision: dict[str, Any] = {"autocast": autocast, "params_dtype": params_dtype, "device": device}
     if fsdp_policy is not False:
         if fsdp_policy is not True:

@@ -190,3 +190,45 @@ def test_the_note_says_whose_rules_the_choice_followed() -> None:
     assert provenance("2.14.1+cu130") == "as PyTorch 2.14 chooses"
     assert provenance("2.13.0+cpu") == "as PyTorch 2.14 chooses (this torch is 2.13.0+cpu: its own choice may differ)"
     assert "2.15.0" in provenance("2.15.0")
+
+
+class _Attention(torch.nn.Module):
+    """One causal SDPA over a fused q/k/v projection."""
+
+    def __init__(self, D: int, H: int) -> None:
+        super().__init__()
+        self.D, self.H = D, H
+        self.qkv = torch.nn.Linear(D, 3 * D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, D)
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.H, D // self.H).permute(2, 0, 3, 1, 4)  # each (B, H, S, D/H)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).square().mean()
+
+
+def test_sdpa_backend_on_the_cpu_restricts_the_cpus_choice() -> None:
+    """``sdpa_backend`` on the CPU did nothing: ``"math"`` gave the flash kernel's figures while the options said
+    math. Now each CPU kernel's figures equal a real step under ``sdpa_kernel`` naming it (the math composite
+    keeps the probabilities, flash the output and a logsumexp row), and a CUDA-only name is refused."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import symacct
+    from symacct.measure.run import measure_step
+
+    def inputs(m: torch.nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, m.D),)
+
+    model = _Attention(16, 2)
+    saved = {}
+    for backend, kind in (("math", SDPBackend.MATH), ("flash", SDPBackend.FLASH_ATTENTION)):
+        acct = symacct.derive(_Attention, dims={"D": 16, "H": 2}, inputs=inputs, sdpa_backend=backend)
+        assert acct.options["sdpa_backend"] == backend
+        for B, S in ((2, 8), (3, 5)):
+            with sdpa_kernel([kind]):
+                real = measure_step(model, inputs(model, B, S))
+            model.zero_grad(set_to_none=True)
+            assert acct.at(B=B, S=S).memory.activations == real.saved_bytes
+        saved[backend] = acct.at(B=2, S=8).memory.activations
+    assert saved["math"] != saved["flash"]
+    with pytest.raises(SymacctError, match="names a CUDA kernel.*'flash'.*or 'math'"):
+        symacct.derive(_Attention, dims={"D": 16, "H": 2}, inputs=inputs, sdpa_backend="efficient")

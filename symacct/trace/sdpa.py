@@ -14,7 +14,10 @@ falls back to the math kernel, which a GPU would rarely run: a silent wrong numb
   autocast the arguments are cast first and the kernel runs with autocast off, as autocast's wrapper does
   ahead of PyTorch's own choice (math then upcasts half inputs to fp32 and keeps them there).
 
-With a GPU present, ``backend`` restricts PyTorch's own choice (``torch.nn.attention.sdpa_kernel``).
+With a GPU present, ``backend`` restricts PyTorch's own choice (``torch.nn.attention.sdpa_kernel``). On the
+CPU it restricts the CPU's choice the same way: ``"flash"`` (PyTorch's CPU flash kernel, which saves the output
+and a logsumexp row per query) or ``"math"`` (the composite, which saves the probabilities); the CPU has no
+memory-efficient or cuDNN kernel, and those names are refused there (``check_backend``).
 A mask is modelled for ``math`` only here, grouped-query heads left to ``enable_gqa`` for ``math``,
 ``flash`` and ``cudnn`` (whose kernels take fewer key/value heads as they are); the other cases are refused
 without a GPU. The memory-efficient kernel's logsumexp holds ``32*ceiling(S/32)`` rows, read so
@@ -50,9 +53,30 @@ def describe(backend: str) -> str:
     return _NAMES[backend]
 
 
-def check_backend(backend: str | None) -> None:
+CPU_BACKENDS = ("flash", "math")
+
+
+def check_backend(backend: str | None, device: str = "cuda") -> None:
     if backend is not None and backend not in BACKENDS:
         raise SymacctError(f"unknown SDPA backend {backend!r}", hint=f"one of {', '.join(BACKENDS)}")
+    if backend is not None and torch.device(device).type == "cpu" and backend not in CPU_BACKENDS:
+        raise SymacctError(
+            f"sdpa_backend={backend!r} names a CUDA kernel, and the step runs on the CPU (device={device!r})",
+            hint="on the CPU SDPA runs 'flash' (its CPU kernel) or 'math'; pass device='cuda' for CUDA's kernels",
+        )
+
+
+def _restricted(backend: str) -> contextlib.AbstractContextManager[None]:
+    """PyTorch's choice of SDPA kernel restricted to ``backend`` (``torch.nn.attention.sdpa_kernel``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    return sdpa_kernel([kinds[backend]])
 
 
 def forced(device: str, target: Target | None) -> bool:
@@ -66,26 +90,16 @@ def choosing(
     backend: str | None, device: str, target: Target | None = None, size: Callable[[int], int] = int
 ) -> Iterator[dict[str, int]]:
     """The step's SDPA calls run ``backend``, or with ``target`` (a named GPU) the kernel PyTorch chooses on it
-    (``symacct.trace.sdpa_choice``; ``size`` maps a traced dimension to the user's model's); on the CPU nothing
-    changes. Yields the kernels run, each described once with its count (filled as the calls run)."""
-    check_backend(backend)
+    (``symacct.trace.sdpa_choice``; ``size`` maps a traced dimension to the user's model's); on the CPU and on
+    a GPU present, ``backend`` restricts PyTorch's own choice. Yields the kernels run, each described once with
+    its count (filled as the calls run)."""
+    check_backend(backend, device)
     counts: dict[str, int] = {}
-    if torch.device(device).type != "cuda":
-        yield counts
-        return
     if not forced(device, target):
         if backend is None:
             yield counts
             return
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        kinds = {
-            "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "math": SDPBackend.MATH,
-        }
-        with sdpa_kernel([kinds[backend]]):
+        with _restricted(backend):
             yield counts
         return
     with _Forced(backend, target, size, counts):
