@@ -166,6 +166,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("derive optimizer instance", lambda: symacct.derive(GPT2(small), optimizer=opt), REFUSE),
         ("derive step eval", lambda: symacct.derive(GPT2(small), step="eval"), REFUSE),
         ("derive autocast fp8", lambda: symacct.derive(GPT2(small), autocast="fp8"), REFUSE),
+        ("derive autocast fp32", lambda: symacct.derive(GPT2(small), autocast=torch.float32), REFUSE),
         ("derive params int8", lambda: symacct.derive(GPT2(small), params_dtype=torch.int8), REFUSE),
         ("derive device cuda", lambda: symacct.derive(GPT2(small), device="cuda"), REFUSE),
         ("derive fixed typo", lambda: symacct.derive(GPT2(small), fixed=["n_layr"]), REFUSE),

@@ -1564,6 +1564,12 @@ def _request(
     for name, dt in (("autocast", autocast), ("params_dtype", params_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise SymacctError(f"{name}={dt!r} is not a floating dtype", hint="use torch.bfloat16 or torch.float16")
+    if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
+        raise SymacctError(
+            f"autocast={autocast} is no autocast: PyTorch's autocast casts to bfloat16 or float16, and disables itself "
+            "for another dtype (with a warning), so the step would run as without it",
+            hint="use autocast='bf16' or 'fp16', or drop autocast= (params_dtype= sets the parameters' dtype)",
+        )
     check_device(device)
     check_backend(sdpa_backend, device)
     precision: dict[str, Any] = {"autocast": autocast, "params_dtype": params_dtype, "device": device}

@@ -596,6 +596,14 @@ def test_an_autocast_the_caller_entered_is_refused(kind, dtype, name):
     assert symacct.derive(model, autocast=name).options["autocast"] == str(dtype)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", torch.float32, torch.float64])
+def test_an_autocast_to_a_dtype_autocast_does_not_cast_to_is_refused(dtype):
+    """It was taken and reported in the options while PyTorch disabled the autocast (a warning): the figures were
+    those of the step without it."""
+    with pytest.raises(SymacctError, match="is no autocast: PyTorch's autocast casts to bfloat16 or float16"):
+        symacct.derive(GPT2(GPT2Config(**SMALL)), autocast=dtype)
+
+
 def test_saved_tensor_hooks_disabled_by_the_caller_are_refused():
     """They failed inside symacct ("symacct failed: RuntimeError: ... a defect of symacct")."""
     with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
