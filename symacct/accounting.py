@@ -19,7 +19,7 @@ import networkx as nx
 import numpy as np
 import sympy
 
-from symacct.cost.graph import Node, component, records
+from symacct.cost.graph import FUSED_ATTENTION, Node, component, records
 from symacct.cost.layers import generic_path
 from symacct.cost.rules import Cost
 from symacct.errors import SymacctError
@@ -40,12 +40,6 @@ if TYPE_CHECKING:
 
 Expr = Any  # sympy.Expr, or int once evaluated
 
-_ATTENTION_OPS = (
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_cudnn_attention",
-)
 _MATMUL_OPS = ("aten.bmm.", "aten.mm.", "aten.baddbmm.", "aten.addmm.")
 
 
@@ -531,7 +525,7 @@ def _lambdified(expr: sympy.Expr, names: tuple[str, ...]) -> Any:
 
 
 def _is_attention(node: Node) -> bool:
-    if any(a in node.op for a in _ATTENTION_OPS):
+    if any(a in node.op for a in FUSED_ATTENTION):
         return True
     if not node.op.startswith(_MATMUL_OPS):
         return False
@@ -549,6 +543,53 @@ def _model_cost(node: Node, causal_discount: bool) -> Cost:
     if causal_discount and (c.flops or c.flops_recompute) and _is_attention(node):
         return dataclasses.replace(c, flops=c.flops / 2, flops_recompute=c.flops_recompute / 2)
     return c
+
+
+_SOFTMAX = ("aten._softmax.", "aten._safe_softmax.", "aten.softmax.")
+_WALK = 24  # nodes followed from attention scores towards their softmax
+
+
+def _unmasked_scores(graph: nx.DiGraph, key: Any) -> bool | None:
+    """For a forward matmul making attention scores (S x S): True when they reach a softmax through ops of one
+    tensor input only (a scale, a view: no mask enters), False when an op of two tensor inputs comes first (a
+    mask added or filled in), None when no softmax is reached."""
+    frontier, seen, reached = [key], {key}, False
+    while frontier and len(seen) < _WALK:
+        for nxt in graph.successors(frontier.pop()):
+            if nxt in seen:
+                continue
+            seen.add(nxt)
+            node = graph.nodes[nxt]["node"]
+            if node.phase != "forward" or node.op.startswith(_MATMUL_OPS):
+                continue
+            if node.op.startswith(_SOFTMAX):
+                reached = True
+            elif len(node.in_shapes) > 1:
+                return False
+            else:
+                frontier.append(nxt)
+    return True if reached else None
+
+
+def bidirectional_modules(graph: nx.DiGraph) -> set[str]:
+    """The attention modules (generic paths) whose every forward attention runs neither causal nor masked:
+    a fused kernel with ``Node.causal`` False, or scores that reach their softmax with no mask entering
+    (``_unmasked_scores``). Megatron's causal discount halves the score matmuls of causal attention, which
+    computes half of them; these compute all. Attention with a mask counts as causal (what a mask hides is in
+    its values)."""
+    plain: set[str] = set()
+    masked: set[str] = set()
+    S = sym("S")
+    for key, node in records(graph):
+        if node.phase != "forward":
+            continue
+        if any(a in node.op for a in FUSED_ATTENTION):
+            (plain if node.causal is False else masked).add(node.generic)
+        elif node.op.startswith(_MATMUL_OPS) and any(len(t) >= 2 and t[-2:] == (S, S) for t in node.shapes):
+            unmasked = _unmasked_scores(graph, key)
+            if unmasked is not None:
+                (plain if unmasked else masked).add(node.generic)
+    return plain - masked
 
 
 def _add_to(target: dict[str, Terms], phase: str, cost: Cost) -> None:
@@ -582,11 +623,12 @@ def aggregate(
     comps: dict[str, dict[str, Terms]] = defaultdict(lambda: defaultdict(Terms))
     per_layer: dict[str, dict[str, Terms]] = {}
     unaccounted: list[str] = []
+    bidirectional = bidirectional_modules(graph) if causal_discount else set()  # left in full by the discount
     L = sym("L")
     for key, node in records(graph):
         if node.phase == "input" or node.count == 0:
             continue
-        cost = _model_cost(node, causal_discount)
+        cost = _model_cost(node, causal_discount and node.generic not in bidirectional)
         scaled = cost * node.count
         ph = node.phase
         per_phase[ph].append(scaled)
@@ -599,6 +641,12 @@ def aggregate(
             _add_to(per_layer.setdefault(stack, defaultdict(Terms)), ph, cost)
         if not node.ruled:
             unaccounted.append(f"#{key} {node.op} in '{node.module}' ({ph})")
+    if bidirectional:
+        notes.append(
+            "causal_discount: the attention in "
+            + ", ".join(sorted(bidirectional))
+            + " runs neither causal nor masked (every query sees every key): its score matmuls counted in full"
+        )
     # parameters
     params = Terms()
     params_emb = Terms()

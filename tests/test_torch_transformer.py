@@ -133,3 +133,59 @@ def test_the_fused_inference_path_is_refused_and_the_unfused_one_exact() -> None
             assert (at.memory.after_forward, at.memory.peak) == (real.after_forward, real.peak)
     finally:
         torch.backends.mha.set_fastpath_enabled(was)
+
+
+class _HandAttention(nn.Module):
+    """Single-head attention written by hand (matmuls, softmax), masked causally or not at all."""
+
+    def __init__(self, d_model: int, causal: bool) -> None:
+        super().__init__()
+        self.d_model, self.causal = d_model, causal
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, D)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (B, S, D)
+        scores = q @ k.transpose(1, 2) / self.d_model**0.5  # (B, S, S)
+        if self.causal:
+            S = x.shape[1]
+            scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        return (scores.softmax(-1) @ v).square().mean()  # (B, S, D) -> ()
+
+
+@pytest.mark.parametrize(
+    "cls, discounted",
+    [(Encoder, 0), (CausalEncoder, 1), (EncoderDecoder, 1)],  # attention stacks discounted: the decoder's own
+)
+def test_the_causal_discount_halves_causal_attention_only(cls: type[nn.Module], discounted: int) -> None:
+    """``causal_discount=True`` halved every attention's score matmuls: a bidirectional encoder's too (its
+    queries see every key, none of the work is masked). Now attention that runs neither causal nor masked is
+    counted in full, and a note names it: each causal stack of L layers loses 6*B*D*L*S**2 (half its score
+    and value matmuls, forward and backward), nn.Transformer only its decoder's self-attention."""
+    import sympy
+
+    from symacct.symbols import sym
+
+    model = cls(EncoderConfig(norm_first=cls is EncoderDecoder))
+    plain = symacct.derive(model)
+    half = symacct.derive(model, causal_discount=True)
+    B, S, D, L = (sym(n) for n in "BSDL")
+    assert sympy.expand(plain.flops.total - half.flops.total - discounted * 6 * B * D * L * S**2) == 0
+    named = [n for n in half.notes if n.startswith("causal_discount:")]
+    assert bool(named) is (cls is not CausalEncoder)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_causal_discount_reads_a_hand_written_mask(causal: bool) -> None:
+    """Attention written as matmuls: scores that reach their softmax with no mask are bidirectional."""
+    import sympy
+
+    from symacct.symbols import sym
+
+    def inputs(m: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, m.d_model),)
+
+    derive = dict(dims={"d_model": 16}, inputs=inputs, fixed=[])
+    plain = symacct.derive(lambda d_model: _HandAttention(d_model, causal), **derive)
+    half = symacct.derive(lambda d_model: _HandAttention(d_model, causal), causal_discount=True, **derive)
+    B, S, D = sym("B"), sym("S"), sym("D")
+    assert sympy.expand(plain.flops.total - half.flops.total - (6 * B * D * S**2 if causal else 0)) == 0

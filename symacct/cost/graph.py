@@ -44,7 +44,11 @@ class Node:
     other probe blocks, 1 elsewhere; ``saved``: an output storage is saved
     for backward; ``allocated``: bytes of the storages it makes; ``saved_bytes``:
     the part of those that autograd saves for backward, per call; ``ruled``:
-    False for an op without a rule (``strict=False``), counted as 0.
+    False for an op without a rule (``strict=False``), counted as 0;
+    ``causal``: for a fused attention kernel (SDPA's flash, memory-efficient,
+    cuDNN), True when it runs causal (``is_causal``), False when it runs
+    neither causal nor with a mask (every query sees every key), None with a
+    mask (what it masks is in its values) and for every other op.
     """
 
     op: str
@@ -61,6 +65,7 @@ class Node:
     allocated: Any = 0
     ruled: bool = True
     saved_bytes: Any = 0
+    causal: bool | None = None
 
     def evaluated(self, ev: Callable[[Any], Any]) -> Node:
         """The record with every formula passed through ``ev`` (``Accounting.at``)."""
@@ -188,6 +193,31 @@ def cost_ops(
     return out
 
 
+# SDPA's fused kernels, forward and backward (``aten._scaled_dot_product_flash_attention_for_cpu_backward`` ...)
+FUSED_ATTENTION = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def causal(call: Call) -> bool | None:
+    """``Node.causal`` of an op: read from a fused attention kernel's ``is_causal`` and mask arguments (by name,
+    from the op's schema), None for any other op."""
+    name = call.op.overloadpacket.__name__
+    if not name.startswith(FUSED_ATTENTION):
+        return None
+    given = {
+        a.name: call.args[i] if i < len(call.args) else call.kwargs.get(a.name, a.default_value)
+        for i, a in enumerate(call.op._schema.arguments)
+    }
+    if given.get("is_causal"):
+        return True
+    masked = any(isinstance(given.get(k), TMeta) for k in ("attn_mask", "attn_bias"))
+    return None if masked else False
+
+
 def build_graph(
     trace: StepTrace,
     costed: list[CostedOp],
@@ -235,6 +265,7 @@ def build_graph(
             allocated=sum((trace.bytes_of(st, dim) for st in sorted(made)), 0),
             ruled=c.ruled,
             saved_bytes=sum((trace.bytes_of(st, dim, saved[st]) for st in sorted(made) if st in saved), 0),
+            causal=causal(c.call),
         )
         g.add_node(rec.index, node=node)
         for t in rec.inputs:
