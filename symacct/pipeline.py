@@ -1441,15 +1441,16 @@ def _fails_at_own_sizes(model: Any, src: _Source, req: Request, failed: SymacctE
     keys), and the probe's sizes are not the cause that the probe-size refusal would suggest."""
     if not failed.what.startswith(("the model's forward failed at probe sizes", "the op failed on fake tensors")):
         return None
-    if src.configless or req.dims is not None or src.input_dims or not isinstance(model, nn.Module):
+    if src.configless or req.dims is not None or "C" in src.input_dims or not isinstance(model, nn.Module):
         return None
     S = _below_tables(src, 8 if src.seq is None else src.seq)
+    lengths = dict.fromkeys(src.input_dims, S)  # a decoder's length (S_dec) as S, as at() takes it untold
     device = req.precision.get("device", "cpu")
     try:
         with src.context():
             record_step(
                 lambda fake: fake_copy(model, fake, device),
-                lambda m: src.inputs(m, 2, S),
+                lambda m: src.inputs(m, 2, S, **lengths),
                 loss=src.loss,
                 step="forward" if req.step in SERVING else req.step,
                 only_ops=True,

@@ -667,6 +667,42 @@ def test_inputs_the_forward_does_not_take_are_named_as_such():
         symacct.derive(GPT2(small), inputs=lambda m, B, S: {"ids": torch.zeros(B, S, dtype=torch.long)})
 
 
+class _CastsItsRouter(nn.Module):
+    """A router cast to float32 in every forward (``self.router = self.router.float()``), as SwitchTransformers'
+    and NLLB-MoE's routers are: in float32 a conversion that changes nothing."""
+
+    def __init__(self, D: int) -> None:
+        super().__init__()
+        self.D = D
+        self.router = nn.Linear(D, 4)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, D)
+        self.router = self.router.float()
+        gate = self.router(x.float()).softmax(-1)[..., :1]  # (B, S, 1)
+        return (self.proj(x) * gate.to(x.dtype)).square().mean()
+
+
+def test_a_module_converted_in_the_step_derives_where_nothing_changes():
+    """Module.to on fake parameters failed inside PyTorch (swap_tensors refuses them, pytorch/pytorch#153056),
+    and the refusal blamed the probe's sizes ("the model's forward failed at probe sizes: RuntimeError: _apply():
+    Couldn't swap Linear.weight"), for a model that runs eagerly. A conversion that changes nothing is now
+    nothing (exact against a real step), and one that changes the dtype is refused by name."""
+    from real_step import exact_against_a_real_step
+
+    def inputs(m: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, m.D),)
+
+    acct = symacct.derive(_CastsItsRouter, dims={"D": 8}, inputs=inputs, optimizer="adamw")
+    model = _CastsItsRouter(8)
+    model.example_inputs = lambda B, S: inputs(model, B, S)
+    exact_against_a_real_step(model, acct)
+    with pytest.raises(SymacctError, match="converts a module's parameters .* from torch.bfloat16 on cpu to "
+                       "torch.float32") as e:  # fmt: skip
+        symacct.derive(_CastsItsRouter, dims={"D": 8}, inputs=inputs, params_dtype="bf16")
+    assert "probe sizes" not in str(e.value) and not e.value.internal
+
+
 def test_inputs_that_ignore_b_are_noted():
     def linear(D: int) -> nn.Module:
         return nn.Linear(D, D)

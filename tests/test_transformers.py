@@ -525,6 +525,23 @@ def test_a_deep_model_is_checked_on_four_blocks_and_its_structure() -> None:
         symacct.derive(model)
 
 
+def test_a_sequence_to_sequence_model_that_fails_at_its_own_sizes_is_told_so() -> None:
+    """T5 without ``decoder_start_token_id`` cannot shift its labels right at any size. The refusal blamed the
+    probe's sizes ("the model's forward failed at probe sizes ... a size relation the model needs"): the check at
+    the model's own sizes skipped a step with a decoder length of its own (S_dec)."""
+    from symacct.pipeline import OWN_SIZES_FAIL
+
+    config = T.T5Config(d_model=32, d_ff=48, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=50,
+                        decoder_start_token_id=None, pad_token_id=0)  # fmt: skip
+    model = T.T5ForConditionalGeneration(config)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="decoder_start_token_id"):
+        model(input_ids=ids, labels=ids)
+    with pytest.raises(SymacctError, match=f"{OWN_SIZES_FAIL}.*decoder_start_token_id") as e:
+        symacct.derive(model)
+    assert "probe sizes" not in e.value.what
+
+
 @pytest.mark.slow  # a derivation more of a path the default run also covers: in CI's slow pass (20 minutes)
 def test_cli_sheet_of_a_sequence_to_sequence_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A T5 config.json: S_dec is in the notation (set by --seq on the command line), and a model with no

@@ -904,6 +904,7 @@ def record_step(
         torch.inference_mode(False),
         grad_mode,
         _optimizer_defaults_as_on_real_tensors(),
+        _unchanged_conversions(),
         contextlib.ExitStack() as around,
     ):
         try:
@@ -1138,6 +1139,9 @@ def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], record
     except SymacctError:
         raise
     except Exception as e:
+        inner = e.__cause__
+        if isinstance(inner, SymacctError):  # refused inside PyTorch code that wraps what it raises
+            raise SymacctError(inner.what, module=recorder.module(), shapes=inner.shapes, hint=inner.hint) from e
         if any(m and m in str(e) for m in disabled):
             raise SymacctError(
                 f"the step runs code that refuses saved-tensor hooks ({type(e).__name__}: {_text(e)}), and symacct "
@@ -1161,6 +1165,43 @@ def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], record
             "the model needs (heads dividing the width, key/value heads dividing the heads) must come from "
             "fields symacct knows (n_head, n_kv_heads, ...), or keep those fields at their values with fixed=[...]",
         ) from e
+
+
+@contextlib.contextmanager
+def _unchanged_conversions() -> Iterator[None]:
+    """``Module.to`` (``.float()``, ``.half()``) called inside the step on a module of fake parameters: a router
+    cast to its own dtype each forward, as SwitchTransformers and NLLB-MoE do. PyTorch's ``Module._apply`` swaps
+    fake parameters with ``torch.utils.swap_tensors``, which refuses them (FakeTensorMode keeps weak references
+    to them: pytorch/pytorch#153056), where eager sets ``param.data`` to the converted tensor. A conversion that
+    changes nothing (the converted tensor is the parameter's own storage, shape and dtype) changes nothing in
+    eager either, and none here; one that changes a dtype or device is refused by name."""
+    swap_tensors = torch.utils.swap_tensors
+
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if not (isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor)):
+            return swap_tensors(t1, t2)
+        if (t1.dtype, t1.device, t1.shape, t1.stride(), t1.storage_offset()) == (
+            t2.dtype,
+            t2.device,
+            t2.shape,
+            t2.stride(),
+            t2.storage_offset(),
+        ) and StorageWeakRef(t1.untyped_storage()) == StorageWeakRef(t2.untyped_storage()):
+            return None
+        raise SymacctError(
+            f"the step converts a module's parameters (Module.to, .float(), .half()) from {t1.dtype} on "
+            f"{t1.device} to {t2.dtype} on {t2.device}, which PyTorch's fake tensors cannot follow (Module._apply "
+            "swaps them, and swap_tensors refuses fake parameters: pytorch/pytorch#153056)",
+            shapes=[tuple(t1.shape)],
+            hint="convert that module before derive, as the step leaves it (a router kept in float32: build it so), "
+            "or derive without params_dtype= for a model that casts a module back to its own dtype",
+        )
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap_tensors
 
 
 def _unfit_inputs(model: nn.Module, args: tuple[Any, ...] | dict[str, Any]) -> str | None:
