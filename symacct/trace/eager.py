@@ -190,10 +190,10 @@ def bag_buffers(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     if func not in _CPU_BAG_BUFFERS or not isinstance(out, tuple) or out[0].device.type != "cpu":
         return out
     output, offset2bag, bag_size, *rest = out
-    offsets = args[2]  # (bags,), or (bags + 1,) with include_last_offset, as the kernel tells the two apart
-    if offset2bag.numel() > 0:
+    offsets = args[2] if len(args) > 2 else None  # (bags,), or (bags + 1,) with include_last_offset, as the
+    if offset2bag.numel() > 0:  # kernel tells the two apart
         offset2bag = _kept(offset2bag, offset2bag.numel() + 1)
-    if offsets.dim() == 1 and output.size(0) == offsets.size(0) - 1:
+    if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and output.size(0) == offsets.size(0) - 1:
         bag_size = _kept(bag_size, offsets.size(0))
     return (output, offset2bag, bag_size, *rest)
 
