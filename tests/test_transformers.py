@@ -940,3 +940,23 @@ def test_inputs_given_take_only_the_heads_loss() -> None:
     at = acct.at(B=2, S=8)
     assert at.flops.hardware == counted.flops_total + counted.flash_forward + counted.flash_backward
     assert at.memory.activations == counted.saved_bytes
+
+
+def test_the_causal_discount_leaves_bidirectional_and_decode_attention_whole() -> None:
+    """``causal_discount=True`` halved the score matmuls of BERT's attention (bidirectional) and of a decode
+    step's (one query over the whole cache: 2*B*C*D*L where the step computes 4*B*C*D*L); a causal LM's
+    training step keeps its discount (Megatron's 6*B*D*L*S**2 less)."""
+    import sympy
+
+    from symacct.symbols import sym
+
+    B, S, C, D, L = (sym(n) for n in ("B", "S", "C", "D", "L"))
+    sizes = {"D": 32, "F": 48, "L": 2, "H": 4, "H_kv": 2, "V": 64, "S_max": 64}
+    llama = _llama_like(T.LlamaConfig, T.LlamaForCausalLM)(sizes, "sdpa")
+    for model, step, less in ((llama, "train", 6 * B * D * L * S**2), (llama, "decode", 0),
+                              (bert(sizes, "sdpa"), "train", 0), (bert(sizes, "eager"), "train", 0)):  # fmt: skip
+        plain = symacct.derive(model, step=step).flops.total
+        half = symacct.derive(model, step=step, causal_discount=True)
+        assert sympy.expand(plain - half.flops.total - less) == 0, (type(model).__name__, step)
+        assert any(n.startswith("causal_discount:") for n in half.notes) is (less == 0)
+        assert (C in plain.free_symbols) is (step == "decode")  # decode: attention over the cache
