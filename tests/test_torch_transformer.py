@@ -184,7 +184,7 @@ def test_the_causal_discount_reads_a_hand_written_mask(causal: bool) -> None:
     def inputs(m: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
         return (torch.randn(B, S, m.d_model),)
 
-    derive = dict(dims={"d_model": 16}, inputs=inputs, fixed=[])
+    derive = dict(dims={"d_model": 16}, inputs=inputs)
     plain = symacct.derive(lambda d_model: _HandAttention(d_model, causal), **derive)
     half = symacct.derive(lambda d_model: _HandAttention(d_model, causal), causal_discount=True, **derive)
     B, S, D = sym("B"), sym("S"), sym("D")
