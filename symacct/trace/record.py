@@ -1154,7 +1154,7 @@ def _call_model(model: nn.Module, args: tuple[Any, ...] | dict[str, Any], record
         if unfit is not None:
             raise SymacctError(
                 f"the model's forward does not take the step's inputs: {unfit}",
-                module=type(model).__name__,
+                module=recorder.module(),
                 hint="the inputs builder (inputs=, or the model's example_inputs) returns what forward takes: a "
                 "tuple is passed by position, a dict by keyword",
             ) from e
@@ -1193,8 +1193,8 @@ def _unchanged_conversions() -> Iterator[None]:
             f"{t1.device} to {t2.dtype} on {t2.device}, which PyTorch's fake tensors cannot follow (Module._apply "
             "swaps them, and swap_tensors refuses fake parameters: pytorch/pytorch#153056)",
             shapes=[tuple(t1.shape)],
-            hint="convert that module before derive, as the step leaves it (a router kept in float32: build it so), "
-            "or derive without params_dtype= for a model that casts a module back to its own dtype",
+            hint="build that module in the dtype the step converts it to (a router in float32) and derive the model "
+            "as built, without params_dtype= (which casts every parameter)",
         )
 
     torch.utils.swap_tensors = swap
