@@ -524,8 +524,13 @@ def _lambdified(expr: sympy.Expr, names: tuple[str, ...]) -> Any:
 # ---- aggregation (called by derive) -----------------------------------------------
 
 
+def _fused_attention(node: Node) -> bool:
+    """One of SDPA's fused kernels, forward or backward."""
+    return any(a in node.op for a in FUSED_ATTENTION)
+
+
 def _is_attention(node: Node) -> bool:
-    if any(a in node.op for a in FUSED_ATTENTION):
+    if _fused_attention(node):
         return True
     if not node.op.startswith(_MATMUL_OPS):
         return False
@@ -583,7 +588,7 @@ def bidirectional_modules(graph: nx.DiGraph) -> set[str]:
     for key, node in records(graph):
         if node.phase != "forward":
             continue
-        if any(a in node.op for a in FUSED_ATTENTION):
+        if _fused_attention(node):
             (plain if node.causal is False else masked).add(node.generic)
         elif node.op.startswith(_MATMUL_OPS) and any(len(t) >= 2 and t[-2:] == (S, S) for t in node.shapes):
             unmasked = _unmasked_scores(graph, key)
