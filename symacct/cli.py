@@ -342,6 +342,7 @@ def _serve(args: argparse.Namespace) -> int:
     """symacct serve: a prefill and a decode step derived, the serving figures at --context and --batch."""
     import torch
 
+    from symacct.options import dtype_key
     from symacct.pipeline import derive
     from symacct.time.serving import as_dict, serve
 
@@ -376,9 +377,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     gib = 2**30
     t = s.decode_traffic
+    # the weights' dtype, which the figures follow: --params-dtype, else the model's own (the reference models'
+    # fp32: a reader takes an unlabelled 7B model's 25 GiB for a bf16 one's 13)
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    dtype = args.params_dtype or f"{dtype_key(own)} (the model's own; --params-dtype bf16 for bf16)"
     rows = {
         "model": f"{args.model} on {s.hardware}, batch {s.batch}, context {s.context} (prompt {s.prompt})",
-        "weights": f"{s.weights_bytes / gib:.2f} GiB"
+        "weights": f"{s.weights_bytes / gib:.2f} GiB, {dtype}"
         + (
             f" (linear weights int{s.weight_bits}, {s.bytes_per_weight:.4f} bytes each: re-priced)"
             if s.weight_bits

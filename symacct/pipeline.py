@@ -1999,8 +1999,16 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
             # times) or are kept apart (attributes block0, block1, ...), so the probe's L and the model's run
             # different numbers of ops: exact at the model's L only
             raise _FixLayers(src, NO_LIST_OF_BLOCKS) from e
-        if req.degenerate or not _degenerate_sizes(src):
-            raise
+        _retry_degenerate(src, req, e)
+        raise
+
+
+def _retry_degenerate(src: _Source, req: Request, e: SymacctError) -> None:
+    """Raise ``_Degenerate`` for a difference between the user's model and the probe model (other ops, or the
+    same ops returning other shapes) when the model has sizes derive's second try ties or fixes (H == H_kv:
+    Llama's ``repeat_kv`` at one key/value head a head makes a view where grouped heads make a copy, so a
+    matmul after it reshapes other shapes); else return, and the caller raises the difference."""
+    if not req.degenerate and _degenerate_sizes(src):
         raise _Degenerate(e) from None
 
 
@@ -2018,7 +2026,11 @@ def check_parameters(
     compare_parameters(model, first.trace, first.stacks, blocks, _at_own_sizes(src, probes.first))
     if CP not in req.precision:  # context parallelism runs the user's model at its own S (the tables' rows)
         read = _at_own_sizes(src, probes.first, user.sizes)
-        compare_shapes(user.trace, first.trace, first.stacks, blocks, read, user.ignore)
+        try:
+            compare_shapes(user.trace, first.trace, first.stacks, blocks, read, user.ignore)
+        except SymacctError as e:
+            _retry_degenerate(src, req, e)
+            raise
 
 
 def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:

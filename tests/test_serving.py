@@ -211,6 +211,33 @@ def test_serve_refuses_steps_of_two_models():
         serve(prefill, untied, hardware="H100-SXM", context=8)
 
 
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_multi_head_llama_serves_with_its_heads_as_symbols(sdpa):
+    """Llama 2's own layout, one key/value head a head (the preset ``symacct serve llama``): its cache entry is
+    a view of the rotated keys, so the matmuls after it reshape other shapes than at grouped heads. The
+    prefill used to give up its head counts (fixed at their values) where the decode tied H_kv to H, and
+    serve() then refused the pair as two models. Both steps now tie H_kv to H, serve() takes them, and each
+    equals a real run of the model with a real cache (FLOPs, peak, cache bytes)."""
+    from symacct.time.serving import serve
+
+    cfg = LlamaConfig(dim=24, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=16, hidden_dim=12, max_seq_len=12)
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(cfg, sdpa=sdpa)).eval()
+    prefill, decode = symacct.derive(model, step="prefill"), symacct.derive(model, step="decode")
+    for acct in (prefill, decode):
+        assert acct.symbols["H"] == 4 and "H_kv" not in acct.symbols
+        assert any("n_kv_heads = n_heads (no grouped heads): it follows H" in n for n in acct.notes)
+    assert serve(prefill, decode, hardware="H100-SXM", context=10).cache_bytes_per_token == 2 * 2 * 24 * 4
+    B, P = 3, 5
+    idx, kv = torch.randint(0, 16, (B, P + 2)), []
+    assert _counted(model, idx[:, :P].clone(), kv) == (prefill.at(B=B, S=P).flops.forward, prefill.peak(B=B, S=P))
+    assert _cache_bytes(kv) == prefill.at(B=B, S=P).memory.kv_cache
+    for t in range(2):
+        at = decode.at(B=B, C=P + t)
+        assert _counted(model, idx[:, P + t : P + t + 1].clone(), kv) == (at.flops.forward, at.memory.peak)
+        assert _cache_bytes(kv) == at.memory.kv_cache
+
+
 def _with_sizes(acct: symacct.Accounting, values: dict[str, int]) -> symacct.Accounting:
     """The accounting with the model's own sizes set to ``values`` (the small model derived stands for the
     configs of its code path)."""
@@ -229,6 +256,10 @@ def test_serve_on_the_command_line(tmp_path):
     got = json.loads(done.stdout)
     assert got["cache_bytes_per_token"] == got["textbook_bytes_per_token"] == 2 * 2 * 768 * 4
     assert got["batch"] == 4 and got["context"] == 512 and got["max_context"] == 1024
+    text = subprocess.run([*cli, "--context", "512"], capture_output=True, text=True).stdout
+    assert "GiB, fp32 (the model's own; --params-dtype bf16 for bf16)" in text  # which dtype the weights are in
+    text = subprocess.run([*cli, "--context", "512", "--params-dtype", "bf16"], capture_output=True, text=True).stdout
+    assert f"weights                   {got['weights_bytes'] / 2 / 2**30:.2f} GiB, bf16\n" in text
     for out in (tmp_path / "a", tmp_path / "b"):  # the plot, written twice: byte-identical SVG
         done = subprocess.run([*cli, "--context", "512", "--out", str(out)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
