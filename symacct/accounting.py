@@ -312,6 +312,18 @@ class Accounting:
         full = {s.name: v for s, v in self._subs(values).items()}
         return self.liveness.evaluate(full)[0]
 
+    def peak_every_step(self, **values: int) -> int:
+        """The exact peak a run of many steps holds at these sizes: the larger of the first step's (``peak``)
+        and a later step's (``steady``: the optimizer's states alive from its start). What must fit for a
+        training run to get past its first step; for a step without an optimizer, the first step's peak."""
+        if self.liveness is None:
+            raise SymacctError("no liveness for this accounting", hint="see acct.notes")
+        full = {s.name: v for s, v in self._subs(values).items()}
+        cached = self.__dict__.get("_steady_liveness")
+        if cached is None or cached[0] is not self.liveness:  # lifted once per liveness (searches call this often)
+            cached = self.__dict__["_steady_liveness"] = (self.liveness, self.liveness.steady())
+        return max(self.liveness.evaluate(full)[0], cached[1].evaluate(full)[0])
+
     def steady(self, **values: int) -> dict[str, int]:
         """Memory of every step after the first (optimizer states live from the start), exactly.
 

@@ -562,6 +562,12 @@ def _fit_layout(args: argparse.Namespace) -> dict[str, Any]:
     S = args.seq if args.seq is not None else _own_seq(acct)
     compute = derive_compute(model, lay, **options)
     res = fit_layout(acct, lay, hardware=args.hardware, seq=S, reserve=args.reserve, compute=compute)
+    if res.micro_batch == 0:  # as fit without a layout: a refusal, not a batch of 0
+        raise SymacctError(
+            f"nothing fits: B=1 already needs {res.peak / 1e9:.1f} GB of {res.budget / 1e9:.1f} GB on the worst rank "
+            f"(stage: {res.worst_stage}) of {lay.describe()}",
+            hint="use more memory per device, more pipeline stages or tensor-parallel ranks, or a lower reserve",
+        )
     return {
         "layout": lay.describe(),
         "solve": "B (per data-parallel rank and micro-batch)",

@@ -1169,6 +1169,19 @@ def test_fit_with_a_layout(gpt2_acct: symacct.Accounting) -> None:
     assert got.global_batch == got.micro_batch * 4 * 2
 
 
+def test_cli_fit_with_a_layout_refuses_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """symacct fit with a layout answers the largest micro-batch, or, as fit without one, refuses in one line
+    when not even B = 1 fits: it used to print a batch of 0 and exit 0."""
+    from symacct.cli import main
+
+    argv = ["fit", "gpt2", *_CLI_SMALL, "--hardware", "H100", "--seq", "16", "--pp", "2", "--micro-batches", "2"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["value"] > 0
+    assert main([*argv, "--reserve", "0.9999999"]) == 2  # a budget of 8 kB
+    err = capsys.readouterr().err
+    assert err.startswith("symacct: error: nothing fits: B=1 already needs") and err.count("\n") == 1
+
+
 def test_transformers_llama_fsdp_rank() -> None:
     """A transformers LlamaForCausalLM under FSDP2 (dp=2, its decoder layers as the stack): rank 0's bytes and
     every collective, exactly."""

@@ -68,14 +68,14 @@ def _memory(acct: Accounting, axis: str, xs: list[int], fixed: dict[str, int], t
     for key, _ in _PARTS:
         stacks.append([evaluate(getattr(acct.memory, key), acct.with_defaults(**fixed, **{axis: x})) / 1e9 for x in xs])
     ax.stackplot(xs, *stacks, labels=[label for _, label in _PARTS], colors=_COLORS[:4], alpha=0.85)
-    peaks = [acct.peak(**{**fixed, axis: x}) / 1e9 for x in xs]
+    peaks = [acct.peak_every_step(**{**fixed, axis: x}) / 1e9 for x in xs]  # a later step's: what must fit
     ax.plot(
         xs,
         peaks,
         color="black",
         marker="o",
         markersize=3,
-        label="peak of the step (the parts are never all live at once)",
+        label="peak of every step (a later one: optimizer states alive; the parts are never all live at once)",
     )
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])

@@ -64,7 +64,7 @@ def print_sheet(sheet: dict[str, Any]) -> None:
     tm = sheet["time"]
     out.print(
         f"one {tm['hardware']} ({tm['dtype']} dense peak): step {tm['seconds_at_mfu']:.4g} s at MFU {tm['mfu']:g}, "
-        f"{tm['roofline_seconds']:.4g} s by per-op roofline; peak memory "
+        f"{tm['roofline_seconds']:.4g} s by per-op roofline; every step's peak memory "
         f"{'fits' if tm['peak_fits'] else 'does not fit'} in {tm['memory_gb']:g} GB"
     )
     for n in sheet["notes"]:

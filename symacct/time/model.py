@@ -300,8 +300,12 @@ def fit(
     copy of the model and its optimizer states and runs B sequences, so the
     memory per device and the answer do not depend on it; it sets
     ``global_batch`` (B x gpus). The budget is one device's capacity times
-    (1 - reserve). The answer is found on the exact peak (``acct.at``), by
-    doubling then bisection; it fits and the next value does not. Solving S
+    (1 - reserve). The answer is found on the exact peak of every step
+    (``acct.peak_every_step``: the first step's, or a later one's with the
+    optimizer states alive from its start, whichever is larger: a size whose
+    first step fits and whose second does not is a run that stops at its
+    second step), by doubling then bisection; it fits and the next value
+    does not. Solving S
     on a model with a position table raises S_max with S (the table grows
     with it), and says so in ``notes``.
 
@@ -323,7 +327,7 @@ def fit(
             vals["S_max"] = max(acct.symbols["S_max"], v)
         if allocator:
             return acct.reserved(steps=2, hardware=hw, **vals).device_peak
-        return int(acct.peak(**vals))
+        return int(acct.peak_every_step(**vals))
 
     lo = acct.minimum.get(symbol, 1)
     if peak(lo) > budget:
@@ -361,7 +365,8 @@ def fit(
             "largest v with the caching allocator's reserved bytes (2 steps, cuBLAS workspace) + the CUDA context "
             "<= capacity * (1 - reserve)"
             if allocator
-            else "largest v with memory.peak(v) <= capacity * (1 - reserve)"
+            else "largest v with the peak of every step (the first, and a later one with the optimizer states "
+            "alive from its start) <= capacity * (1 - reserve)"
         ),
         replicas=gpus,
         global_batch=B * gpus if B is not None else None,
