@@ -84,6 +84,14 @@ def test_verify_steps_checks_the_steady_state():
     # the states are live during the whole later step: its peak exceeds the first step's by at most their bytes
     first, steady = rows["memory: peak"]["measured"], rows["memory, steps 2-3: peak"]["measured"]
     assert first < steady <= first + rows["memory: optimizer"]["measured"]
+    # derive's report gives the later steps' peak beside the first step's formulas: the one measured here
+    out = cli("derive", "gpt2", *SMALL_GPT2, "--config", "n_head=4", "--batch", "2", "--json")
+    assert json.loads(out.stdout)["later_steps"]["peak"] == steady
+    out = cli("derive", "gpt2", *SMALL_GPT2, "--config", "n_head=4", "--batch", "2")
+    assert (
+        f"every later step (the formulas above are the first's; the optimizer's states alive from the start): peak {steady} "
+        in out.stdout
+    )
 
 
 def test_verify_steps_must_be_positive():

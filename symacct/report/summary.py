@@ -56,9 +56,14 @@ def summary(acct: Accounting, *, B: int, S: int, name: str) -> dict[str, Any]:
                 "params_value": int(at.components[comp].get("params", 0)),
             }
         )
+    later = None
+    if acct.liveness is not None and acct.options.get("step", "train") == "train":
+        # every step after the traced first: the optimizer's states live from its start (acct.steady)
+        later = acct.steady(B=B, S=S) if "S" in acct.free_symbols() else acct.steady(B=B)
     return {
         "model": name,
         "peak_at": list(at.memory.peak_at),
+        "later_steps": later,
         "bytes_per_param": str(acct.bytes_per_param()),
         "bytes_per_param_peak": str(acct.bytes_per_param_peak()),
         "step": acct.options.get("step", "train"),
@@ -144,6 +149,13 @@ def render_text(report: dict[str, Any]) -> str:
         f"bytes per parameter: {report['bytes_per_param']} between steps, "
         f"{report['bytes_per_param_peak']} at the optimizer step's peak",
     ]
+    later = report.get("later_steps")
+    if later:
+        lines.append(
+            "every later step (the formulas above are the first's; the optimizer's states alive from the start): "
+            f"peak {later['peak']} ({si(later['peak'])}), after forward {later['after_forward']} "
+            f"({si(later['after_forward'])})"
+        )
     if "reserved" in report:
         lines += _reserved_lines(report["reserved"])
     if report["notes"]:
