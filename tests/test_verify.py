@@ -88,10 +88,7 @@ def test_verify_steps_checks_the_steady_state():
     out = cli("derive", "gpt2", *SMALL_GPT2, "--config", "n_head=4", "--batch", "2", "--json")
     assert json.loads(out.stdout)["later_steps"]["peak"] == steady
     out = cli("derive", "gpt2", *SMALL_GPT2, "--config", "n_head=4", "--batch", "2")
-    assert (
-        f"every later step (the formulas above are the first's; the optimizer's states alive from the start): peak {steady} "
-        in out.stdout
-    )
+    assert f"the optimizer's states alive from the start): peak {steady} " in out.stdout
 
 
 def test_verify_steps_must_be_positive():
