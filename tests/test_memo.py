@@ -285,6 +285,7 @@ def _families(draw: st.DrawFn) -> tuple[nn.Module, nn.Module, int]:
     return build(cfg), build(other), S
 
 
+@pytest.mark.slow  # four drawn families, three derivations each: the default suite's longest test (40 s)
 @given(_families())
 def test_a_memoised_derivation_is_the_fresh_one_at_any_sizes(pair):
     """Whatever the sizes of the family's first derivation and of the next (a memo hit, or a difference that
