@@ -319,10 +319,13 @@ class Accounting:
         if self.liveness is None:
             raise SymacctError("no liveness for this accounting", hint="see acct.notes")
         full = {s.name: v for s, v in self._subs(values).items()}
+        first = self.liveness.evaluate(full)[0]
+        if self.options.get("step", "train") != "train":  # inference: no optimizer, every step is the first
+            return first
         cached = self.__dict__.get("_steady_liveness")
         if cached is None or cached[0] is not self.liveness:  # lifted once per liveness (searches call this often)
             cached = self.__dict__["_steady_liveness"] = (self.liveness, self.liveness.steady())
-        return max(self.liveness.evaluate(full)[0], cached[1].evaluate(full)[0])
+        return max(first, cached[1].evaluate(full)[0])
 
     def steady(self, **values: int) -> dict[str, int]:
         """Memory of every step after the first (optimizer states live from the start), exactly.

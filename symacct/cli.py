@@ -383,16 +383,17 @@ def _serve(args: argparse.Namespace) -> int:
     dtype = args.params_dtype or f"{dtype_key(own)} (the model's own; --params-dtype bf16 for bf16)"
     rows = {
         "model": f"{args.model} on {s.hardware}, batch {s.batch}, context {s.context} (prompt {s.prompt})",
-        "weights": f"{s.weights_bytes / gib:.2f} GiB, {dtype}"
+        "weights": f"{s.weights_bytes / gib:.2f} GiB, "
         + (
-            f" (linear weights int{s.weight_bits}, {s.bytes_per_weight:.4f} bytes each: re-priced)"
+            f"linear weights int{s.weight_bits} ({s.bytes_per_weight:.4f} bytes each: re-priced), the rest {dtype}"
             if s.weight_bits
-            else ""
+            else dtype
         ),
         "KV cache a token": f"{s.cache_bytes_per_token:,} bytes = {s.cache_formula} "
         f"(2*L*H_kv*d_head*bytes: {s.textbook_bytes_per_token:,})",
         "KV cache": f"{s.cache_bytes / gib:.2f} GiB",
         "decode peak": f"{s.peak_bytes / gib:.2f} GiB",
+        "prefill peak": f"{s.prefill_peak_bytes / gib:.2f} GiB (the batch's prompts at once)",
         "time to first token": f"{s.ttft_seconds * 1e3:.1f} ms",
         "decode step": f"{s.decode_seconds * 1e3:.2f} ms ({s.decode_bound}-bound)",
         "decode step reads": f"weights {t['weights_read'] / gib:.2f} GiB, cache {t['cache_read'] / gib:.2f} GiB, "

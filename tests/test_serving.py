@@ -192,6 +192,27 @@ def test_serve_figures_hold_on_the_derived_steps():
     assert s.tokens_per_second == pytest.approx(3 / s.decode_seconds)
 
 
+def test_serve_says_when_the_batchs_prefill_does_not_fit():
+    """The time to first token is the prefill of the whole batch's prompts at once, whose peak (the S x S
+    scores of matmul attention, the activations of every prompt token) can exceed the device where the decode
+    step fits many more sequences: serve gives that peak and says how many prompts fit at once."""
+    from symacct.time.hardware import Accelerator
+    from symacct.time.serving import serve
+
+    prefill, decode = _derived(GPT2Config, (), "prefill"), _derived(GPT2Config, (), "decode")
+    decode_4 = decode.peak(B=4, C=7)
+    small = Accelerator("tiny", {"fp32": 1.0}, decode_4 / 0.85e9, 1.0, 1.0, "a device the decode of 4 just fits")
+    s = serve(prefill, decode, hardware=small, context=8, batch=4)
+    budget = int(small.memory_bytes * 0.85)
+    assert s.peak_bytes <= budget and s.max_batch >= 4
+    assert s.prefill_peak_bytes == prefill.peak(B=4, S=7) > budget
+    n = next(b for b in range(4) if prefill.peak(B=b + 1, S=7) > budget)
+    assert any(
+        "the 4 prompts of 7 tokens at once peak at" in x and f"at most {n} of them fit at once" in x for x in s.notes
+    )
+    assert not any(x.startswith("prefill:") for x in serve(prefill, decode, hardware="H100-SXM", context=8).notes)
+
+
 def test_serve_refuses_steps_of_two_models():
     """Every serve() figure mixes the two steps (time to first token from the prefill, the rest from the
     decode): a prefill and a decode of different sizes, parameters or cache dtypes are refused, where they
@@ -354,6 +375,14 @@ def test_weight_only_quantization_reprices_the_linear_weights(bits):
     assert len(q.weights) == 1 + 7 * 4  # the head, and 7 linear layers in each of the probe's 4 blocks
     with pytest.raises(symacct.SymacctError, match="8 or 4"):
         quantize(decode, 3)
+    # serve(weight_bits=) searches the quantized steps' peaks (an inference step's every step is its first)
+    from symacct.time.hardware import Accelerator
+    from symacct.time.serving import serve
+
+    small = Accelerator("tiny", {"fp32": 1.0}, 0.001, 1.0, 1.0, "a made-up 1 MB device")
+    s = serve(symacct.derive(model, step="prefill"), decode, hardware=small, context=11, batch=2, weight_bits=bits)
+    budget = int(small.memory_bytes * 0.85)
+    assert q.acct.peak(B=s.max_batch, C=10) <= budget < q.acct.peak(B=s.max_batch + 1, C=10)
 
 
 def test_decode_traffic_splits_the_bytes():

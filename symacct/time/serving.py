@@ -57,6 +57,7 @@ class Serving:
     cache_formula: str  # bytes a position, derived
     textbook_bytes_per_token: int  # 2 * L * H_kv * d_head * itemsize (keys and values, every layer): compared
     peak_bytes: int  # the decode step's peak
+    prefill_peak_bytes: int  # the prefill's peak: the batch's prompts at once, as the time to first token is
     ttft_seconds: float  # the prefill of the prompt
     decode_seconds: float  # the last decode step
     tokens_per_second: float  # batch / decode_seconds
@@ -405,6 +406,17 @@ def serve(
     except SymacctError as e:
         notes.append(f"batch: {e.what}")
     budget = int(hw.memory_bytes * (1 - reserve))
+    prefill_peak = prefill.peak(B=batch, S=prompt)
+    if prefill_peak > budget:  # the time to first token is of the whole batch's prefill: say when it cannot run
+        try:
+            most = f"at most {fit(prefill, 'B', hardware=hw, reserve=reserve, S=prompt).value} of them fit at once"
+        except SymacctError:
+            most = "not even one fits"
+        notes.append(
+            f"prefill: the {batch} prompts of {prompt} tokens at once peak at {prefill_peak / 1e9:.1f} GB, beyond "
+            f"the {budget / 1e9:.1f} GB budget, so the time to first token is of a step this device cannot hold "
+            f"({most}; prefill them in groups, or in chunks of the prompt)"
+        )
     smax = decode.symbols.get("S_max")
     top = smax - 1 if smax else 1 << 24  # the most positions the model can cache before a step
 
@@ -445,6 +457,7 @@ def serve(
         cache_formula=text(per_token),
         textbook_bytes_per_token=textbook_bytes_per_token(decode),
         peak_bytes=int(at.memory.peak),
+        prefill_peak_bytes=int(prefill_peak),
         ttft_seconds=first.seconds,
         decode_seconds=step.seconds,
         tokens_per_second=batch / step.seconds,
