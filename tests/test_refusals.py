@@ -265,6 +265,21 @@ def test_fit_seq_says_it_raised_s_max():
     assert res.peak_bytes == acct.steady(B=1, S=res.value, S_max=res.value)["peak"]  # a later step: AdamW's states
 
 
+def test_fit_seq_keeps_s_max_where_no_table_bounds_s():
+    """A rotary model's max_position_embeddings bounds nothing its step runs (transformers' Llama computes
+    its cos and sin from the positions): fit solves S beyond it with S_max kept, and no note says the model
+    cannot run S > S_max, as it used to."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=32, max_position_embeddings=16,
+    )  # fmt: skip
+    acct = symacct.derive(transformers.LlamaForCausalLM(cfg), optimizer="adamw")
+    res = symacct.fit(acct, "S", hardware="RTX-4090", B=1)
+    assert res.value > 16 and res.notes == []
+    assert res.peak_bytes == acct.steady(B=1, S=res.value)["peak"] and acct.symbols["S_max"] == 16
+
+
 # ---- --config parsed by the field's type ---------------------------------------------------------
 
 

@@ -283,6 +283,14 @@ class Fit:
     notes: list[str] = field(default_factory=list)  # e.g. S_max raised with S
 
 
+def _bounded_by_table(acct: Accounting) -> bool:
+    """Whether a size constraint the trace learned reads S_max (``S <= S_max``: a position table's rows)."""
+    return any(
+        any(str(x) == "S_max" for side in (c.lhs, c.rhs) if side is not None for x in side.free_symbols)
+        for c in acct.constraints
+    )
+
+
 def fit(
     acct: Accounting,
     symbol: str,
@@ -319,7 +327,9 @@ def fit(
     gpus = check_gpus(gpus)
     hw = get(hardware)
     budget = int(hw.memory_bytes * (1 - reserve))
-    raise_smax = symbol == "S" and "S_max" in acct.symbols and "S_max" not in sizes
+    # S_max raised with S only where the model bounds S by it (a position table: S <= S_max learned from the
+    # trace); a rotary model's max_position_embeddings bounds nothing it runs, and stays
+    raise_smax = symbol == "S" and "S_max" in acct.symbols and "S_max" not in sizes and _bounded_by_table(acct)
 
     def peak(v: int) -> int:
         vals = {**sizes, symbol: v}
