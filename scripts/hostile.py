@@ -81,6 +81,21 @@ def cli_cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("fit reserve 1", ["fit", "--hardware", "H100", "--reserve", "1"], REFUSE),
         ("fit optimizer", ["fit", "--hardware", "H100", "--optimizer", "nosuch"], REFUSE),
         (
+            "fit layout nothing fits",
+            ["fit", "gpt2", *small, "--hardware", "H100", "--seq", "16", "--pp", "2", "--reserve", "0.9999999"],
+            REFUSE,
+        ),
+        (
+            "serve int4",
+            ["serve", "gpt2", *small, "--hardware", "H100", "--context", "64", "--weight-bits", "4"],
+            "int4",
+        ),
+        (
+            "serve llama MHA",
+            ["serve", "llama", "--config", "n_layers=2", "--hardware", "H100", "--context", "64"],
+            "fp32",
+        ),
+        (
             "fit seq raises S_max",
             ["fit", "gpt2", *small, "--hardware", "H100", "--solve", "seq", "--batch", "1", "--json"],
             "S_max raised",

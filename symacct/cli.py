@@ -240,6 +240,20 @@ def _fit(args: argparse.Namespace) -> dict[str, Any]:
             "hardware": hw.name,
             "gpus": gpus,
         }
+    if gpus > 1:  # data-parallel replicas are PyTorch's DDP: each device also holds its gradient buckets
+        if args.solve != "batch" or args.allocator:
+            raise UsageError(
+                f"--gpus {gpus} with a model fits the batch under DDP (its gradient buckets counted), as --dp {gpus} "
+                "--dp-mode ddp does: drop --solve and --allocator, or give --gpus 1"
+            )
+        args.dp, args.dp_mode = gpus, "ddp"
+        out = _fit_layout(args)
+        out["notes"] = [
+            f"--gpus {gpus}: data parallelism as PyTorch's DDP over {gpus} replicas (--dp {gpus} --dp-mode ddp): "
+            "each device holds the whole model, its gradients, optimizer states and DDP's gradient buckets; "
+            "--dp-mode zero1, zero2 or fsdp for sharded data parallelism"
+        ]
+        return out
     model = load_model(args.model, overrides_of(args.config))
     acct = derive(
         model, optimizer=args.optimizer, autocast=_dtype(args.autocast), params_dtype=_dtype(args.params_dtype)

@@ -1169,6 +1169,25 @@ def test_fit_with_a_layout(gpt2_acct: symacct.Accounting) -> None:
     assert got.global_batch == got.micro_batch * 4 * 2
 
 
+def test_cli_fit_on_gpus_is_ddp_with_its_buckets(capsys: pytest.CaptureFixture[str]) -> None:
+    """symacct fit MODEL --gpus N: data-parallel replicas are PyTorch's DDP, whose gradient buckets each device
+    holds beside the single-device step; fit used to answer the single device's batch for any N. Its answer is
+    the DDP layout's, whose worst rank fits at it and not at the next batch."""
+    from symacct.cli import main
+
+    argv = ["fit", "gpt2", *_CLI_SMALL, "--hardware", "H100", "--seq", "16", "--reserve", "0.9999", "--json"]
+    assert main([*argv, "--gpus", "2"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--dp", "2", "--dp-mode", "ddp"]) == 0
+    ddp = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert got["value"] == ddp["value"] < one["value"] and got["global_batch"] == 2 * got["value"]
+    assert got["layout"] == "dp=2 (ddp)" and "DDP" in got["notes"][0]
+    assert main([*argv, "--gpus", "2", "--solve", "seq"]) == 2
+    assert "--gpus 2 with a model fits the batch under DDP" in capsys.readouterr().err
+
+
 def test_cli_fit_with_a_layout_refuses_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
     """symacct fit with a layout answers the largest micro-batch, or, as fit without one, refuses in one line
     when not even B = 1 fits: it used to print a batch of 0 and exit 0."""

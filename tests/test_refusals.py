@@ -364,6 +364,7 @@ def test_fit_gpus_are_data_parallel_replicas(gpt2):
     one = symacct.fit(gpt2, "B", hardware="H100-SXM", S=16)
     eight = symacct.fit(gpt2, "B", hardware="H100-SXM", S=16, gpus=8)
     assert one.value == eight.value and eight.global_batch == 8 * eight.value and eight.replicas == 8
+    assert one.notes == [] and "DDP's gradient buckets" in eight.notes[0] and "fit_layout" in eight.notes[0]
     for bad in (0, -8, 1.5):
         with pytest.raises(SymacctError, match="gpus"):
             symacct.fit(gpt2, "B", hardware="H100-SXM", S=16, gpus=bad)

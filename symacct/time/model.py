@@ -305,9 +305,11 @@ def fit(
     """The largest value of ``symbol`` (B, S, L, ...) whose peak fits one device's budget.
 
     ``gpus`` is the number of data-parallel replicas: each device holds a full
-    copy of the model and its optimizer states and runs B sequences, so the
-    memory per device and the answer do not depend on it; it sets
-    ``global_batch`` (B x gpus). The budget is one device's capacity times
+    copy of the model and its optimizer states and runs B sequences; the
+    memory per device is taken as the single-device step's, so the answer
+    does not depend on it; it sets ``global_batch`` (B x gpus). DDP holds
+    its gradient buckets besides (a note says so): ``fit_layout`` with a
+    ddp layout counts them. The budget is one device's capacity times
     (1 - reserve). The answer is found on the exact peak of every step
     (``acct.peak_every_step``: the first step's, or a later one's with the
     optimizer states alive from its start, whichever is larger: a size whose
@@ -358,6 +360,12 @@ def fit(
         else:
             hi = mid
     notes = []
+    if gpus > 1:
+        notes.append(
+            f"gpus={gpus}: each replica's memory is the single-device step's; DDP's gradient buckets (the gradients' "
+            "bytes again, without gradient_as_bucket_view) are not in it: symacct.parallel.plan.fit_layout with a "
+            "ddp layout counts them (symacct fit MODEL --gpus N does)"
+        )
     if raise_smax and lo > acct.symbols["S_max"]:
         field_name = acct.fields.get("S_max", "S_max")
         notes.append(
