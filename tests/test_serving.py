@@ -560,6 +560,21 @@ def test_serve_bounds_the_longest_context_by_the_window_derived():
     assert any("the derivation bounds it" in n and "sliding_window" in n for n in s.notes)
 
 
+def test_serve_names_what_bounds_the_longest_context():
+    """The reference GPT-2 reads its positions from a table of S_max rows: the table bounds the context. A
+    transformers Llama has no table (its rotary angles come from the positions), so its max_position_embeddings
+    bounds the context only as the length it was made for; the note used to call it a position table."""
+    from symacct.time.serving import serve
+
+    prefill, decode = _hf("llama")[1:]
+    s = serve(prefill, decode, hardware="H100-SXM", context=32)
+    assert s.max_context == 64
+    assert any(n.startswith("context: max_position_embeddings (S_max = 64) bounds it") for n in s.notes), s.notes
+    prefill, decode = _derived(GPT2Config, (), "prefill"), _derived(GPT2Config, (), "decode")
+    s = serve(prefill, decode, hardware="H100-SXM", context=4)
+    assert "context: the position table bounds it (S_max = 8), not the memory" in s.notes
+
+
 def test_gemma4_caches_each_layers_own_head_width_and_shares_across_layers():
     """Gemma 4's full-attention layers have a head width of their own (16 here, 8 in the sliding layers), and
     its last layers read the cache of earlier ones (``num_kv_shared_layers``: transformers gives them a cache

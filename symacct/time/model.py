@@ -283,7 +283,7 @@ class Fit:
     notes: list[str] = field(default_factory=list)  # e.g. S_max raised with S
 
 
-def _bounded_by_table(acct: Accounting) -> bool:
+def bounded_by_table(acct: Accounting) -> bool:
     """Whether a size constraint the trace learned reads S_max (``S <= S_max``: a position table's rows)."""
     return any(
         any(str(x) == "S_max" for side in (c.lhs, c.rhs) if side is not None for x in side.free_symbols)
@@ -331,7 +331,7 @@ def fit(
     budget = int(hw.memory_bytes * (1 - reserve))
     # S_max raised with S only where the model bounds S by it (a position table: S <= S_max learned from the
     # trace); a rotary model's max_position_embeddings bounds nothing it runs, and stays
-    raise_smax = symbol == "S" and "S_max" in acct.symbols and "S_max" not in sizes and _bounded_by_table(acct)
+    raise_smax = symbol == "S" and "S_max" in acct.symbols and "S_max" not in sizes and bounded_by_table(acct)
 
     def peak(v: int) -> int:
         vals = {**sizes, symbol: v}

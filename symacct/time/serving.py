@@ -37,7 +37,7 @@ from symacct.errors import SymacctError
 from symacct.formula import text
 from symacct.symbols import evaluate, sym
 from symacct.time.hardware import Accelerator, get
-from symacct.time.model import DEFAULT_RESERVE, _peak, fit, roofline, step_dtype
+from symacct.time.model import DEFAULT_RESERVE, _peak, bounded_by_table, fit, roofline, step_dtype
 
 if TYPE_CHECKING:
     from symacct.accounting import Accounting
@@ -441,7 +441,13 @@ def serve(
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         max_context = lo + 1
         if lo == top and smax:
-            notes.append(f"context: the position table bounds it (S_max = {smax}), not the memory")
+            notes.append(
+                f"context: the position table bounds it (S_max = {smax}), not the memory"
+                if bounded_by_table(decode)
+                else f"context: {decode.fields.get('S_max', 'S_max')} (S_max = {smax}) bounds it, the longest "
+                "sequence the model was made for and a serving engine's default limit, not the memory (the model "
+                "has no table of positions: its step would run beyond it)"
+            )
         elif lo < top and (why := uncovered(lo + 1)) is not None:
             notes.append(f"context: the derivation bounds it, not the memory ({why})")
     else:
