@@ -192,7 +192,7 @@ def test_serve_figures_hold_on_the_derived_steps():
     assert s.tokens_per_second == pytest.approx(3 / s.decode_seconds)
 
 
-def test_serve_says_when_the_batchs_prefill_does_not_fit():
+def test_serve_says_when_the_batchs_prefill_or_decode_does_not_fit():
     """The time to first token is the prefill of the whole batch's prompts at once, whose peak (the S x S
     scores of matmul attention, the activations of every prompt token) can exceed the device where the decode
     step fits many more sequences: serve gives that peak and says how many prompts fit at once."""
@@ -211,6 +211,11 @@ def test_serve_says_when_the_batchs_prefill_does_not_fit():
         "the 4 prompts of 7 tokens at once peak at" in x and f"at most {n} of them fit at once" in x for x in s.notes
     )
     assert not any(x.startswith("prefill:") for x in serve(prefill, decode, hardware="H100-SXM", context=8).notes)
+    assert not any(x.startswith("decode:") for x in s.notes)  # batch 4 decodes within the budget
+    s = serve(prefill, decode, hardware=small, context=8, batch=s.max_batch + 1)  # one sequence more does not
+    assert s.peak_bytes > budget and any(
+        x.startswith(f"decode: batch {s.batch} at context 8 peaks at") and f"fits: {s.batch - 1})" in x for x in s.notes
+    )
 
 
 def test_serve_refuses_steps_of_two_models():

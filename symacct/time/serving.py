@@ -406,6 +406,12 @@ def serve(
     except SymacctError as e:
         notes.append(f"batch: {e.what}")
     budget = int(hw.memory_bytes * (1 - reserve))
+    if at.memory.peak > budget:  # the decode figures at this batch are of a step the device cannot hold
+        notes.append(
+            f"decode: batch {batch} at context {context} peaks at {at.memory.peak / 1e9:.1f} GB, beyond the "
+            f"{budget / 1e9:.1f} GB budget, so the decode step's figures are of a step this device cannot hold"
+            + (f" (the largest batch that fits: {max_batch})" if max_batch else "")
+        )
     prefill_peak = prefill.peak(B=batch, S=prompt)
     if prefill_peak > budget:  # the time to first token is of the whole batch's prefill: say when it cannot run
         try:
