@@ -417,6 +417,7 @@ def _serve(args: argparse.Namespace) -> int:
         "compute-bound from batch": str(s.compute_bound_batch or "-"),
         "largest batch": str(s.max_batch or "-"),
         "longest context": str(s.max_context or "-"),
+        "longest prompt": f"{s.max_prompt or '-'} (prefilled whole, one prompt)",
     }
     width = max(len(k) for k in rows)
     for k, v in rows.items():

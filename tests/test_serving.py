@@ -218,6 +218,30 @@ def test_serve_says_when_the_batchs_prefill_or_decode_does_not_fit():
     )
 
 
+def test_serve_gives_the_longest_prompt_prefilled_whole():
+    """The longest context counts the decode step alone. A prompt that long may not prefill whole: matmul
+    attention's S x S scores grow faster than the cache. serve gives the longest prompt whose prefill, one
+    prompt at once, fits (checked on the prefill's exact peak: it fits and one token more does not), and says
+    when it is shorter than the longest context's prompt."""
+    from symacct.time.hardware import Accelerator
+    from symacct.time.serving import serve
+
+    cfg = GPT2Config(n_layer=2, n_head=8, n_embd=256, vocab_size=1000, block_size=4096)
+    prefill, decode = (_with_sizes(_derived(GPT2Config, (), s), sizes(cfg)) for s in ("prefill", "decode"))
+    top = decode.peak(B=1, C=4095)
+    assert prefill.peak(B=1, S=4096) > 2 * top  # the scores: the whole prefill needs far more than the decode
+    small = Accelerator("tiny", {"fp32": 1.0}, 2 * top / 0.85e9, 1.0, 1.0, "twice the longest decode step")
+    budget = int(small.memory_bytes * 0.85)
+    s = serve(prefill, decode, hardware=small, context=64)
+    assert s.max_context == 4096 and s.max_prompt is not None and s.max_prompt < 4095
+    assert prefill.peak(B=1, S=s.max_prompt) <= budget < prefill.peak(B=1, S=s.max_prompt + 1)
+    assert any(f"a prompt of more than {s.max_prompt} tokens does not fit prefilled whole" in x for x in s.notes)
+    s = serve(prefill, decode, hardware="H100-SXM", context=64)  # there the whole table prefills at once
+    assert s.max_prompt == 4096 and not any("prefilled whole" in x for x in s.notes)
+    s = serve(prefill, decode, hardware=small, context=4096)  # the asked prompt itself: one prompt, no groups
+    assert any(x.startswith("prefill: the prompt of 4095 tokens peaks at") and "chunks" in x for x in s.notes)
+
+
 def test_serve_refuses_steps_of_two_models():
     """Every serve() figure mixes the two steps (time to first token from the prefill, the rest from the
     decode): a prefill and a decode of different sizes, parameters or cache dtypes are refused, where they

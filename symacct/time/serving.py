@@ -13,7 +13,9 @@ Conventions (docs/serving.md):
   (the step's totals, each FLOP at the peak of its kind); ``compute_bound_batch`` is the least batch where
   that turns (at ``context``), found on the exact totals by doubling and bisection.
 - What fits: the exact peak of the decode step (weights, the cache before and after the step, the
-  step's working set) against the device's capacity times (1 - reserve).
+  step's working set) against the device's capacity times (1 - reserve); the longest prompt that fits is
+  the longest whose prefill, one prompt at once and whole, fits the same budget (a longer one needs a
+  prefill in chunks, which is not the traced step).
 - Weight-only quantization (``weight_bits=8`` or ``4``) is a re-pricing, not a trace: every ``nn.Linear``
   weight is held and read at ``bits / 8 + scale_bytes / group_size`` bytes a weight (symmetric, one scale a
   group of ``group_size`` weights along a row); the ops that read a weight (through its views) read that
@@ -25,6 +27,7 @@ Conventions (docs/serving.md):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +69,7 @@ class Serving:
     compute_bound_batch: int | None  # least batch where the decode step turns compute-bound at this context
     max_batch: int | None  # the largest batch whose decode step fits at this context
     max_context: int | None  # the longest context whose decode step fits at this batch
+    max_prompt: int | None = None  # the longest prompt whose prefill fits, one prompt, whole (no chunks)
     notes: list[str] = field(default_factory=list)
     decode_traffic: dict[str, int] = field(default_factory=dict)  # the last decode step's bytes (Traffic)
     weight_bits: int | None = None  # weight-only quantization (re-priced), None: the weights' own dtype
@@ -412,18 +416,24 @@ def serve(
             f"{budget / 1e9:.1f} GB budget, so the decode step's figures are of a step this device cannot hold"
             + (f" (the largest batch that fits: {max_batch})" if max_batch else "")
         )
+    smax = decode.symbols.get("S_max")
+    max_prompt = _longest(lambda p: _covered(prefill, B=1, S=p) and prefill.peak(B=1, S=p) <= budget, smax or 1 << 24)
     prefill_peak = prefill.peak(B=batch, S=prompt)
     if prefill_peak > budget:  # the time to first token is of the whole batch's prefill: say when it cannot run
-        try:
-            most = f"at most {fit(prefill, 'B', hardware=hw, reserve=reserve, S=prompt).value} of them fit at once"
-        except SymacctError:
-            most = "not even one fits"
+        if batch == 1:
+            what, most = f"the prompt of {prompt} tokens", "prefill it in chunks"
+        else:
+            try:
+                n = fit(prefill, "B", hardware=hw, reserve=reserve, S=prompt).value
+                most = f"at most {n} of them fit at once: prefill them in groups, or in chunks of the prompt"
+            except SymacctError:
+                most = "not even one fits at once: prefill in chunks of the prompt"
+            what = f"the {batch} prompts of {prompt} tokens at once"
         notes.append(
-            f"prefill: the {batch} prompts of {prompt} tokens at once peak at {prefill_peak / 1e9:.1f} GB, beyond "
-            f"the {budget / 1e9:.1f} GB budget, so the time to first token is of a step this device cannot hold "
-            f"({most}; prefill them in groups, or in chunks of the prompt)"
+            f"prefill: {what} peak{'s' if batch == 1 else ''} at {prefill_peak / 1e9:.1f} GB, beyond the "
+            f"{budget / 1e9:.1f} GB budget, so the time to first token is of a step this device cannot hold "
+            f"({most}; the longest prompt prefilled whole: {max_prompt or 'none'})"
         )
-    smax = decode.symbols.get("S_max")
     top = smax - 1 if smax else 1 << 24  # the most positions the model can cache before a step
 
     def uncovered(c: int) -> str | None:
@@ -437,14 +447,8 @@ def serve(
     def fits(c: int) -> bool:
         return uncovered(c) is None and decode.peak(B=batch, C=c) <= budget
 
-    if fits(1):
-        lo, hi = 1, 2
-        while hi <= top and fits(hi):
-            lo, hi = hi, hi * 2
-        hi = min(hi, top + 1)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    lo = _longest(fits, top)
+    if lo is not None:
         max_context = lo + 1
         if lo == top and smax:
             notes.append(
@@ -456,6 +460,11 @@ def serve(
             )
         elif lo < top and (why := uncovered(lo + 1)) is not None:
             notes.append(f"context: the derivation bounds it, not the memory ({why})")
+        if (max_prompt or 0) < lo:  # a prompt of lo tokens and one generated: the longest context
+            notes.append(
+                f"context: a prompt of more than {max_prompt or 0} tokens does not fit prefilled whole (one prompt), "
+                f"so the longest context, {max_context}, is the decode step's: its prompt prefilled in chunks"
+            )
     else:
         notes.append("context: not even one cached position fits at this batch")
     return Serving(
@@ -478,11 +487,36 @@ def serve(
         compute_bound_batch=bound_batch,
         max_batch=max_batch,
         max_context=max_context,
+        max_prompt=max_prompt,
         notes=notes,
         decode_traffic=split,
         weight_bits=weight_bits,
         bytes_per_weight=float(bpw) if bpw is not None else None,
     )
+
+
+def _covered(acct: Accounting, **sizes: int) -> bool:
+    """Whether the derivation holds at these sizes (a sliding window's path does not beyond its window)."""
+    try:
+        acct.values_at(**sizes)
+    except SymacctError:
+        return False
+    return True
+
+
+def _longest(ok: Callable[[int], bool], top: int) -> int | None:
+    """The largest n in [1, top] with ok(n), ok being true up to some n and false beyond (doubling, then
+    bisection); None when ok(1) is false."""
+    if not ok(1):
+        return None
+    lo, hi = 1, 2
+    while hi <= top and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, top + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
 def as_dict(s: Serving) -> dict[str, Any]:
