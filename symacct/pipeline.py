@@ -584,7 +584,8 @@ def _build_fake(make: Callable[[], nn.Module], fake: FakeTensorMode, device: str
     copied to fake tensors: a constructor that reads values while initialising weights (transformers' ViT: a
     data-dependent op, which fake tensors cannot answer), and one that deep-copies a module it built
     (``nn.TransformerEncoder``'s clones of its layer: PyTorch copies a fake tensor into a fake mode of its own,
-    which the step then cannot mix with ``fake``)."""
+    which the step then cannot mix with ``fake``), and one that converts a submodule (``.to(torch.float32)``:
+    ``Module._apply`` swaps a fake parameter, which fails)."""
     try:
         with fake, warnings.catch_warnings(), _no_weight_init():
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # a deep copy's
@@ -593,6 +594,10 @@ def _build_fake(make: Callable[[], nn.Module], fake: FakeTensorMode, device: str
         model = None
     except AssertionError as e:  # the clones initialised in the constructor (nn.Transformer's reset)
         if "Mixing fake modes" not in str(e):
+            raise
+        model = None
+    except RuntimeError as e:  # Module.to() in the constructor (DeepSeek V4's float32 norms): PyTorch swaps a
+        if "Couldn't swap" not in str(e):  # fake parameter for its copy, which the fake tensor's weakref forbids
             raise
         model = None
     if model is not None and all(getattr(t, "fake_mode", fake) is fake for t in _tensors_of(model)):

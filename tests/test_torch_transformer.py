@@ -82,6 +82,31 @@ class CausalEncoder(Encoder):
         return logits if y is None else F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+class ConvertingEncoder(Encoder):
+    """A constructor that converts its submodules with ``Module.to``, as DeepSeek V4's keeps its norms in
+    float32: a no-op conversion (the norm) and a real one (the head in float64, fed a float64 input)."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__(config)
+        self.norm = nn.LayerNorm(config.d_model).to(dtype=torch.float32)
+        self.out = self.out.to(torch.float64)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.out(self.norm(self.enc(self.emb(x))).double())  # (B, S, V) in float64
+        return logits if y is None else F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def test_a_constructor_that_converts_a_submodule_is_built_and_exact() -> None:
+    """On fake tensors ``Module.to`` swaps every parameter for its converted copy, which a fake tensor's weakref
+    forbids ("Couldn't swap"), so the model could not be built at probe sizes: it is built on the meta device
+    instead, where the conversion runs as on the CPU, and copied to fake tensors."""
+    torch.manual_seed(0)
+    model = ConvertingEncoder(EncoderConfig())
+    assert model.out.weight.dtype == torch.float64
+    acct = symacct.derive(model, optimizer="adamw")
+    exact_against_a_real_step(model, acct)
+
+
 class EncoderDecoder(nn.Module):
     """``nn.Transformer`` (its constructor initialises the clones of its layers), a causal target mask."""
 
