@@ -32,7 +32,8 @@ start=$(date +%s)
   "$py" -c "import torch
 if torch.cuda.is_available():
     x = torch.ones(1, device='cuda'); free, total = torch.cuda.mem_get_info()
-    print('- CUDA context at start:', total - free - torch.cuda.memory_reserved(), 'bytes (in use, less reserved)')" 2>&1
+    print('- CUDA context at start:', total - free - torch.cuda.memory_reserved(), 'bytes (in use, less reserved)')
+    print('- device memory total:', total, 'bytes (torch.cuda.mem_get_info; the catalog takes the nominal GB as 1e9 bytes)')" 2>&1
   echo
   echo '## CUDA tests'
   echo '```'

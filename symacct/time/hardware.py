@@ -1,8 +1,17 @@
 """Accelerator catalog: datasheet figures, each entry with its source.
 
 Units, everywhere in symacct: FLOP/s, bytes, bytes/s. GB means 10**9 bytes
-(the datasheets' and the seeds' unit); a card's nominal 80 GB is 80e9
-bytes, which ``torch.cuda.mem_get_info`` reports as about 74.5 GiB (2**30).
+(the datasheets' and the seeds' unit); a card's nominal 80 GB is taken as
+80e9 bytes (74.5 GiB). That is a conservative reading: the HBM cards hold
+more. PyTorch reports a total capacity (``torch.cuda.mem_get_info()[1]``)
+of 79.11 GiB on an H100 80GB HBM3 (nvidia-smi: 81,559 MiB) and 79.25 to
+79.35 GiB on an A100 80GB, in public out-of-memory messages
+(vllm-project/vllm#27508, huggingface/text-generation-inference#2572,
+levihsu/OOTDiffusion#235, Instruction-Tuning-with-GPT-4/GPT-4-LLM#16): about
+6 % above the catalog's figure, so "what fits" leaves that much unused there.
+No device here has measured it (``scripts/gpu_check.sh`` prints the total
+when one is lent). An entry loaded with :func:`load` can give the measured
+total as ``memory_gb`` (bytes / 1e9).
 
 Peaks are **dense** (no structured sparsity): vendors headline the
 with-sparsity figure, twice the dense one, for tensor-core dtypes; that
