@@ -793,6 +793,9 @@ def _probe_for(
         scale["S_max"] = 4
     if "E" in letters:  # grouped matmuls want 16-byte strides: widths are probed as multiples of 16
         scale |= {n: EXPERT_WIDTH_SCALE for n in letters if n not in _COUNTS}
+    groups = src.values.get("n_group")  # DeepSeek-V3's grouped routing: E / n_group experts a group, n_group kept
+    if "E" in letters and isinstance(groups, int) and groups > 1 and "n_group" not in src.fields:
+        scale["E"] = int(np.lcm(scale.get("E", 1), groups))  # at its value (no parameter's shape reads it)
     if src.even:  # derive's retry for a step that halves a width: every width probed even
         scale |= {n: 2 * scale.get(n, 1) for n in letters if n not in _NOT_HALVED}
     if "S" in scale and "S_max" in letters:  # the table still longer than S: S_max a multiple of S's factor too

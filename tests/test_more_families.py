@@ -73,7 +73,7 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "smollm3": _decoder("SmolLM3Config", "SmolLM3ForCausalLM", num_key_value_heads=2),
     "deepseek-v3": _decoder(
         "DeepseekV3Config", "DeepseekV3ForCausalLM", num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1, first_k_dense_replace=1,
+        num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=1,
         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
     ),
     "codegen": lambda: T.CodeGenForCausalLM(

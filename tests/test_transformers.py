@@ -960,3 +960,23 @@ def test_the_causal_discount_leaves_bidirectional_and_decode_attention_whole() -
         assert sympy.expand(plain - half.flops.total - less) == 0, (type(model).__name__, step)
         assert any(n.startswith("causal_discount:") for n in half.notes) is (less == 0)
         assert (C in plain.free_symbols) is (step == "decode")  # decode: attention over the cache
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_deepseek_v3_grouped_routing_is_exact(groups: int) -> None:
+    """DeepSeek-V3 routes each token to its top groups of experts first (``n_group`` groups of E / n_group
+    experts, ``topk_group`` of them kept), viewing the scores as (tokens, n_group, E / n_group). The probe gave
+    E a prime of its own, which no group count divides, so every DeepSeek-V3 with n_group > 1 (the released
+    one has 8) was refused; E is now probed as a multiple of n_group, which keeps its value."""
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=64, max_position_embeddings=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_group=groups, topk_group=groups // 2, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    acct = symacct.derive(model, optimizer="adamw")
+    assert acct.symbols["E"] == 8 and any("n_group" in n for n in acct.notes)
+    check_exact(model, acct, [(2, 7), (3, 11)])
+
