@@ -979,4 +979,3 @@ def test_deepseek_v3_grouped_routing_is_exact(groups: int) -> None:
     acct = symacct.derive(model, optimizer="adamw")
     assert acct.symbols["E"] == 8 and any("n_group" in n for n in acct.notes)
     check_exact(model, acct, [(2, 7), (3, 11)])
-
