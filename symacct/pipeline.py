@@ -101,6 +101,7 @@ from symacct.sameness import (
     compare_shapes,
     fake_copy,
     shortened,
+    unlike_middle,
 )
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import ALIASES, ORDER, exact_form, letter_for_field, sym
@@ -2007,8 +2008,19 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
             # times) or are kept apart (attributes block0, block1, ...), so the probe's L and the model's run
             # different numbers of ops: exact at the model's L only
             raise _FixLayers(src, NO_LIST_OF_BLOCKS) from e
+        _fix_unlike_layers(model, src, first, e)
         _retry_degenerate(src, req, e)
         raise
+
+
+def _fix_unlike_layers(model: Any, src: _Source, first: FirstTrace, e: SymacctError) -> None:
+    """Raise ``_FixLayers`` for a difference between the user's model and the probe model when a layer stack
+    of the user's model has middle blocks built unlike each other (DeepSeek-V3's first three blocks dense):
+    the probe's few blocks factor as first + (L - 2) * middle + last by accident, which the model's own
+    blocks then contradict; exact at the model's L only."""
+    why = unlike_middle(model, first.stacks) if first.stacks and "L" in src.fields.values() else None
+    if why is not None:
+        raise _FixLayers(src, why) from e
 
 
 def _retry_degenerate(src: _Source, req: Request, e: SymacctError) -> None:
@@ -2031,7 +2043,11 @@ def check_parameters(
     if src.configless or req.dims is not None or user is None:
         return
     blocks = probes.first.layers or 1
-    compare_parameters(model, first.trace, first.stacks, blocks, _at_own_sizes(src, probes.first))
+    try:
+        compare_parameters(model, first.trace, first.stacks, blocks, _at_own_sizes(src, probes.first))
+    except SymacctError as e:
+        _fix_unlike_layers(model, src, first, e)
+        raise
     if CP not in req.precision:  # context parallelism runs the user's model at its own S (the tables' rows)
         read = _at_own_sizes(src, probes.first, user.sizes)
         try:

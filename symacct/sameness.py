@@ -604,11 +604,7 @@ def shortened(model: nn.Module, stacks: list[str]) -> Iterator[bool]:
             n = len(stack)
             if n <= KEEP or not isinstance(stack, (nn.ModuleList, nn.Sequential)):
                 continue
-            sigs = {i: _block_signature(stack[i]) for i in range(1, n - 1)}
-            # a setting equal to the block's number in every block is its layer number (layer_idx): not compared
-            numbered = {k for k in sigs[1] if all(sig.get(k) == i for i, sig in sigs.items())}
-            alike = [{k: v for k, v in sig.items() if k not in numbered} for sig in sigs.values()]
-            if any(a != alike[0] for a in alike[1:]):
+            if _first_unlike(stack) is not None:
                 continue
             kept = [stack[i] for i in (*range(KEEP - 1), n - 1)]
             parent, _, name = path.rpartition(".")
@@ -620,6 +616,33 @@ def shortened(model: nn.Module, stacks: list[str]) -> Iterator[bool]:
     finally:
         for owner, name, stack in reversed(swapped):
             owner._modules[name] = stack
+
+
+def _first_unlike(stack: nn.Module) -> int | None:
+    """The first middle block (1 .. n-2) of a stack built unlike block 1 (``_block_signature``), or None when
+    they are all alike. A setting equal to the block's number in every block is its layer number
+    (``layer_idx``): not compared."""
+    n = len(stack)
+    sigs = {i: _block_signature(stack[i]) for i in range(1, n - 1)}
+    if not sigs:
+        return None
+    numbered = {k for k in sigs[1] if all(sig.get(k) == i for i, sig in sigs.items())}
+    alike = {i: {k: v for k, v in sig.items() if k not in numbered} for i, sig in sigs.items()}
+    return next((i for i in sigs if alike[i] != alike[1]), None)
+
+
+def unlike_middle(model: nn.Module, stacks: list[str]) -> str | None:
+    """Why a layer stack of the user's ``model`` cannot be factored as its first block, L - 2 identical
+    middle blocks and its last: the stack and its first middle block built unlike block 1 (DeepSeek-V3's
+    first three blocks dense, the rest experts); None when every stack's middle blocks are alike."""
+    for path in stacks:
+        stack = model.get_submodule(path) if path else model
+        if not isinstance(stack, (nn.ModuleList, nn.Sequential)) or len(stack) < 4:
+            continue
+        i = _first_unlike(stack)
+        if i is not None:
+            return f"block {i} of {path or 'the model'} is built unlike block 1 (the middle blocks differ)"
+    return None
 
 
 def _block_signature(block: nn.Module) -> dict[tuple[str, ...], object]:

@@ -979,3 +979,22 @@ def test_deepseek_v3_grouped_routing_is_exact(groups: int) -> None:
     acct = symacct.derive(model, optimizer="adamw")
     assert acct.symbols["E"] == 8 and any("n_group" in n for n in acct.notes)
     check_exact(model, acct, [(2, 7), (3, 11)])
+
+
+def test_deepseek_v3_with_its_first_blocks_dense_is_exact_at_its_depth() -> None:
+    """DeepSeek-V3 as released makes its first three blocks dense and the rest experts
+    (``first_k_dense_replace = 3``). The probe's four blocks factored as first + (L - 2) * middle + last by
+    accident (blocks 1, 2 dense, the last the experts'), which the model's own blocks contradict: derive
+    refused it as a model changed after construction. Its middle blocks built unlike each other, derive now
+    keeps L at its value and says so; the figures are exact at that depth."""
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=64, max_position_embeddings=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_group=2, topk_group=1, first_k_dense_replace=3, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    acct = symacct.derive(model, optimizer="adamw")
+    assert "L" not in acct.symbols and any("block 3 of model.layers is built unlike block 1" in n for n in acct.notes)
+    check_exact(model, acct, [(2, 7), (3, 11)])
