@@ -589,6 +589,27 @@ def test_serve_bounds_the_longest_context_by_the_window_derived():
     assert any("the derivation bounds it" in n and "sliding_window" in n for n in s.notes)
 
 
+def test_serve_searches_beyond_a_window_from_its_far_side():
+    """A Mistral derived beyond its window of 4 positions (C + 1 >= 5, S >= 5): the longest context and the
+    longest prompt are searched where the derivation holds, from the window's far side. The search started
+    at one cached position, which the derivation does not cover, and serve said "not even one cached position
+    fits" on an H100."""
+    transformers = pytest.importorskip("transformers")
+    from symacct.time.serving import serve
+
+    cfg = transformers.MistralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64, sliding_window=4,
+    )  # fmt: skip
+    model = transformers.MistralForCausalLM(cfg)
+    prefill, decode = symacct.derive(model, step="prefill"), symacct.derive(model, step="decode")
+    with pytest.raises(symacct.SymacctError):
+        decode.values_at(B=1, C=1)  # the near side of the window: not derived
+    s = serve(prefill, decode, hardware="H100-SXM", context=32)
+    assert (s.max_context, s.max_prompt) == (64, 64)
+    assert not any("not even" in n for n in s.notes), s.notes
+
+
 def test_serve_names_what_bounds_the_longest_context():
     """The reference GPT-2 reads its positions from a table of S_max rows: the table bounds the context. A
     transformers Llama has no table (its rotary angles come from the positions), so its max_position_embeddings

@@ -417,7 +417,13 @@ def serve(
             + (f" (the largest batch that fits: {max_batch})" if max_batch else "")
         )
     smax = decode.symbols.get("S_max")
-    max_prompt = _longest(lambda p: _covered(prefill, B=1, S=p) and prefill.peak(B=1, S=p) <= budget, smax or 1 << 24)
+    top_prompt = smax or 1 << 24
+    prompt_from = _least(lambda p: _covered(prefill, B=1, S=p), top_prompt)  # a window's far side: from w + 1
+    max_prompt = None
+    if prompt_from is not None:
+        max_prompt = _longest(
+            lambda p: _covered(prefill, B=1, S=p) and prefill.peak(B=1, S=p) <= budget, top_prompt, prompt_from
+        )
     prefill_peak = prefill.peak(B=batch, S=prompt)
     if prefill_peak > budget:  # the time to first token is of the whole batch's prefill: say when it cannot run
         if batch == 1:
@@ -447,7 +453,8 @@ def serve(
     def fits(c: int) -> bool:
         return uncovered(c) is None and decode.peak(B=batch, C=c) <= budget
 
-    lo = _longest(fits, top)
+    context_from = _least(lambda c: uncovered(c) is None, top)  # a window's far side: from w cached positions
+    lo = _longest(fits, top, context_from) if context_from is not None else None
     if lo is not None:
         max_context = lo + 1
         if lo == top and smax:
@@ -460,13 +467,17 @@ def serve(
             )
         elif lo < top and (why := uncovered(lo + 1)) is not None:
             notes.append(f"context: the derivation bounds it, not the memory ({why})")
-        if (max_prompt or 0) < lo:  # a prompt of lo tokens and one generated: the longest context
+        if prompt_from is not None and (max_prompt or 0) < lo:  # a prompt of lo tokens, one generated
+            longer = f"more than {max_prompt}" if max_prompt else f"{prompt_from} or more"
             notes.append(
-                f"context: a prompt of more than {max_prompt or 0} tokens does not fit prefilled whole (one prompt), "
-                f"so the longest context, {max_context}, is the decode step's: its prompt prefilled in chunks"
+                f"context: a prompt of {longer} tokens does not fit prefilled whole (one prompt), so the longest "
+                f"context, {max_context}, is the decode step's: its prompt prefilled in chunks"
             )
+    elif context_from is None:
+        notes.append(f"context: the derivation holds at no context up to {top + 1} ({uncovered(top)})")
     else:
-        notes.append("context: not even one cached position fits at this batch")
+        least = "one cached position" if context_from == 1 else f"{context_from} cached positions, the fewest derived,"
+        notes.append(f"context: not even {least} fit{'s' if context_from == 1 else ''} at this batch")
     return Serving(
         hardware=hw.name,
         batch=batch,
@@ -504,12 +515,26 @@ def _covered(acct: Accounting, **sizes: int) -> bool:
     return True
 
 
-def _longest(ok: Callable[[int], bool], top: int) -> int | None:
-    """The largest n in [1, top] with ok(n), ok being true up to some n and false beyond (doubling, then
-    bisection); None when ok(1) is false."""
-    if not ok(1):
+def _least(ok: Callable[[int], bool], top: int) -> int | None:
+    """The least n in [1, top] with ok(n), ok being false below some n and true from it (bisection); None when
+    ok(top) is false. Where the derivation holds: from 1, or beyond a sliding window."""
+    if ok(1):
+        return 1
+    if not ok(top):
         return None
-    lo, hi = 1, 2
+    lo, hi = 1, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def _longest(ok: Callable[[int], bool], top: int, start: int = 1) -> int | None:
+    """The largest n in [start, top] with ok(n), ok being true from start up to some n and false beyond
+    (doubling, then bisection); None when ok(start) is false."""
+    if not ok(start):
+        return None
+    lo, hi = start, 2 * start
     while hi <= top and ok(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, top + 1)
