@@ -418,11 +418,13 @@ def serve(
         )
     smax = decode.symbols.get("S_max")
     top_prompt = smax or 1 << 24
-    prompt_from = _least(lambda p: _covered(prefill, B=1, S=p), top_prompt)  # a window's far side: from w + 1
+    prompt_from = _least(lambda p: _uncovered(prefill, B=1, S=p) is None, top_prompt)  # a window's far side: from w + 1
     max_prompt = None
     if prompt_from is not None:
         max_prompt = _longest(
-            lambda p: _covered(prefill, B=1, S=p) and prefill.peak(B=1, S=p) <= budget, top_prompt, prompt_from
+            lambda p: _uncovered(prefill, B=1, S=p) is None and prefill.peak(B=1, S=p) <= budget,
+            top_prompt,
+            prompt_from,
         )
     prefill_peak = prefill.peak(B=batch, S=prompt)
     if prefill_peak > budget:  # the time to first token is of the whole batch's prefill: say when it cannot run
@@ -443,12 +445,7 @@ def serve(
     top = smax - 1 if smax else 1 << 24  # the most positions the model can cache before a step
 
     def uncovered(c: int) -> str | None:
-        """Why the derivation does not hold at a context of c cached positions (a sliding window's path)."""
-        try:
-            decode.values_at(B=batch, C=c)
-        except SymacctError as e:
-            return e.what
-        return None
+        return _uncovered(decode, B=batch, C=c)
 
     def fits(c: int) -> bool:
         return uncovered(c) is None and decode.peak(B=batch, C=c) <= budget
@@ -506,13 +503,14 @@ def serve(
     )
 
 
-def _covered(acct: Accounting, **sizes: int) -> bool:
-    """Whether the derivation holds at these sizes (a sliding window's path does not beyond its window)."""
+def _uncovered(acct: Accounting, **sizes: int) -> str | None:
+    """Why the derivation does not hold at these sizes (a sliding window's path: not beyond its window), or
+    None where it holds."""
     try:
         acct.values_at(**sizes)
-    except SymacctError:
-        return False
-    return True
+    except SymacctError as e:
+        return e.what
+    return None
 
 
 def _least(ok: Callable[[int], bool], top: int) -> int | None:
