@@ -577,6 +577,34 @@ def test_deepseek_v3_caches_its_latent_and_decodes_exactly():
     assert at.memory.kv_cache == 2 * B * P * (16 + 8) * 4  # two layers: latent and rotary key, fp32
 
 
+def test_a_model_that_changes_itself_on_its_first_call_is_served_as_after_it():
+    """BigBird switches from block-sparse to full attention on its first call of a short sequence: each layer
+    builds a new attention module (three new D x D projections, dropped at once, the old ones kept). The
+    prompt's call makes that switch, the decode steps after it do not: a serving step is traced as a second
+    call runs it, and a note says so. The decode steps are exact through generation (the derived peak was
+    12 D^2 + 12 D bytes high, and the stack left unfactored: the switch made the traced blocks differ); the
+    prefill, a first call here, has the same figures (the switch sets no peak of it)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BigBirdConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
+        max_position_embeddings=64, is_decoder=True,
+    )  # fmt: skip
+    assert cfg.attention_type == "block_sparse"
+    torch.manual_seed(0)
+    model = transformers.BigBirdForCausalLM(cfg)
+    prefill, decode, run = _served(model, 2, 8)
+    first = prefill.at(B=2, S=5)
+    assert run(0, 5) == (first.flops.forward, first.memory.peak, first.memory.kv_cache)
+    assert model.bert.attention_type == "original_full"  # the real model switched on its first call
+    for C in range(5, 8):
+        at = decode.at(B=2, C=C)
+        assert run(C, C + 1) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    for acct in (prefill, decode):
+        assert any("changes itself on its first call (module bert.encoder.layer.0.attention.self replaced" in n
+                   for n in acct.notes)  # fmt: skip
+        assert "L" in {str(s) for s in acct.memory.peak.free_symbols}
+
+
 def test_serve_bounds_the_longest_context_by_the_window_derived():
     """A Mistral derived within its window of 1,024 positions: the longest context that fits in memory is
     searched only where the derivation holds (C + 1 <= 1024), and a note says the derivation bounds it. The

@@ -157,6 +157,11 @@ class StepTrace:
     held_storages: set[int] = field(default_factory=set)  # kept alive to the end of the step (the loss)
     loss_storage: int | None = None  # the training step's loss
     cache_storages: set[int] = field(default_factory=set)  # the KV cache after a serving step (args["cache"])
+    # what an inference step changed in the model itself (a module replaced, a parameter or buffer added or
+    # removed: work done once, on a first call), or "" (``changed_itself``); ``warmed``: the same, for a trace
+    # taken after one untraced call (record_step's ``warm``)
+    changed: str = ""
+    warmed: str = ""
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
     storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
     persistent_buffers: set[int] = field(default_factory=set)  # buffer storages that state_dict() saves
@@ -844,6 +849,7 @@ def record_step(
     sdpa_size: Callable[[int], int] = int,
     step_context: Callable[[nn.Module, Any], contextlib.AbstractContextManager[Any]] | None = None,
     size_primes: dict[int, str] | None = None,
+    warm: str = "",
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
@@ -871,6 +877,11 @@ def record_step(
     args)``: a context the step runs in, entered once the inputs are made (context parallelism shards them).
     ``size_primes``: a probe's own primes and their symbols; a forward that reads every index of a dimension
     whose size holds one, one by one, is refused as it does it (``symacct.trace.loops``).
+
+    An inference step records in ``trace.changed`` what it changed in the model itself (``changed_itself``).
+    ``warm`` (that description, from a first trace) runs one inference call first, untraced, on inputs of
+    its own, and records the step as a second call runs it: what the model does once on its first call
+    (BigBird's switch to full attention builds a new attention module) is then not in the step.
     """
     check_device(device)
     if python_engine is None:
@@ -912,6 +923,10 @@ def record_step(
                 _cast_floats(model, params_dtype, buffers=not fsdp_policy)
                 if fsdp_policy:
                     _cast_block_inputs(model, params_dtype)
+            if warm and step != "train":
+                choice = choosing(sdpa_backend, device, sdpa_target, sdpa_size)
+                _first_call(model, make_inputs, device, autocast, choice)
+                trace.warmed = warm
             with torch.device(device):
                 args = make_inputs(model)
             if params_dtype is not None:  # fp32 inputs follow the parameters (an fp8 KV cache stays fp8)
@@ -1089,8 +1104,11 @@ def record_step(
                 recorder.reap(len(trace.ops) + 0.25)  # what zero_grad freed
                 trace.marks["after_optimizer"] = len(trace.ops)
             else:
+                before = _structure(model)
                 with torch.no_grad(), _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
+                trace.changed = changed_itself(before, _structure(model))
+                del before
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         trace.held_storages.add(ids.storage(t))
@@ -1101,6 +1119,47 @@ def record_step(
                 recorder.mark("after_forward")
     trace.sdpa_kernels = kernels
     return trace
+
+
+def _first_call(
+    model: nn.Module,
+    make_inputs: Callable[[nn.Module], Any],
+    device: str,
+    autocast: torch.dtype | None,
+    kernels: contextlib.AbstractContextManager[Any],
+) -> None:
+    """One inference call of the model on inputs of its own, untraced (record_step's ``warm``)."""
+    with torch.device(device):
+        args = make_inputs(model)
+    model.eval()
+    with torch.no_grad(), _autocast(autocast, device), kernels:
+        _invoke(model, args)
+
+
+Structure = tuple[dict[str, Any], dict[str, Any], dict[str, None]]
+
+
+def _structure(model: nn.Module) -> Structure:
+    """The model's modules and parameters by name (held, compared by identity) and its buffers' names (a
+    buffer a call assigns anew each time, a rotary table recomputed, is the call's own work)."""
+    return (
+        dict(model.named_modules(remove_duplicate=False)),
+        dict(model.named_parameters(remove_duplicate=False)),
+        dict.fromkeys(n for n, _ in model.named_buffers(remove_duplicate=False)),
+    )
+
+
+def changed_itself(before: Structure, after: Structure) -> str:
+    """What a call changed in the model's structure (``_structure`` before and after it), in words, or ""."""
+    for kind, old, new in zip(("module", "parameter", "buffer"), before, after):
+        replaced = [n for n in new if n in old and old[n] is not new[n]]
+        added = [n for n in new if n not in old]
+        removed = [n for n in old if n not in new]
+        for what, names in (("replaced", replaced), ("added", added), ("removed", removed)):
+            if names:
+                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+                return f"{kind} {names[0] or '<root>'} {what}{more}"
+    return ""
 
 
 def _register_inputs(trace: StepTrace, ids: _Ids, named: list[tuple[str, Any]]) -> None:
