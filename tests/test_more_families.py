@@ -116,6 +116,9 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "aria-text": _decoder("AriaTextConfig", "AriaTextForCausalLM", num_key_value_heads=2, moe_num_experts=4,
                           moe_topk=2, moe_intermediate_size=16, moe_num_shared_experts=1),
     "biogpt": _decoder("BioGptConfig", "BioGptForCausalLM"),
+    "openai-gpt": lambda: T.OpenAIGPTLMHeadModel(  # one gelu_new instance shared by every block
+        T.OpenAIGPTConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64)
+    ),
     "bitnet": _decoder("BitNetConfig", "BitNetForCausalLM", num_key_value_heads=2),
     "cohere2": _decoder("Cohere2Config", "Cohere2ForCausalLM", num_key_value_heads=2, sliding_window=4),
     "deepseek-v2": _decoder(

@@ -7,7 +7,8 @@ of it sees every aten op that reaches dispatch (the same ops that
 ``torch.utils.flop_counter.FlopCounterMode`` sees), and records:
 
 - the op, its arguments with tensors replaced by :class:`TMeta`,
-- the module path (``blocks.1.attn.c_attn``), named as PyTorch's ``ModTracker`` names it,
+- the module path (``blocks.1.attn.c_attn``), named as PyTorch's ``ModTracker`` names it (a module
+  shared by several parents: as the child of the one calling it),
 - the phase (forward / backward / optimizer),
 - which storages autograd saves for backward (``saved_tensors_hooks``).
 
@@ -612,6 +613,7 @@ class _Recorder(TorchDispatchMode):
         self.ids = ids
         self.root = root
         self.active: list[str] = []  # the forward's module calls under way, outermost first
+        self.calls: list[nn.Module] = []  # the modules of those calls
         self.known: dict[int, str] = {}  # id(module) -> its name as ModTracker gives it ('GPT2.blocks.0')
         self.seen: set[int] = set()
         self.phase = "forward"
@@ -626,7 +628,8 @@ class _Recorder(TorchDispatchMode):
 
     def _name(self, module: nn.Module) -> str:
         """A module's name as ``torch.distributed._tools.ModTracker`` names it: the root by its class, each
-        child by its parent's name and its attribute (a module shared by two parents: the later one's)."""
+        child by its parent's name and its attribute (a module shared by two parents: the later one's; a call
+        names it by its caller where it can, ``_called``)."""
         key = id(module)
         if key not in self.known:
             self.known[key] = type(module).__name__
@@ -638,8 +641,20 @@ class _Recorder(TorchDispatchMode):
             self.seen.add(key)
         return name
 
+    def _called(self, module: nn.Module) -> str:
+        """A module's name in this call: as a child of the module calling it (the innermost call under way),
+        or by ``_name``. A module shared by the blocks of a stack (an activation instance passed to each, as
+        OpenAI GPT's ``gelu_new``; a rotary table) is then each block's own, as an unshared one is."""
+        if self.calls:
+            parent = self.calls[-1]
+            for attr, child in parent._modules.items():
+                if child is module:
+                    return f"{self.active[-1]}.{attr}"
+        return self._name(module)
+
     def pre_hook(self, module: nn.Module, args: Any) -> None:
-        self.active.append(self._name(module))
+        self.active.append(self._called(module))
+        self.calls.append(module)
         if self.phase == "backward" and id(module) in self.names:
             self.recomputing.append(self.names[id(module)])
             for t in tree_flatten(args)[0]:
@@ -647,10 +662,9 @@ class _Recorder(TorchDispatchMode):
                     self.recompute_inputs.setdefault(t, self.names[id(module)])
 
     def post_hook(self, module: nn.Module, args: Any, out: Any) -> None:
-        name = self._name(module)
-        for i in range(len(self.active) - 1, -1, -1):
-            if self.active[i] == name:
-                del self.active[i]
+        for i in range(len(self.calls) - 1, -1, -1):
+            if self.calls[i] is module:
+                del self.active[i], self.calls[i]
                 break
         if self.phase == "backward" and self.recomputing and id(module) in self.names:
             self.recomputing.pop()
