@@ -355,7 +355,9 @@ _HALVING = {
 EXPERT_WIDTH_SCALE = 16
 _NOT_WIDTHS = {"H", "H_kv", "L", "E", "k"}  # counts: never a kept part of a width (Probe.cuts)
 _NOT_HALVED = {"B", "S", "S_max", "S_dec", "C", "L", "H", "H_kv", "E", "k", "tp"}  # sizes the even retry keeps
-_COUNTS = {"B", "S", "L", "D", "H", "H_kv", "V", "S_max", "E", "k", "patch_size", "image_size", *HEAD_WIDTHS}
+# sizes never scaled as an expert width: counts, lengths (a cache of C positions, a decoder of S_dec), tables
+_LENGTHS = {"S", "S_dec", "C", "S_max"}
+_COUNTS = {"B", "L", "D", "H", "H_kv", "V", "E", "k", "patch_size", "image_size", *HEAD_WIDTHS, *_LENGTHS}
 
 
 def _refuse_tensor_hooks(model: nn.Module) -> None:

@@ -605,6 +605,26 @@ def test_a_model_that_changes_itself_on_its_first_call_is_served_as_after_it():
         assert "L" in {str(s) for s in acct.memory.peak.free_symbols}
 
 
+def test_a_mixture_of_experts_decodes_within_its_window():
+    """A mixture of experts probes its widths as multiples of 16 (grouped matmuls want 16-byte strides); the
+    cached positions C were scaled so too, as if a width: the decode probe's cache (16 * prime) passed
+    Mixtral's window of 4,096 positions, and the second probe's did not, so derive refused the model. C is a
+    length, probed as S is: within the window, exact through generation, bounded by it."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=8192, sliding_window=4096, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    _exact_through_generation(model, 2, 5, 3)
+    decode = symacct.derive(model, step="decode")  # the family memoised: the formulas above
+    decode.at(B=1, C=4095)
+    with pytest.raises(symacct.SymacctError, match="sliding_window"):
+        decode.at(B=1, C=4096)
+
+
 def test_serve_bounds_the_longest_context_by_the_window_derived():
     """A Mistral derived within its window of 1,024 positions: the longest context that fits in memory is
     searched only where the derivation holds (C + 1 <= 1024), and a note says the derivation bounds it. The
