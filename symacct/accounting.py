@@ -674,8 +674,9 @@ def aggregate(
         if ph.kind != "param":
             continue
         numel = sympy.Integer(1)
-        for s in ph.meta.shape:
-            numel *= probe.to_expr(s)
+        for s in ph.meta.shape:  # a size in no symbols as the number it is (``StepTrace.bytes_of``)
+            read = probe.to_expr(s)
+            numel *= sympy.Integer(s) if read is None else read
         n = numel * param_counts[ph.name]
         params += n
         mod = ph.name.rpartition(".")[0]

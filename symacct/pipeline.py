@@ -2379,7 +2379,7 @@ def _check_memory(memory: Any, trace2: StepTrace, probe2: Probe, stacks: list[st
     subs = {sym(k): v for k, v in probe2.values.items()}
     if stacks:
         subs[sym("L")] = L2
-    for name in ("params", "grads", "optimizer", "activations"):
+    for name in ("params", "buffers", "grads", "optimizer", "activations"):
         predicted = sympy.sympify(getattr(memory, name)).subs(subs)
         if predicted != getattr(concrete, name):
             raise SymacctError(

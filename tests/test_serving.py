@@ -625,6 +625,26 @@ def test_a_mixture_of_experts_decodes_within_its_window():
         decode.at(B=1, C=4096)
 
 
+def test_a_part_the_step_never_runs_counts_its_parameters_as_numbers():
+    """GIT's image encoder (a nested vision config the probes keep) sits idle in a text-only prompt: no op
+    reads its sizes, and its position table (197 rows: 14 x 14 patches and a class token) reads in no symbol.
+    Its parameters' bytes were None there, and derive failed with "a defect of symacct". A parameter or
+    buffer whose size reads in no symbol counts as the number it is, checked against the second probe with
+    the others (a size that did vary would be refused there). Exact through generation, and the parameter
+    count equals the real model's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GitConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GitForCausalLM(cfg)
+    first = _exact_through_generation(model, 2, 5, 3)
+    assert first.params == sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for p in model.git.image_encoder.parameters())
+    assert vision > 0 and first.memory.params >= 4 * vision
+
+
 def test_serve_bounds_the_longest_context_by_the_window_derived():
     """A Mistral derived within its window of 1,024 positions: the longest context that fits in memory is
     searched only where the derivation holds (C + 1 <= 1024), and a note says the derivation bounds it. The

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
 
+import sympy
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
@@ -190,7 +191,10 @@ class StepTrace:
     def bytes_of(self, st: int, read: Callable[[int], Any], nbytes: int | None = None) -> Any:
         """The bytes of a storage as a formula: itemsize times the product of its dimensions read one by one
         (a product of shifted sizes such as (H + 2*H_kv)*D/H times D reads only so), with the elements a kernel
-        kept beyond them (``storage_extra``), else the number read whole."""
+        kept beyond them (``storage_extra``), else the number read whole. A parameter or buffer whose size reads
+        in no symbols (a part the model never runs in the step, built from a nested config the probes keep, such
+        as GIT's image encoder in a text-only step, 197 patch positions wide) counts as the number it is: its
+        bytes are then checked against the second probe with every parameter's and buffer's (``_check_memory``)."""
         nb = self.storage_nbytes.get(st, nbytes) if nbytes is None else nbytes
         shape = self.storage_shape.get(st)
         extra = self.storage_extra.get(st, 0)
@@ -198,7 +202,14 @@ class StepTrace:
             dims = [read(d) for d in shape[0]]
             if all(d is not None for d in dims):
                 return shape[1] * (math.prod(dims) + extra)
-        return read(nb)
+        got = read(nb)
+        if got is None and isinstance(nb, int) and self._built(st):
+            return sympy.Integer(nb)
+        return got
+
+    def _built(self, st: int) -> bool:
+        """Whether a storage is a parameter's or a buffer's."""
+        return any(ph.meta.storage == st for ph in self.placeholders if ph.kind in ("param", "buffer"))
 
 
 class _Paused:
