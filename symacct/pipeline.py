@@ -794,7 +794,8 @@ def _probe_for(
         scale["S"] = scale.get("S", 1) * 2 * cp
     if "C" in letters and "S_max" in letters:  # C + S positions must fit the table: S_max a multiple of 4
         scale["S_max"] = 4
-    if "E" in letters:  # grouped matmuls want 16-byte strides: widths are probed as multiples of 16
+    # grouped matmuls want 16-byte strides: widths are probed as multiples of 16 (one expert too, E kept at 1)
+    if "E" in letters or any(letter_for_field(f) == "E" for f in src.values):
         scale |= {n: EXPERT_WIDTH_SCALE for n in letters if n not in _COUNTS}
     groups = src.values.get("n_group")  # DeepSeek-V3's grouped routing: E / n_group experts a group, n_group kept
     if "E" in letters and isinstance(groups, int) and groups > 1 and "n_group" not in src.fields:
