@@ -777,6 +777,7 @@ def _probe_for(
     tp_sequence: bool = True,
     cp: int | None = None,
     cuts: tuple[int, ...] = (),
+    lengths: int = 1,
 ) -> Probe:
     seq = {"S"} if src.seq is None else set()  # a decode step's one new token is no symbol
     degree = {TP} if tp_prime is not None else set()
@@ -804,6 +805,9 @@ def _probe_for(
         scale |= {n: 2 * scale.get(n, 1) for n in letters if n not in _NOT_HALVED}
     if "S" in scale and "S_max" in letters:  # the table still longer than S: S_max a multiple of S's factor too
         scale["S_max"] = int(np.lcm(scale.get("S_max", 1), scale["S"]))
+    for n in ("S", "C", "S_max") if lengths > 1 else ():  # the second probe past a window, as the first is
+        if n in letters:
+            scale[n] = scale.get(n, 1) * lengths
     heads = kept[0] if len(kept) == 1 and isinstance(kept[0], int) and kept[0] > 0 else 1
     return make_probe(
         letters,
@@ -1926,6 +1930,8 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
     for f in [*req.fixed, *src.constants]:
         if f in src.values and abs(src.values[f]) > 1:  # 0, 1, -1 carry no prime
             avoid |= set(sympy.factorint(abs(src.values[f])))
+        if f in src.values and "window" in f and src.values[f] > 2:  # a sliding window's cache: window - 1
+            avoid |= set(sympy.factorint(src.values[f] - 1)) | set(sympy.factorint(src.values[f] + 1))
     if src.configless:  # every size of the module is a constant: no probe may collide with one
         for t in [*model.parameters(), *model.buffers()]:
             for d in t.shape:
@@ -1943,21 +1949,39 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
     # widths kept at their values (a rotary part of the head): the rest of a width, X - k, is read too
     kept = [src.values.get(f) for f in [*req.fixed, *src.kept] if letter_for_field(f) not in _NOT_WIDTHS]
     cuts = tuple(sorted({v for v in kept if isinstance(v, int) and v > max(OFFSETS)}))
-    return Probes(
-        _probe_for(
-            src,
-            FIRST_PRIMES,
-            LAYERS[0],
-            avoid,
-            HEAD_PRIMES[0],
-            offsets=True,
-            tp_prime=tp[0],
-            tp_sequence=seq,
-            cp=cp,
-            cuts=cuts,
-        ),
-        _probe_for(src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1], tp_sequence=seq, cp=cp),
-    )
+    first = _probe_for(
+        src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True, tp_prime=tp[0], tp_sequence=seq, cp=cp,
+        cuts=cuts,
+    )  # fmt: skip
+
+    def second(lengths: int = 1) -> Probe:
+        return _probe_for(
+            src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1], tp_sequence=seq, cp=cp,
+            lengths=lengths,
+        )  # fmt: skip
+
+    factor = _past_windows(src, first, second())
+    return Probes(first, second(factor))
+
+
+def _length(probe: Probe, factor: int = 1) -> int:
+    """The positions a probe's step attends to (its cached positions and its new ones), with S and C
+    ``factor`` times as long."""
+    S = probe.values.get("S")
+    return factor * (probe.values.get("C", 0) + (S or 0)) + (0 if S else 1)
+
+
+def _past_windows(src: _Source, first: Probe, second: Probe) -> int:
+    """The factor (a power of 2) that takes the second probe's lengths (S, C, S_max) past every sliding window
+    the first probe's are past: a window kept at its value (GPT-OSS's ``sliding_window = 128``) between the
+    two probes has them trace two paths (another mask, a cache that stops growing), and the formulas read
+    from the first could not be checked by the second. 1 when no window lies between them."""
+    windows = [v for f in src.constants if "window" in f and isinstance(v := src.values.get(f), int) and v > 2]
+    factor = 1
+    for w in windows:
+        while _length(first) > w >= _length(second, factor):
+            factor *= 2
+    return factor
 
 
 def _splits_sequence(precision: dict[str, Any]) -> bool:

@@ -645,6 +645,32 @@ def test_a_part_the_step_never_runs_counts_its_parameters_as_numbers():
     assert vision > 0 and first.memory.params >= 4 * vision
 
 
+def test_gpt_oss_serves_past_its_window_of_128_positions():
+    """GPT-OSS's sliding layers keep 128 positions. The first probe's prompt and cache pass the window (the
+    layer then caches window - 1 = 127 positions, a prime no symbol carries) and the second probe's did not,
+    so the two traced two paths: derive refused the prefill ("not a product of the model's symbols") and
+    the decode. The window's neighbours now read as constants, and the second probe's lengths are taken past
+    every window the first passes (S, C and S_max doubled). Exact through generation past the window;
+    a prompt within it is refused, as the other side of the window. Training, at sizes past the window, is
+    exact against a real step too."""
+    transformers = pytest.importorskip("transformers")
+    from test_transformers import check_exact
+
+    cfg = transformers.GptOssConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, max_position_embeddings=4096, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg)
+    _exact_through_generation(model, 2, 200, 3)
+    prefill = symacct.derive(model, step="prefill")
+    with pytest.raises(symacct.SymacctError, match="129 <= S"):
+        prefill.at(B=2, S=100)
+    model.train()
+    check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 131)])
+
+
 def test_serve_bounds_the_longest_context_by_the_window_derived():
     """A Mistral derived within its window of 1,024 positions: the longest context that fits in memory is
     searched only where the derivation holds (C + 1 <= 1024), and a note says the derivation bounds it. The
