@@ -918,7 +918,7 @@ def _trace(
             **precision,
         )
         trace = run()
-        if step in SERVING and trace.changed:  # work done once (a module replaced): traced as a second call
+        if step != "train" and trace.changed:  # work done once (a module replaced): traced as a second call
             trace = run(warm=trace.changed)
         trace.groups = mesh_groups(mesh) if axes else {}
         return trace

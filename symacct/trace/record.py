@@ -159,9 +159,9 @@ class StepTrace:
     held_storages: set[int] = field(default_factory=set)  # kept alive to the end of the step (the loss)
     loss_storage: int | None = None  # the training step's loss
     cache_storages: set[int] = field(default_factory=set)  # the KV cache after a serving step (args["cache"])
-    # what an inference step changed in the model itself (a module replaced, a parameter or buffer added or
-    # removed: work done once, on a first call), or "" (``changed_itself``); ``warmed``: the same, for a trace
-    # taken after one untraced call (record_step's ``warm``)
+    # what an inference step (forward, prefill, decode) changed in the model itself (a module replaced, a
+    # parameter or buffer added or removed: work done once, on a first call), or "" (``changed_itself``);
+    # ``warmed``: the same, for a trace taken after one untraced call (record_step's ``warm``)
     changed: str = ""
     warmed: str = ""
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
