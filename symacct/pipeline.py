@@ -80,6 +80,7 @@ from symacct.memory.liveness import Liveness, fill_phases, intervals, liveness
 from symacct.memory.reserved import Timeline
 from symacct.memory.static import Memory, static_and_activations
 from symacct.models.hf import (
+    WINDOWS,
     carried_settings,
     carry_checkpointing,
     check_experts_path,
@@ -1930,7 +1931,7 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
     for f in [*req.fixed, *src.constants]:
         if f in src.values and abs(src.values[f]) > 1:  # 0, 1, -1 carry no prime
             avoid |= set(sympy.factorint(abs(src.values[f])))
-        if f in src.values and "window" in f and src.values[f] > 2:  # a sliding window's cache: window - 1
+        if f in src.values and f in WINDOWS and src.values[f] > 2:  # a sliding window's cache: window - 1
             avoid |= set(sympy.factorint(src.values[f] - 1)) | set(sympy.factorint(src.values[f] + 1))
     if src.configless:  # every size of the module is a constant: no probe may collide with one
         for t in [*model.parameters(), *model.buffers()]:
@@ -1976,7 +1977,7 @@ def _past_windows(src: _Source, first: Probe, second: Probe) -> int:
     the first probe's are past: a window kept at its value (GPT-OSS's ``sliding_window = 128``) between the
     two probes has them trace two paths (another mask, a cache that stops growing), and the formulas read
     from the first could not be checked by the second. 1 when no window lies between them."""
-    windows = [v for f in src.constants if "window" in f and isinstance(v := src.values.get(f), int) and v > 2]
+    windows = [v for f in src.constants if f in WINDOWS and isinstance(v := src.values.get(f), int) and v > 2]
     factor = 1
     for w in windows:
         while _length(first) > w >= _length(second, factor):

@@ -671,6 +671,26 @@ def test_gpt_oss_serves_past_its_window_of_128_positions():
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 131)])
 
 
+def test_doge_is_derived_within_its_keep_window():
+    """Doge masks all but its top keys once the keys pass keep_window_size (2,048): another path, which the
+    probe's cache (within the window) does not trace. Exact through generation within it; a context past
+    it is refused as the other side of the window, as a sliding window's is (it was given, silently, the
+    figures of the path within). Its experts scaled the probe's cache 16-fold as an expert width, past the
+    window: the model as given (within, its table of 2,048 positions) was refused as "not the model given"."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DogeConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, max_position_embeddings=8192, keep_window_size=2048,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DogeForCausalLM(cfg)
+    _exact_through_generation(model, 2, 5, 3)
+    decode = symacct.derive(model, step="decode")
+    decode.at(B=1, C=2047)
+    with pytest.raises(symacct.SymacctError, match="keep_window_size = 2048"):
+        decode.at(B=1, C=2048)
+
+
 def test_serve_bounds_the_longest_context_by_the_window_derived():
     """A Mistral derived within its window of 1,024 positions: the longest context that fits in memory is
     searched only where the derivation holds (C + 1 <= 1024), and a note says the derivation bounds it. The

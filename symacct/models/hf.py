@@ -679,24 +679,36 @@ def _read_config(path: str) -> tuple[Any, Any]:
         raise SymacctError(f"cannot read {file}: {e}", hint="pass a transformers config.json") from e
 
 
+# config fields of a window kept at its value, past which a model takes another path (derived on one side)
+WINDOWS = ("sliding_window", "keep_window_size")
+
+
 def window_constraints(model: nn.Module, probe_S: int, probe_C: int | None = None) -> list[Any]:
     """A sliding-window attention (``config.sliding_window``, Mistral, Qwen2) takes another path on each side of
     its window: within it the mask is the causal one (SDPA's ``is_causal``), beyond it a window mask is built;
     a decode step's cache stops growing at the window. The figures are derived on the side the probe's
-    sizes fall on (S, and C + S after a cache of C positions), and hold on that side only."""
+    sizes fall on (S, and C + S after a cache of C positions), and hold on that side only. So for the other
+    windows of ``WINDOWS`` (Doge's ``keep_window_size``, past which it masks all but the top keys)."""
     from symacct.symbols import sym
     from symacct.trace.constraints import Constraint
 
-    w = getattr(model.config, "sliding_window", None)
-    if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
-        return []
-    S = sym("S")
-    where = f"the config's sliding_window = {w} (transformers builds another mask beyond the window)"
-    if probe_C is not None:  # decode: the probe's C + S positions within the window (probes are far smaller)
-        total = sym("C") + probe_S
-        if probe_C + probe_S > w:
-            return [Constraint("le", sympy.Integer(w + 1), total, where, path=True)]
-        return [Constraint("le", total, sympy.Integer(w), where, path=True)]
-    if probe_S > w:
-        return [Constraint("le", sympy.Integer(w + 1), S, where, path=True)]
-    return [Constraint("le", S, sympy.Integer(w), where, path=True)]
+    out = []
+    for name in WINDOWS:
+        w = getattr(model.config, name, None)
+        if not isinstance(w, int) or isinstance(w, bool) or w <= 0 or probe_S is None:
+            continue
+        why = (
+            "transformers builds another mask beyond the window"
+            if name == "sliding_window"
+            else "a window kept at its value: the model may take another path beyond it"
+        )
+        where = f"the config's {name} = {w} ({why})"
+        if probe_C is not None:  # decode: the probe's C + S positions
+            total, probe_total = sym("C") + probe_S, probe_C + probe_S
+        else:
+            total, probe_total = sym("S"), probe_S
+        if probe_total > w:
+            out.append(Constraint("le", sympy.Integer(w + 1), total, where, path=True))
+        else:
+            out.append(Constraint("le", total, sympy.Integer(w), where, path=True))
+    return out
