@@ -921,6 +921,14 @@ def _trace(
         trace = run()
         if step != "train" and trace.changed:  # work done once (a module replaced): traced as a second call
             trace = run(warm=trace.changed)
+        if step in SERVING and trace.cache_untouched:
+            raise SymacctError(
+                f"step {step!r}: the model neither filled nor extended the KV cache it was given: it keeps no "
+                "cache (it takes the keyword and ignores it), so generating a token runs the whole sequence again",
+                module="",
+                hint="derive step='forward' with S the sequence's length for one token's cost, or pass "
+                "inputs=lambda m, B, S[, C]: {...} with the cache the model keeps",
+            )
         trace.groups = mesh_groups(mesh) if axes else {}
         return trace
 

@@ -691,6 +691,21 @@ def test_doge_is_derived_within_its_keep_window():
         decode.at(B=1, C=2048)
 
 
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_a_model_that_keeps_no_cache_is_refused_its_serving_steps(step):
+    """OpenAI GPT takes the cache keyword and ignores it: it keeps no KV cache, so a real generation runs the
+    whole sequence again for each token. Its decode step was derived as one token after C cached positions,
+    holding the cache the probe gave it (a peak B * C * 2 * L * D * 4 bytes too high; FLOPs that ignore C),
+    and its prefill as filling a cache it leaves empty. Both are refused, naming the step's cost instead."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.OpenAIGPTLMHeadModel(
+        transformers.OpenAIGPTConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64)
+    ).eval()
+    with pytest.raises(symacct.SymacctError, match="neither filled nor extended the KV cache") as e:
+        symacct.derive(model, step=step)
+    assert "step='forward'" in e.value.hint
+
+
 def test_serve_bounds_the_longest_context_by_the_window_derived():
     """A Mistral derived within its window of 1,024 positions: the longest context that fits in memory is
     searched only where the derivation holds (C + 1 <= 1024), and a note says the derivation bounds it. The

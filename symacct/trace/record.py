@@ -164,6 +164,7 @@ class StepTrace:
     # ``warmed``: the same, for a trace taken after one untraced call (record_step's ``warm``)
     changed: str = ""
     warmed: str = ""
+    cache_untouched: bool = False  # a KV cache given (args["cache"]) that the step neither filled nor extended
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
     storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
     persistent_buffers: set[int] = field(default_factory=set)  # buffer storages that state_dict() saves
@@ -1130,14 +1131,16 @@ def record_step(
                 trace.marks["after_optimizer"] = len(trace.ops)
             else:
                 before = _structure(model)
+                cache = args.get("cache") if isinstance(args, dict) else None
+                given = _leaves_seen(cache)
                 with torch.no_grad(), _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
                 trace.changed = changed_itself(before, _structure(model))
                 del before
+                trace.cache_untouched = _keys_and_values(cache) and _leaves_seen(cache) == given
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         trace.held_storages.add(ids.storage(t))
-                cache = args.get("cache") if isinstance(args, dict) else None
                 for t in _tensor_leaves(cache):  # a KV cache the step filled or extended (serving)
                     trace.cache_storages.add(ids.storage(t))
                     trace.held_storages.add(ids.storage(t))
@@ -1197,6 +1200,18 @@ def _register_inputs(trace: StepTrace, ids: _Ids, named: list[tuple[str, Any]]) 
             trace.placeholders.append(Placeholder("input", key if len(leaves) == 1 else f"{key}.{j}", m))
             trace.external_storages.add(m.storage)
             trace.note_storage(m.storage, a)
+
+
+def _keys_and_values(cache: Any) -> bool:
+    """Whether a cache is a transformers cache whose every layer holds keys and values (a linear attention's
+    layer holds other state, which ``_tensor_leaves`` does not see)."""
+    layers = getattr(cache, "layers", None)
+    return isinstance(layers, list) and bool(layers) and all(hasattr(layer, "keys") for layer in layers)
+
+
+def _leaves_seen(cache: Any) -> list[tuple[int, tuple[int, ...]]]:
+    """A cache's tensors by identity and shape (not held: an entry the model replaces must die as it does)."""
+    return [(id(t), tuple(t.shape)) for t in _tensor_leaves(cache)]
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
