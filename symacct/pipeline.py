@@ -919,7 +919,7 @@ def _trace(
             **precision,
         )
         trace = run()
-        if step != "train" and trace.changed:  # work done once (a module replaced): traced as a second call
+        if trace.changed:  # work done once (a module replaced): the step traced as a second call runs it
             trace = run(warm=trace.changed)
         if step in SERVING and trace.cache_untouched:
             raise SymacctError(
@@ -1939,8 +1939,14 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
     for f in [*req.fixed, *src.constants]:
         if f in src.values and abs(src.values[f]) > 1:  # 0, 1, -1 carry no prime
             avoid |= set(sympy.factorint(abs(src.values[f])))
-        if f in src.values and f in WINDOWS and src.values[f] > 2:  # a sliding window's cache: window - 1
-            avoid |= set(sympy.factorint(src.values[f] - 1)) | set(sympy.factorint(src.values[f] + 1))
+    # a window's neighbours (a sliding layer caches window - 1 positions) read as constants; their primes are
+    # not kept from the probes, whose sizes they would move (a prime shared with a symbol: the check refuses)
+    near = {
+        q
+        for f in WINDOWS
+        if isinstance(w := src.values.get(f), int) and f in src.constants and w > 2
+        for q in [*sympy.factorint(w - 1), *sympy.factorint(w + 1)]
+    }
     if src.configless:  # every size of the module is a constant: no probe may collide with one
         for t in [*model.parameters(), *model.buffers()]:
             for d in t.shape:
@@ -1962,6 +1968,8 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
         src, FIRST_PRIMES, LAYERS[0], avoid, HEAD_PRIMES[0], offsets=True, tp_prime=tp[0], tp_sequence=seq, cp=cp,
         cuts=cuts,
     )  # fmt: skip
+    if near:
+        first = dataclasses.replace(first, constants=tuple(sorted({*first.constants, *near})), _cache={})
 
     def second(lengths: int = 1) -> Probe:
         return _probe_for(

@@ -116,6 +116,9 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "aria-text": _decoder("AriaTextConfig", "AriaTextForCausalLM", num_key_value_heads=2, moe_num_experts=4,
                           moe_topk=2, moe_intermediate_size=16, moe_num_shared_experts=1),
     "biogpt": _decoder("BioGptConfig", "BioGptForCausalLM"),
+    "big-bird": lambda: T.BigBirdForCausalLM(  # its first call builds full-attention modules: traced as a second
+        T.BigBirdConfig(**{**SMALL, "is_decoder": True})
+    ),
     "hunyuan-moe-one-expert": _decoder(  # E kept at 1: its widths still probed as the grouped matmuls want
         "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", num_key_value_heads=2, head_dim=8, num_experts=1
     ),

@@ -159,9 +159,9 @@ class StepTrace:
     held_storages: set[int] = field(default_factory=set)  # kept alive to the end of the step (the loss)
     loss_storage: int | None = None  # the training step's loss
     cache_storages: set[int] = field(default_factory=set)  # the KV cache after a serving step (args["cache"])
-    # what an inference step (forward, prefill, decode) changed in the model itself (a module replaced, a
-    # parameter or buffer added or removed: work done once, on a first call), or "" (``changed_itself``);
-    # ``warmed``: the same, for a trace taken after one untraced call (record_step's ``warm``)
+    # what a step's forward changed in the model itself (a module replaced, a parameter or buffer added or
+    # removed: work done once, on a first call), or "" (``changed_itself``); ``warmed``: the same, for a trace
+    # taken after one untraced call (record_step's ``warm``)
     changed: str = ""
     warmed: str = ""
     cache_untouched: bool = False  # a KV cache given (args["cache"]) that the step neither filled nor extended
@@ -904,10 +904,10 @@ def record_step(
     ``size_primes``: a probe's own primes and their symbols; a forward that reads every index of a dimension
     whose size holds one, one by one, is refused as it does it (``symacct.trace.loops``).
 
-    An inference step records in ``trace.changed`` what it changed in the model itself (``changed_itself``).
-    ``warm`` (that description, from a first trace) runs one inference call first, untraced, on inputs of
-    its own, and records the step as a second call runs it: what the model does once on its first call
-    (BigBird's switch to full attention builds a new attention module) is then not in the step.
+    A step records in ``trace.changed`` what its forward changed in the model itself (``changed_itself``).
+    ``warm`` (that description, from a first trace) runs one call first, untraced and without gradients, on
+    inputs of its own, and records the step as a second call runs it: what the model does once on its first
+    call (BigBird's switch to full attention builds a new attention module) is then not in the step.
     """
     check_device(device)
     if python_engine is None:
@@ -949,9 +949,9 @@ def record_step(
                 _cast_floats(model, params_dtype, buffers=not fsdp_policy)
                 if fsdp_policy:
                     _cast_block_inputs(model, params_dtype)
-            if warm and step != "train":
+            if warm:
                 choice = choosing(sdpa_backend, device, sdpa_target, sdpa_size)
-                _first_call(model, make_inputs, device, autocast, choice)
+                _first_call(model, make_inputs, device, autocast, choice, train=step == "train")
                 trace.warmed = warm
             with torch.device(device):
                 args = make_inputs(model)
@@ -1074,9 +1074,12 @@ def record_step(
                     saving = torch.autograd.graph.saved_tensors_hooks(boxes.pack, boxes.unpack)
                 else:
                     saving = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+                before = _structure(model)
                 with saving, composing(seen), _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
                     value = _call_loss(loss, out) if loss is not None else out
+                trace.changed = changed_itself(before, _structure(model))
+                del before
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     raise SymacctError(
                         "the step's output is not a scalar loss",
@@ -1155,11 +1158,13 @@ def _first_call(
     device: str,
     autocast: torch.dtype | None,
     kernels: contextlib.AbstractContextManager[Any],
+    train: bool = False,
 ) -> None:
-    """One inference call of the model on inputs of its own, untraced (record_step's ``warm``)."""
+    """One call of the model on inputs of its own, untraced and without gradients, in training mode for a
+    training step (record_step's ``warm``)."""
     with torch.device(device):
         args = make_inputs(model)
-    model.eval()
+    model.train(train)
     with torch.no_grad(), _autocast(autocast, device), kernels:
         _invoke(model, args)
 
