@@ -477,6 +477,17 @@ def _served(model: Any, B: int, N: int) -> tuple[Any, Any, Any]:
     return prefill, decode, lambda a, b: _generation_call(model, cache, ids[:, a:b].clone())
 
 
+TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _tiny(name: str, **fields: Any) -> Any:
+    """A tiny transformers ``{name}ForCausalLM`` (``{name}Config`` of TINY's widths and ``fields``), seeded."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{name}Config")(**{**TINY, **fields})
+    return getattr(transformers, f"{name}ForCausalLM")(config)
+
+
 def _generation_call(model: Any, cache: Any, x: torch.Tensor) -> tuple[int, int, int]:
     """One call of a transformers causal LM with its cache, as generate() makes it: its FLOPs (FlopCounterMode,
     the CPU flash kernel and a mixture's grouped matmuls), its peak, and the cache's bytes after it."""
@@ -610,14 +621,10 @@ def test_a_mixture_of_experts_decodes_within_its_window():
     cached positions C were scaled so too, as if a width: the decode probe's cache (16 * prime) passed
     Mixtral's window of 4,096 positions, and the second probe's did not, so derive refused the model. C is a
     length, probed as S is: within the window, exact through generation, bounded by it."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.MixtralConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=8192, sliding_window=4096, num_local_experts=4,
+    model = _tiny(
+        "Mixtral", vocab_size=64, max_position_embeddings=8192, sliding_window=4096, num_local_experts=4,
         num_experts_per_tok=2,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(cfg)
     _exact_through_generation(model, 2, 5, 3)
     decode = symacct.derive(model, step="decode")  # the family memoised: the formulas above
     decode.at(B=1, C=4095)
@@ -653,16 +660,12 @@ def test_gpt_oss_serves_past_its_window_of_128_positions():
     every window the first passes (S, C and S_max doubled). Exact through generation past the window;
     a prompt within it is refused, as the other side of the window. Training, at sizes past the window, is
     exact against a real step too."""
-    transformers = pytest.importorskip("transformers")
     from test_transformers import check_exact
 
-    cfg = transformers.GptOssConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=96, max_position_embeddings=4096, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=128,
+    model = _tiny(
+        "GptOss", vocab_size=96, max_position_embeddings=4096, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=128,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg)
     _exact_through_generation(model, 2, 200, 3)
     prefill = symacct.derive(model, step="prefill")
     with pytest.raises(symacct.SymacctError, match="129 <= S"):
@@ -677,13 +680,7 @@ def test_doge_is_derived_within_its_keep_window():
     it is refused as the other side of the window, as a sliding window's is (it was given, silently, the
     figures of the path within). Its experts scaled the probe's cache 16-fold as an expert width, past the
     window: the model as given (within, its table of 2,048 positions) was refused as "not the model given"."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.DogeConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=96, max_position_embeddings=8192, keep_window_size=2048,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.DogeForCausalLM(cfg)
+    model = _tiny("Doge", vocab_size=96, max_position_embeddings=8192, keep_window_size=2048)
     _exact_through_generation(model, 2, 5, 3)
     decode = symacct.derive(model, step="decode")
     decode.at(B=1, C=2047)
