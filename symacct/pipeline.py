@@ -1038,8 +1038,29 @@ def _same_model(
         compare_ops(user, trace, stacks, blocks, ignore)
     except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
         user = user_trace(False)
-        compare_ops(user, trace, stacks, blocks, ignore)
+        try:
+            compare_ops(user, trace, stacks, blocks, ignore)
+        except SymacctError as differ:
+            raise _window_between(src, probe, dims.get("C", 0) + S) or differ from differ
     return UserRun(user, sizes, ignore)
+
+
+def _window_between(src: _Source, probe: Probe, own: int) -> SymacctError | None:
+    """Where the user's model, run at ``own`` positions (below its position table), and the probe model fall on
+    two sides of a window the config keeps: the two take two paths, and their ops differ for that reason."""
+    tables = [src.values[f] for f, letter in src.fields.items() if letter == "S_max"]
+    for f in WINDOWS:
+        w = src.values.get(f)
+        if f in src.constants and isinstance(w, int) and (_length(probe) > w) != (own > w):
+            table = f" (its position table: {tables[0]} positions)" if tables else ""
+            return SymacctError(
+                f"the model given runs {own} positions{table}, within its {f} = {w}, and the probe's sizes pass "
+                "it: the two take two paths (another mask beyond the window), so their ops differ",
+                hint=f"a window no shorter than the position table never binds: set config.{f} = None where the "
+                "config accepts it (the same model), or derive a config whose position table is longer than the "
+                "window (its formulas then hold past the window)",
+            )
+    return None
 
 
 def _terms(costed: list[CostedOp], counts: list[Any]) -> dict[tuple[str, str], list[Any]]:

@@ -703,6 +703,22 @@ def test_a_model_that_keeps_no_cache_is_refused_its_serving_steps(step):
     assert "step='forward'" in e.value.hint
 
 
+def test_a_table_shorter_than_the_window_is_refused_naming_the_window():
+    """A Kolibri whose position table (64) ends within its sliding window (513): its own sizes never pass the
+    window, the probe's do, and the two traces take two paths (its ops differ there). derive said "the model
+    rebuilt from its config is not the model given" (a setting lost); it names the window and the table
+    now. With a table longer than the window it derives (past the window)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Kolibri1ForCausalLM"):
+        pytest.skip("this transformers has no Kolibri")
+    small = dict(vocab_size=96, head_dim=8, sliding_window=513)
+    with pytest.raises(symacct.SymacctError, match="within its sliding_window = 513") as e:
+        symacct.derive(_tiny("Kolibri1", max_position_embeddings=64, **small))
+    assert "its position table: 64 positions" in str(e.value) and "sliding_window = None" in e.value.hint
+    acct = symacct.derive(_tiny("Kolibri1", max_position_embeddings=1024, **small))
+    assert any(c.path and c.lhs == 514 and str(c.rhs) == "S" for c in acct.constraints)  # 514 <= S
+
+
 def test_serve_bounds_the_longest_context_by_the_window_derived():
     """A Mistral derived within its window of 1,024 positions: the longest context that fits in memory is
     searched only where the derivation holds (C + 1 <= 1024), and a note says the derivation bounds it. The
