@@ -674,6 +674,37 @@ def test_gpt_oss_serves_past_its_window_of_128_positions():
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 131)])
 
 
+def test_llama4s_attention_chunk_bounds_the_formulas_as_a_window():
+    """Llama 4's chunked layers (``attention_chunk_size``) attend within chunks and cache as a sliding window of
+    the chunk (transformers' ``DynamicSlidingWindowLayer``): another mask and a cache that stops growing past
+    it. The chunk was no bound: a chunk of 16, which the probe's lengths pass, gave a prompt of 10 (within
+    it) the figures from beyond, silently (the cache after a decode step 15,104 bytes for 11,264; a training
+    step's saved activations 10,080 bytes high). Now it bounds the formulas as a window does: a prompt of 10
+    is refused, one of 40 is exact in prefill and in every decode step after the first (whose peak holds the
+    prompt's storage a while, as past a sliding window)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(
+        **{**TINY, "num_hidden_layers": 4}, intermediate_size_mlp=48, vocab_size=96, max_position_embeddings=256,
+        head_dim=8, attention_chunk_size=16,
+    )  # fmt: skip
+    model = transformers.Llama4ForCausalLM(config)
+    assert model.config.layer_types.count("chunked_attention") == 3
+    B, P = 2, 40
+    prefill, decode, run = _served(model, B, P + 3)
+    with pytest.raises(symacct.SymacctError, match="attention_chunk_size = 16"):
+        prefill.at(B=B, S=10)
+    with pytest.raises(symacct.SymacctError, match="attention_chunk_size = 16"):
+        decode.at(B=B, C=10)
+    at = prefill.at(B=B, S=P)
+    assert run(0, P) == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+    for t in range(3):
+        at = decode.at(B=B, C=P + t)
+        flops, peak, held = run(P + t, P + t + 1)
+        assert (flops, held) == (at.flops.forward, at.memory.kv_cache)
+        assert peak > at.memory.peak if t == 0 else peak == at.memory.peak
+
+
 def test_doge_is_derived_within_its_keep_window():
     """Doge masks all but its top keys once the keys pass keep_window_size (2,048): another path, which the
     probe's cache (within the window) does not trace. Exact through generation within it; a context past

@@ -680,7 +680,7 @@ def _read_config(path: str) -> tuple[Any, Any]:
 
 
 # config fields of a window kept at its value, past which a model takes another path (derived on one side)
-WINDOWS = ("sliding_window", "keep_window_size")
+WINDOWS = ("sliding_window", "keep_window_size", "attention_chunk_size")
 
 
 def window_constraints(model: nn.Module, probe_S: int, probe_C: int | None = None) -> list[Any]:
@@ -688,7 +688,8 @@ def window_constraints(model: nn.Module, probe_S: int, probe_C: int | None = Non
     its window: within it the mask is the causal one (SDPA's ``is_causal``), beyond it a window mask is built;
     a decode step's cache stops growing at the window. The figures are derived on the side the probe's
     sizes fall on (S, and C + S after a cache of C positions), and hold on that side only. So for the other
-    windows of ``WINDOWS`` (Doge's ``keep_window_size``, past which it masks all but the top keys)."""
+    windows of ``WINDOWS`` (Doge's ``keep_window_size``, past which it masks all but the top keys; Llama 4's
+    ``attention_chunk_size``, whose chunked layers cache as a sliding window of the chunk)."""
     from symacct.symbols import sym
     from symacct.trace.constraints import Constraint
 
