@@ -488,16 +488,23 @@ def _tiny(name: str, **fields: Any) -> Any:
     return getattr(transformers, f"{name}ForCausalLM")(config)
 
 
+def _held(cache: Any) -> list[torch.Tensor]:
+    """What a transformers cache holds: each layer's keys and values, and a sparse attention's indexer keys (not
+    a shared layer's, which holds none)."""
+    names = ("keys", "values", "indexer_keys")
+    return [t for layer in cache.layers for n in names if isinstance(t := getattr(layer, n, None), torch.Tensor)]
+
+
 def _generation_call(model: Any, cache: Any, x: torch.Tensor) -> tuple[int, int, int]:
     """One call of a transformers causal LM with its cache, as generate() makes it: its FLOPs (FlopCounterMode,
     the CPU flash kernel and a mixture's grouped matmuls), its peak, and the cache's bytes after it."""
-    cached = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+    cached = _held(cache)
     tracker = StorageTracker([*model.parameters(), *model.buffers(), x, *cached])
     del cached  # weak references only: the cache's old entries die as it replaces them
     counters = (FlopCounterMode(display=False), CpuFlashCounter(), GroupedMmCounter())
     with torch.no_grad(), tracker, counters[0] as fc, counters[1] as flash, counters[2] as grouped:
         model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-    cached = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]  # not a shared layer
+    cached = _held(cache)
     return (
         fc.get_total_flops() + flash.total + grouped.total,
         tracker.peak,
@@ -703,6 +710,26 @@ def test_llama4s_attention_chunk_bounds_the_formulas_as_a_window():
         flops, peak, held = run(P + t, P + t + 1)
         assert (flops, held) == (at.flops.forward, at.memory.kv_cache)
         assert peak > at.memory.peak if t == 0 else peak == at.memory.peak
+
+
+def test_a_sparse_attentions_indexer_keys_are_part_of_the_cache():
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-MoE-DSA, HY-V4): each layer's indexer scores every cached
+    position with keys of its own, which transformers caches beside the latent (``DynamicIndexedLayer``). The
+    decode probe's cache held no indexer keys, so its indexers scored one position: the FLOPs missed the
+    indexers' share of the context, the peak and the cache their keys, silently (at B = 2, C = 5: 136,163,840
+    FLOPs for 136,494,080, a cache of 55,296 bytes for 67,584). Which layers cache indexer keys, and how wide,
+    is read from a one-token call of the model. Exact through generation; the prefill's cache holds, a layer
+    and a position, the latent, the rotary key and the indexer's key, in float32."""
+    model = _tiny(
+        "DeepseekV32", num_key_value_heads=4, vocab_size=96, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    c = model.config
+    first = _exact_through_generation(model, 2, 5, 3)
+    assert (
+        first.memory.kv_cache
+        == c.num_hidden_layers * 2 * 5 * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim) * 4
+    )
 
 
 def test_doge_is_derived_within_its_keep_window():

@@ -299,7 +299,47 @@ def _cache(m: nn.Module, B: int, C: int) -> Any:
         for n in (C - 1, 1) if C > 1 else (C,):
             k = torch.randn(B, keys[0], n, keys[1], dtype=dtype)
             cache.update(k, torch.randn(B, values[0], n, values[1], dtype=dtype), i)
+    if any(hasattr(layer, "update_indexer") for layer in cache.layers):
+        for i, (width, kind) in _indexer_keys(m).items():  # filled as the keys are: C - 1 positions, then 1
+            for n in (C - 1, 1) if C > 1 else (C,):
+                cache.update_indexer(torch.randn(B, n, *width, dtype=kind), i)
     return cache
+
+
+def _indexer_keys(m: nn.Module) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+    """Per layer whose indexer caches its keys (DeepSeek sparse attention's ``DynamicIndexedLayer``: HY-V4,
+    DeepSeek-V3.2, GLM-MoE-DSA): the width and dtype of a position's indexer keys, as one token's prefill of
+    the model writes them (B = 1, outside any trace). Which layers write them, and how wide, is the model's
+    own code (a layer that reuses another's top-k writes none; some pack other states with the keys), so
+    they are read from a call, not from the config. Indexer positions, which no cache symacct builds holds,
+    are refused."""
+    import transformers
+
+    from symacct.trace.record import untraced
+
+    cache = transformers.DynamicCache(config=m.config)
+    try:
+        with torch.no_grad(), untraced():
+            m(input_ids=_ids(m, 1, 1), cache=cache, use_cache=True, logits_to_keep=1)
+    except Exception as e:
+        raise SymacctError(
+            f"a prompt of one token, run to read which layers' indexers cache keys and how wide, failed: "
+            f"{type(e).__name__}: {e}",
+            hint="the model must run a prompt of one token at these sizes (its step runs one)",
+        ) from e
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "indexer_position_ids", None) is not None:
+            raise SymacctError(
+                f"{type(m).__name__}: layer {i}'s cache keeps its indexer's positions, which symacct does not "
+                "build for a decode step",
+                hint="derive step='prefill' or step='forward', or pass inputs=lambda m, B, S, C: {...} with a "
+                "cache of C positions under the key 'cache'",
+            )
+        keys = getattr(layer, "indexer_keys", None)
+        if isinstance(keys, torch.Tensor) and keys.numel():
+            out[i] = (tuple(keys.shape[2:]), keys.dtype)
+    return out
 
 
 def _cached_widths(config: Any) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -401,6 +401,22 @@ def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
+class _CpuKernels(TorchDispatchMode):
+    """Ops on fake tensors by the CPU kernels' rules where the meta kernels' differ (``_run``)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        return _run(func, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """An untraced call of the model on fake tensors (a first call, a call that reads a cache's layout), run as
+    the traced one is: ops by the CPU kernels' rules (a float32 mixture of experts' grouped matmuls), and a
+    failing meta kernel's traceback not logged (the caller refuses, or derives again)."""
+    with _quiet("torch._subclasses.fake_tensor"), _CpuKernels():
+        yield
+
+
 def _split_lists(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[tuple[Any, Any, Any]]:
     """A foreach or fused-optimizer op over N tensors, as N one-tensor calls.
 
@@ -1165,7 +1181,7 @@ def _first_call(
     with torch.device(device):
         args = make_inputs(model)
     model.train(train)
-    with torch.no_grad(), _autocast(autocast, device), kernels:
+    with torch.no_grad(), _autocast(autocast, device), kernels, untraced():
         _invoke(model, args)
 
 
@@ -1219,15 +1235,19 @@ def _leaves_seen(cache: Any) -> list[tuple[int, tuple[int, ...]]]:
     return [(id(t), tuple(t.shape)) for t in _tensor_leaves(cache)]
 
 
+# what a transformers cache layer holds a position of: keys, values, a sparse attention's indexer keys
+_CACHED = ("keys", "values", "indexer_keys")
+
+
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors in an input: pytree leaves, and a transformers cache's keys and values layer by layer (a
-    DynamicCache is no pytree)."""
+    """The tensors in an input: pytree leaves, and a transformers cache's keys, values and indexer keys layer
+    by layer (a DynamicCache is no pytree)."""
     layers = getattr(value, "layers", None)
     if isinstance(layers, list) and not isinstance(value, nn.Module):
         return [
             t
             for layer in layers
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            for t in (getattr(layer, name, None) for name in _CACHED)
             if isinstance(t, torch.Tensor)
         ]
     return [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor)]
