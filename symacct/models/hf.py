@@ -277,42 +277,41 @@ def _serving_check(model: nn.Module, step: str) -> None:
 
 
 def _cache(m: nn.Module, B: int, C: int) -> Any:
-    """The model's own DynamicCache (sliding-window layers where the config has them), with C positions of
-    keys and values in the parameters' dtype: (B, H_kv, C, head_dim) a layer (a latent attention's latent,
-    (B, 1, C, kv_lora_rank), and rotary key, (B, 1, C, qk_rope_head_dim)), as a decode step finds it in
-    generation's steady state: filled by C - 1 positions, then by one more, as a decode step before it fills
-    it. Each update concatenates into a new tensor; a sliding-window layer then keeps a view of its last
-    window - 1 positions, so what it holds is the last concatenation's storage, of window positions once C
-    reaches the window (the prompt's storage, C positions, right after a prefill: ``docs/serving.md``)."""
+    """The model's own DynamicCache (sliding-window layers where the config has them), with C positions in each
+    layer that the model writes, as a decode step finds it in generation's steady state: filled by C - 1
+    positions, then by one more, as a decode step before it fills it. What each layer holds a position of,
+    how wide and in which dtype (keys and values of H_kv heads; a latent attention's latent and rotary key;
+    a sparse attention's indexer keys), and which layers hold nothing (a layer that reads another's cache),
+    is read from a one-token call of the model (``_layout``). Each update concatenates into a new tensor; a
+    sliding-window layer then keeps a view of its last window - 1 positions, so what it holds is the last
+    concatenation's storage, of window positions once C reaches the window (the prompt's storage, C
+    positions, right after a prefill: ``docs/serving.md``)."""
     import transformers
 
-    config = m.config
-    cache = transformers.DynamicCache(config=config)
+    cache = transformers.DynamicCache(config=m.config)
     if C == 0:
         return cache
-    per_layer = getattr(config, "per_layer_config", None)  # a layer's own values where the config has them
-    dtype = next(m.parameters()).dtype
-    for i in range(config.num_hidden_layers):
-        if type(cache.layers[i]).__name__ == "DummyLayer":  # a layer that reads another's cache (Gemma 4), or none
-            continue
-        keys, values = _cached_widths(per_layer[i] if per_layer is not None else config)
+    for i, held in _layout(m).items():
         for n in (C - 1, 1) if C > 1 else (C,):
-            k = torch.randn(B, keys[0], n, keys[1], dtype=dtype)
-            cache.update(k, torch.randn(B, values[0], n, values[1], dtype=dtype), i)
-    if any(hasattr(layer, "update_indexer") for layer in cache.layers):
-        for i, (width, kind) in _indexer_keys(m).items():  # filled as the keys are: C - 1 positions, then 1
-            for n in (C - 1, 1) if C > 1 else (C,):
-                cache.update_indexer(torch.randn(B, n, *width, dtype=kind), i)
+            (k, kind), (v, _) = held["keys"], held["values"]
+            cache.update(torch.randn(B, k[0], n, k[1], dtype=kind), torch.randn(B, v[0], n, v[1], dtype=kind), i)
+            if "indexer_keys" in held:
+                w, kind = held["indexer_keys"]
+                cache.update_indexer(torch.randn(B, n, *w, dtype=kind), i)
     return cache
 
 
-def _indexer_keys(m: nn.Module) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
-    """Per layer whose indexer caches its keys (DeepSeek sparse attention's ``DynamicIndexedLayer``: HY-V4,
-    DeepSeek-V3.2, GLM-MoE-DSA): the width and dtype of a position's indexer keys, as one token's prefill of
-    the model writes them (B = 1, outside any trace). Which layers write them, and how wide, is the model's
-    own code (a layer that reuses another's top-k writes none; some pack other states with the keys), so
-    they are read from a call, not from the config. Indexer positions, which no cache symacct builds holds,
-    are refused."""
+Layout = dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+
+
+def _layout(m: nn.Module) -> Layout:
+    """Per cache layer that a one-token prefill of the model (B = 1, outside any trace) writes: what it holds a
+    position of, ``keys`` and ``values`` as (heads, width) and a sparse attention's ``indexer_keys`` (DeepSeek-V3.2,
+    GLM-MoE-DSA, HY-V4: ``DynamicIndexedLayer``) as (width,), each with its dtype. The model's own code
+    decides this (Falcon's one key head, a latent attention's latent and rotary key, a layer that reuses
+    another's cache or top-k writes none), so it is read from a call, not from the config. A layer that holds
+    state other than positions (a linear attention's convolution or recurrent state), or its indexer's
+    positions, is refused: symacct does not build it for a decode step."""
     import transformers
 
     from symacct.trace.record import untraced
@@ -323,35 +322,34 @@ def _indexer_keys(m: nn.Module) -> dict[int, tuple[tuple[int, ...], torch.dtype]
             m(input_ids=_ids(m, 1, 1), cache=cache, use_cache=True, logits_to_keep=1)
     except Exception as e:
         raise SymacctError(
-            f"a prompt of one token, run to read which layers' indexers cache keys and how wide, failed: "
+            f"a prompt of one token, run to read what each layer of the model's cache holds, failed: "
             f"{type(e).__name__}: {e}",
-            hint="the model must run a prompt of one token at these sizes (its step runs one)",
+            hint="the model must run a prompt of one token at these sizes (its decode step runs one)",
         ) from e
-    out = {}
+    out: Layout = {}
     for i, layer in enumerate(cache.layers):
-        if getattr(layer, "indexer_position_ids", None) is not None:
+        other = [n for n in ("conv_states", "recurrent_states", "indexer_position_ids") if _holds(layer, n)]
+        if other:
             raise SymacctError(
-                f"{type(m).__name__}: layer {i}'s cache keeps its indexer's positions, which symacct does not "
-                "build for a decode step",
+                f"{type(m).__name__}: layer {i}'s cache ({type(layer).__name__}) holds {other[0]}, which symacct "
+                "does not build for a decode step",
                 hint="derive step='prefill' or step='forward', or pass inputs=lambda m, B, S, C: {...} with a "
                 "cache of C positions under the key 'cache'",
             )
-        keys = getattr(layer, "indexer_keys", None)
-        if isinstance(keys, torch.Tensor) and keys.numel():
-            out[i] = (tuple(keys.shape[2:]), keys.dtype)
+        held = {
+            n: (tuple(t.shape[2:]) if n == "indexer_keys" else (t.shape[1], t.shape[3]), t.dtype)
+            for n in ("keys", "values", "indexer_keys")
+            if isinstance(t := getattr(layer, n, None), torch.Tensor) and t.numel()
+        }
+        if held:
+            out[i] = held
     return out
 
 
-def _cached_widths(config: Any) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(heads, width) of the keys and of the values a layer caches, from its config (a layer's own, where the
-    config gives its full-attention layers another head width, as Gemma 4's does)."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
-    if isinstance(latent, int) and isinstance(rope, int):  # latent attention caches its compressed latent and
-        return (1, latent), (1, rope)  # its rotary key, one head each (DeepSeek-V2/V3)
-    return (kv_heads, head_dim), (kv_heads, head_dim)
+def _holds(layer: Any, name: str) -> bool:
+    """Whether a cache layer holds a tensor (or a dict of them, a linear attention's states) under ``name``."""
+    v = getattr(layer, name, None)
+    return isinstance(v, torch.Tensor) or (isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values()))
 
 
 def serving_inputs(model: nn.Module, step: str) -> Callable[..., dict[str, Any]]:

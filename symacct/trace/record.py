@@ -969,8 +969,11 @@ def record_step(
                 choice = choosing(sdpa_backend, device, sdpa_target, sdpa_size)
                 _first_call(model, make_inputs, device, autocast, choice, train=step == "train")
                 trace.warmed = warm
+            built = _structure(model)
             with torch.device(device):
                 args = make_inputs(model)
+            made = changed_itself(built, _structure(model))  # a call made with the inputs (a cache's layout read)
+            del built
             if params_dtype is not None:  # fp32 inputs follow the parameters (an fp8 KV cache stays fp8)
                 args = tree_map(
                     lambda a: a.to(params_dtype) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a,
@@ -1094,7 +1097,7 @@ def record_step(
                 with saving, composing(seen), _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
                     value = _call_loss(loss, out) if loss is not None else out
-                trace.changed = changed_itself(before, _structure(model))
+                trace.changed = made or changed_itself(before, _structure(model))
                 del before
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     raise SymacctError(
@@ -1154,7 +1157,7 @@ def record_step(
                 given = _leaves_seen(cache)
                 with torch.no_grad(), _autocast(autocast, device):
                     out = _call_model(model, args, recorder)
-                trace.changed = changed_itself(before, _structure(model))
+                trace.changed = made or changed_itself(before, _structure(model))
                 del before
                 trace.cache_untouched = _keys_and_values(cache) and _leaves_seen(cache) == given
                 for t in tree_flatten(out)[0]:
