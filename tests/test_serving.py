@@ -732,6 +732,32 @@ def test_a_sparse_attentions_indexer_keys_are_part_of_the_cache():
     )
 
 
+def test_a_multi_query_caches_single_head_is_read_from_the_model():
+    """GPT-BigCode (StarCoder) caches one key and value head (``multi_query``) whatever else its config says. The
+    decode probe's cache took its heads from the config's ``num_key_value_heads``: with that field set to 2 (a
+    config converted from another family's carries it), the cache had 2 heads and the step was refused as "a
+    size typed in". What a layer caches is now read from a one-token call of the model: exact through
+    generation, and the prefill's cache holds one head of keys and of values a layer and a position."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPTBigCodeConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64)
+    config.num_key_value_heads = 2  # ignored by the model: multi_query
+    assert config.multi_query
+    first = _exact_through_generation(transformers.GPTBigCodeForCausalLM(config), 2, 5, 3)
+    assert first.memory.kv_cache == 2 * 2 * 2 * 5 * 1 * (32 // 4) * 4  # layers, keys and values, B, S, 1 head
+
+
+def test_a_linear_attentions_state_is_refused_by_name_in_a_decode_step():
+    """LFM2's convolution layers cache a state of the last positions (``LinearAttentionLayer``), not keys and
+    values; symacct does not build it for a decode step, so the step is refused naming the layer and what it
+    holds (it failed inside the cache's construction: "could not build the inputs"). The prefill, which
+    starts from an empty cache, is derived."""
+    model = _tiny("Lfm2", vocab_size=96, max_position_embeddings=64, layer_types=["conv", "full_attention"])
+    with pytest.raises(symacct.SymacctError, match=r"layer 0's cache \(LinearAttentionLayer\) holds conv_states"):
+        symacct.derive(model, step="decode")
+    assert symacct.derive(model, step="prefill").flops.forward
+
+
 def test_doge_is_derived_within_its_keep_window():
     """Doge masks all but its top keys once the keys pass keep_window_size (2,048): another path, which the
     probe's cache (within the window) does not trace. Exact through generation within it; a context past
