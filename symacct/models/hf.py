@@ -302,6 +302,11 @@ def _cache(m: nn.Module, B: int, C: int) -> Any:
 
 
 Layout = dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+# what to do when symacct cannot build a decode step's cache for the model
+_OWN_CACHE = (
+    "derive step='prefill' or step='forward', or pass inputs=lambda m, B, S, C: {...} with a cache of C positions "
+    "under the key 'cache'"
+)
 
 
 def _layout(m: nn.Module) -> Layout:
@@ -333,14 +338,19 @@ def _layout(m: nn.Module) -> Layout:
             raise SymacctError(
                 f"{type(m).__name__}: layer {i}'s cache ({type(layer).__name__}) holds {other[0]}, which symacct "
                 "does not build for a decode step",
-                hint="derive step='prefill' or step='forward', or pass inputs=lambda m, B, S, C: {...} with a "
-                "cache of C positions under the key 'cache'",
+                hint=_OWN_CACHE,
             )
         held = {
             n: (tuple(t.shape[2:]) if n == "indexer_keys" else (t.shape[1], t.shape[3]), t.dtype)
             for n in ("keys", "values", "indexer_keys")
             if isinstance(t := getattr(layer, n, None), torch.Tensor) and t.numel()
         }
+        if held and not {"keys", "values"} <= set(held):
+            raise SymacctError(
+                f"{type(m).__name__}: layer {i}'s cache ({type(layer).__name__}) holds {', '.join(sorted(held))} "
+                "only, not keys and values, which symacct does not build for a decode step",
+                hint=_OWN_CACHE,
+            )
         if held:
             out[i] = held
     return out
