@@ -962,6 +962,7 @@ def test_the_causal_discount_leaves_bidirectional_and_decode_attention_whole() -
         assert (C in plain.free_symbols) is (step == "decode")  # decode: attention over the cache
 
 
+@pytest.mark.slow  # DeepSeek-V3 derivations: in CI's slow pass (the default run's 20 minutes)
 @pytest.mark.parametrize("groups", [2, 4])
 def test_deepseek_v3_grouped_routing_is_exact(groups: int) -> None:
     """DeepSeek-V3 routes each token to its top groups of experts first (``n_group`` groups of E / n_group
@@ -981,6 +982,7 @@ def test_deepseek_v3_grouped_routing_is_exact(groups: int) -> None:
     check_exact(model, acct, [(2, 7), (3, 11)])
 
 
+@pytest.mark.slow  # DeepSeek-V3 derivations: in CI's slow pass (the default run's 20 minutes)
 def test_deepseek_v3_with_its_first_blocks_dense_is_exact_at_its_depth() -> None:
     """DeepSeek-V3 as released makes its first three blocks dense and the rest experts
     (``first_k_dense_replace = 3``). The probe's four blocks factored as first + (L - 2) * middle + last by
