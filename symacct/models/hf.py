@@ -292,12 +292,12 @@ def _cache(m: nn.Module, B: int, C: int) -> Any:
     if C == 0:
         return cache
     for i, held in _layout(m).items():
+        (k, dtype), (v, _) = held["keys"], held["values"]
+        index = held.get("indexer_keys")
         for n in (C - 1, 1) if C > 1 else (C,):
-            (k, kind), (v, _) = held["keys"], held["values"]
-            cache.update(torch.randn(B, k[0], n, k[1], dtype=kind), torch.randn(B, v[0], n, v[1], dtype=kind), i)
-            if "indexer_keys" in held:
-                w, kind = held["indexer_keys"]
-                cache.update_indexer(torch.randn(B, n, *w, dtype=kind), i)
+            cache.update(torch.randn(B, k[0], n, k[1], dtype=dtype), torch.randn(B, v[0], n, v[1], dtype=dtype), i)
+            if index is not None:
+                cache.update_indexer(torch.randn(B, n, *index[0], dtype=index[1]), i)
     return cache
 
 
@@ -319,7 +319,7 @@ def _layout(m: nn.Module) -> Layout:
     positions, is refused: symacct does not build it for a decode step."""
     import transformers
 
-    from symacct.trace.record import untraced
+    from symacct.trace.record import CACHED, untraced
 
     cache = transformers.DynamicCache(config=m.config)
     try:
@@ -342,7 +342,7 @@ def _layout(m: nn.Module) -> Layout:
             )
         held = {
             n: (tuple(t.shape[2:]) if n == "indexer_keys" else (t.shape[1], t.shape[3]), t.dtype)
-            for n in ("keys", "values", "indexer_keys")
+            for n in CACHED
             if isinstance(t := getattr(layer, n, None), torch.Tensor) and t.numel()
         }
         if held and not {"keys", "values"} <= set(held):

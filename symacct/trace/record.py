@@ -1239,7 +1239,7 @@ def _leaves_seen(cache: Any) -> list[tuple[int, tuple[int, ...]]]:
 
 
 # what a transformers cache layer holds a position of: keys, values, a sparse attention's indexer keys
-_CACHED = ("keys", "values", "indexer_keys")
+CACHED = ("keys", "values", "indexer_keys")
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
@@ -1250,7 +1250,7 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
         return [
             t
             for layer in layers
-            for t in (getattr(layer, name, None) for name in _CACHED)
+            for t in (getattr(layer, name, None) for name in CACHED)
             if isinstance(t, torch.Tensor)
         ]
     return [a for a in tree_flatten(value)[0] if isinstance(a, torch.Tensor)]
