@@ -113,6 +113,7 @@ from symacct.trace.context_parallel import sharded as sequence_sharded
 from symacct.trace.hooks import describe as describe_hook
 from symacct.trace.hooks import hooks_of
 from symacct.trace.probe import (
+    EVEN_LENGTHS,
     FIRST_PRIMES,
     HEAD_PRIMES,
     HEAD_WIDTHS,
@@ -779,6 +780,7 @@ def _probe_for(
     cp: int | None = None,
     cuts: tuple[int, ...] = (),
     lengths: int = 1,
+    even: bool = False,
 ) -> Probe:
     seq = {"S"} if src.seq is None else set()  # a decode step's one new token is no symbol
     degree = {TP} if tp_prime is not None else set()
@@ -823,6 +825,7 @@ def _probe_for(
         tp_prime=tp_prime,
         tp_sequence=tp_sequence,
         cuts=cuts,
+        even=EVEN_LENGTHS if even else (),
     )
 
 
@@ -1084,11 +1087,14 @@ def _check(costed1: list[CostedOp], counts1: list[Any], costed2: list[CostedOp],
         if p != m:
             _locate(costed1, costed2, subs)
             phase, metric = key
+            at = ", ".join(f"{n} = {values[n]}" for n in ("B", *EVEN_LENGTHS) if n in values)
             raise SymacctError(
                 f"the derived {metric} of the {phase} phase does not predict a second trace at other sizes "
-                f"({p} predicted, {m} counted)",
+                f"({at}; {p} predicted, {m} counted)",
                 hint="a size or the op sequence depends on the dimensions in a way that is not a product of "
-                "symbols; a field that counts layers must be called L or an alias (n_layer, n_layers, "
+                "symbols (a branch on a size's value, or on a length's parity: the second trace's lengths are "
+                "even, the first's odd, so that the even sizes users run are checked); a field that counts "
+                "layers must be called L or an alias (n_layer, n_layers, "
                 "num_hidden_layers); keep other fields involved at their values with derive(..., fixed=[...])",
             )
 
@@ -1995,7 +2001,7 @@ def choose_probes(model: Any, src: _Source, req: Request) -> Probes:
     def second(lengths: int = 1) -> Probe:
         return _probe_for(
             src, SECOND_PRIMES, LAYERS[1], avoid, HEAD_PRIMES[1], tp_prime=tp[1], tp_sequence=seq, cp=cp,
-            lengths=lengths,
+            lengths=lengths, even=True,
         )  # fmt: skip
 
     factor = _past_windows(src, first, second())

@@ -57,6 +57,13 @@ SECOND_PRIMES = (53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 101)
 # than any real one would trace another path than the user's model takes.
 HEAD_PRIMES = ((29, 23, 19), (31, 17, 13))  # first probe, second probe
 LAYERS = (4, 5)  # probe values of L in the first and second trace
+# the second trace's lengths are even (the first's are odd primes), each twice a small prime of its own: a step
+# whose path turns on a length's parity (``if S % 2``, a pad to an even length) then traces other ops or
+# sizes in the second trace, which refuses it, where two odd probes would derive the odd side for the even
+# sizes users run. The primes are small so that the lengths stay as long as the other primes of the second
+# trace make its sizes (58 ... 94): a size threshold between the two probes' lengths is refused the same way.
+EVEN_LENGTHS = ("S", "C")
+EVEN_PRIMES = (29, 31, 37, 41, 43, 47)
 # own primes of a tensor-parallel degree tp in the first and second trace (fake process groups of that many
 # ranks): small, as no head width takes them; and the sizes besides the heads that a plan may split
 TP_PRIMES = (11, 37, 41, 43, 47)  # the first two not taken by a constant
@@ -214,6 +221,7 @@ def make_probe(
     tp_prime: int | None = None,
     tp_sequence: bool = True,
     cuts: tuple[int, ...] = (),
+    even: tuple[str, ...] = (),
 ) -> Probe:
     """Probe values for ``names``; H_kv | H, 8H | D, patch_size | image_size, S_max largest.
 
@@ -238,6 +246,8 @@ def make_probe(
     less one of them (GPT-J's head less its rotary part, 256 - 64) is read as
     such, so the head primes whose widths less each cut keep a prime above 7
     come first (8 * 29 - 64 = 168 would read as a constant).
+    ``even``: sizes probed even, each twice a prime of ``EVEN_PRIMES`` that
+    no other size and no constant takes (the second trace's lengths).
     """
     avoid = avoid or set()
     widths = [n for n in ("D", *HEAD_WIDTHS) if n in names]
@@ -262,6 +272,8 @@ def make_probe(
         extra = int(sympy.nextprime(extra))
         if usable(extra, set(pool)):
             pool.append(extra)
+    evens = (p for p in (*EVEN_PRIMES, *pool) if p not in avoid_all and p not in pool[: len(names) + 1])
+    even_own = {n: next(evens, None) for n in even if n in names}
     firsts = [n for n in ("tp", "patch_size", "k", "H_kv", "H", "D") if n in names]  # k (experts per token) < E
     heads_tp = next((n for n in ("H_kv", "H") if n in names), None)
     split = {heads_tp, *TP_SPLIT, *(TP_SEQUENCE if tp_sequence else ())} if tp_prime is not None else set()
@@ -278,8 +290,11 @@ def make_probe(
             p = tp_prime
         else:
             p = pool[-1] if name == "S_max" else head_own[name] if name in head_own else next(small)
+        p = even_own.get(name) or p
         own[name] = p
         vec = {p: 1}
+        if name in even_own:
+            vec[2] = 1
         if name in split:  # a size a tensor-parallel plan may split: whole shards
             vec[tp_prime] = vec.get(tp_prime, 0) + 1  # type: ignore[index]
         if name == "image_size" and "patch_size" in values:  # whole patches: image_size / patch_size a prime
