@@ -168,6 +168,18 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
     def tokens(B: int, S: int) -> tuple[Any, ...]:
         return (torch.zeros(B, S, dtype=torch.long),)
 
+    class ByParity(nn.Module):  # one more Linear at an even length: the path turns on S's parity
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+        def forward(self, x: Any) -> Any:  # x (B, S, width)
+            h = self.a(x)
+            return (self.b(h) if x.shape[1] % 2 == 0 else h).sum()
+
+    def by_parity() -> Any:
+        return symacct.derive(ByParity, dims={"width": 8}, inputs=lambda m, B, S: (torch.randn(B, S, 8),))
+
     def changed(how: Callable[[Any], Any]) -> Callable[[], Any]:
         def run() -> Any:
             model = GPT2(small)
@@ -202,6 +214,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("tp one head a rank", one_head_a_rank, lambda v: v is True),
         ("derive fused inference path", lambda: symacct.derive(encoder, step="forward", inputs=tokens), REFUSE),
         ("derive inside autocast", in_autocast, REFUSE),
+        ("derive parity branch", by_parity, REFUSE),
         ("derive in anomaly mode", in_anomaly_mode, lambda v: v == g.memory.peak),
         ("derive saved hooks disabled", hooks_disabled, REFUSE),
         ("derive inside save_on_cpu", in_saved_hooks, REFUSE),

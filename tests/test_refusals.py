@@ -1368,3 +1368,48 @@ def test_a_model_that_fails_at_its_own_sizes_is_told_so():
         f"{OWN_SIZES_FAIL} (B=2, S=8): RuntimeError: a and b must have same reduction dim, but got [2, 17] X [16, 16]."
     )
     assert "probe sizes" not in e.value.what and e.value.module == "lin"
+
+
+class _ByParity(nn.Module):
+    """One more layer at an even length: a branch on S's parity, which no product of symbols expresses."""
+
+    def __init__(self, config: LoopConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.a = nn.Linear(config.width, config.width)
+        self.b = nn.Linear(config.width, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
+        h = self.a(self.emb(x))  # (B, S, width)
+        if x.shape[1] % 2 == 0:
+            h = self.b(h)  # (B, S, width): the even path only
+        return h.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+@pytest.mark.parametrize("configless", [False, True])
+def test_a_branch_on_a_lengths_parity_is_refused(configless):
+    """Both probes' lengths were odd primes: a step that takes another path at an even length (here one more
+    Linear) was derived on the odd side, and the even sizes users run got the odd path's figures (at B = 2,
+    S = 6: forward matmul FLOPs 6,144 derived where the step runs 12,288). The second probe's lengths are even
+    now, and the check refuses the model."""
+    model = _ByParity(LoopConfig())
+    counts = []
+    for S in (5, 6):  # the model's own two paths, counted on a real step
+        with FlopCounterMode(display=False) as fc:
+            model(*model.example_inputs(2, S))
+        counts.append(fc.get_total_flops() / S)
+    assert counts[1] == 2 * counts[0]
+    with pytest.raises(SymacctError) as e:
+        if configless:
+            symacct.derive(
+                lambda width: _ByParity(LoopConfig(width=width)),
+                dims={"width": 16},
+                inputs=lambda m, B, S: m.example_inputs(B, S),
+            )
+        else:
+            symacct.derive(model)
+    assert "does not predict a second trace" in e.value.what and "parity" in e.value.hint

@@ -61,9 +61,11 @@ LAYERS = (4, 5)  # probe values of L in the first and second trace
 # whose path turns on a length's parity (``if S % 2``, a pad to an even length) then traces other ops or
 # sizes in the second trace, which refuses it, where two odd probes would derive the odd side for the even
 # sizes users run. The primes are small so that the lengths stay as long as the other primes of the second
-# trace make its sizes (58 ... 94): a size threshold between the two probes' lengths is refused the same way.
+# trace make its sizes (74 ... 94): a size threshold between the two probes' lengths is refused the same way.
+# They are the tensor-parallel degrees' primes, which no probe without a degree takes; with one, the lengths
+# take primes of the pool instead (still even).
 EVEN_LENGTHS = ("S", "C")
-EVEN_PRIMES = (29, 31, 37, 41, 43, 47)
+EVEN_PRIMES = (37, 41, 43, 47)
 # own primes of a tensor-parallel degree tp in the first and second trace (fake process groups of that many
 # ranks): small, as no head width takes them; and the sizes besides the heads that a plan may split
 TP_PRIMES = (11, 37, 41, 43, 47)  # the first two not taken by a constant
@@ -247,7 +249,8 @@ def make_probe(
     such, so the head primes whose widths less each cut keep a prime above 7
     come first (8 * 29 - 64 = 168 would read as a constant).
     ``even``: sizes probed even, each twice a prime of ``EVEN_PRIMES`` that
-    no other size and no constant takes (the second trace's lengths).
+    no other size and no constant takes (the second trace's lengths); with
+    a degree, twice a prime of the pool no other size takes.
     """
     avoid = avoid or set()
     widths = [n for n in ("D", *HEAD_WIDTHS) if n in names]
@@ -272,7 +275,9 @@ def make_probe(
         extra = int(sympy.nextprime(extra))
         if usable(extra, set(pool)):
             pool.append(extra)
-    evens = (p for p in (*EVEN_PRIMES, *pool) if p not in avoid_all and p not in pool[: len(names) + 1])
+    # never a prime of the first probe (its head widths', its degree's: TP_PRIMES): the two probes share none
+    small_evens = EVEN_PRIMES if tp_prime is None else ()
+    evens = (p for p in (*small_evens, *pool) if p not in avoid_all and p not in pool[: len(names) + 1])
     even_own = {n: next(evens, None) for n in even if n in names}
     firsts = [n for n in ("tp", "patch_size", "k", "H_kv", "H", "D") if n in names]  # k (experts per token) < E
     heads_tp = next((n for n in ("H_kv", "H") if n in names), None)
