@@ -79,6 +79,22 @@ def test_probes_give_every_symbol_its_own_prime():
         assert probe.values["D"] % (8 * probe.values["H"]) == 0 and probe.values["S_max"] > probe.values["S"]
     assert (probes.first.layers, probes.second.layers) == (4, 5)
     assert set(probes.first.own.values()).isdisjoint(probes.second.own.values())
+    # the first probe's lengths odd primes, the second's even: a path that turns on a length's parity differs
+    assert probes.first.values["S"] % 2 == 1 and probes.second.values["S"] % 2 == 0
+
+
+@pytest.mark.parametrize(
+    "options, length",
+    [
+        (dict(step="decode", optimizer=None), "C"),  # the cached positions
+        (dict(tensor_parallel="megatron", tp=2), "S"),  # the degrees take two of TP_PRIMES, the lengths others
+    ],
+)
+def test_the_second_probes_lengths_are_even_in_every_step(options, length):
+    req = _request(**{**OPTIONS, **options})
+    probes = choose_probes(_model(), read_source(_model(), req), req)
+    assert probes.first.values[length] % 2 == 1 and probes.second.values[length] % 2 == 0
+    assert set(probes.first.own.values()).isdisjoint(probes.second.own.values())
 
 
 def test_each_pass_feeds_the_next():

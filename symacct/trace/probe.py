@@ -62,10 +62,9 @@ LAYERS = (4, 5)  # probe values of L in the first and second trace
 # sizes in the second trace, which refuses it, where two odd probes would derive the odd side for the even
 # sizes users run. The primes are small so that the lengths stay as long as the other primes of the second
 # trace make its sizes (74 ... 94): a size threshold between the two probes' lengths is refused the same way.
-# They are the tensor-parallel degrees' primes, which no probe without a degree takes; with one, the lengths
-# take primes of the pool instead (still even).
+# They are the tensor-parallel degrees' primes that neither probe's degree takes (TP_PRIMES), and never a
+# prime of the first probe, so the two probes share none; a length left without one stays odd.
 EVEN_LENGTHS = ("S", "C")
-EVEN_PRIMES = (37, 41, 43, 47)
 # own primes of a tensor-parallel degree tp in the first and second trace (fake process groups of that many
 # ranks): small, as no head width takes them; and the sizes besides the heads that a plan may split
 TP_PRIMES = (11, 37, 41, 43, 47)  # the first two not taken by a constant
@@ -248,9 +247,9 @@ def make_probe(
     less one of them (GPT-J's head less its rotary part, 256 - 64) is read as
     such, so the head primes whose widths less each cut keep a prime above 7
     come first (8 * 29 - 64 = 168 would read as a constant).
-    ``even``: sizes probed even, each twice a prime of ``EVEN_PRIMES`` that
-    no other size and no constant takes (the second trace's lengths); with
-    a degree, twice a prime of the pool no other size takes.
+    ``even``: sizes probed even, each twice a prime of ``TP_PRIMES`` that no
+    degree and no constant takes (the second trace's lengths, see
+    ``EVEN_LENGTHS``).
     """
     avoid = avoid or set()
     widths = [n for n in ("D", *HEAD_WIDTHS) if n in names]
@@ -275,10 +274,11 @@ def make_probe(
         extra = int(sympy.nextprime(extra))
         if usable(extra, set(pool)):
             pool.append(extra)
-    # never a prime of the first probe (its head widths', its degree's: TP_PRIMES): the two probes share none
-    small_evens = EVEN_PRIMES if tp_prime is None else ()
-    evens = (p for p in (*small_evens, *pool) if p not in avoid_all and p not in pool[: len(names) + 1])
-    even_own = {n: next(evens, None) for n in even if n in names}
+    # the degrees' primes no degree takes (the two probes' degrees are the first two free ones): never a prime
+    # of the first probe, whose other primes are its head widths' and larger ones
+    free = [q for q in TP_PRIMES if q not in avoid and q >= 37]
+    evens = [q for q in free[2 if tp_prime is not None else 0 :] if q not in avoid_all]
+    even_own = dict(zip([n for n in even if n in names], evens))
     firsts = [n for n in ("tp", "patch_size", "k", "H_kv", "H", "D") if n in names]  # k (experts per token) < E
     heads_tp = next((n for n in ("H_kv", "H") if n in names), None)
     split = {heads_tp, *TP_SPLIT, *(TP_SEQUENCE if tp_sequence else ())} if tp_prime is not None else set()
@@ -295,7 +295,7 @@ def make_probe(
             p = tp_prime
         else:
             p = pool[-1] if name == "S_max" else head_own[name] if name in head_own else next(small)
-        p = even_own.get(name) or p
+        p = even_own.get(name, p)
         own[name] = p
         vec = {p: 1}
         if name in even_own:
