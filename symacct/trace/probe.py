@@ -274,8 +274,9 @@ def make_probe(
         extra = int(sympy.nextprime(extra))
         if usable(extra, set(pool)):
             pool.append(extra)
-    # the degrees' primes no degree takes (the two probes' degrees are the first two free ones): never a prime
-    # of the first probe, whose other primes are its head widths' and larger ones
+    # the degrees' primes no degree takes: with a degree, the two probes' are 11 and 37 (37 and 41 where a
+    # constant takes 11), so the first two from 37 on are skipped; never a prime of the first probe, whose
+    # other primes are its head widths' and larger ones
     free = [q for q in TP_PRIMES if q not in avoid and q >= 37]
     evens = [q for q in free[2 if tp_prime is not None else 0 :] if q not in avoid_all]
     even_own = dict(zip([n for n in even if n in names], evens))
