@@ -178,7 +178,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
             return (self.b(h) if x.shape[1] % 2 == 0 else h).sum()
 
     def by_parity() -> Any:
-        return symacct.derive(ByParity, dims={"width": 8}, inputs=lambda m, B, S: (torch.randn(B, S, 8),))
+        return symacct.derive(ByParity, dims={"width": 8}, inputs=lambda m, B, S: (torch.randn(B, S, m.a.in_features),))
 
     def changed(how: Callable[[Any], Any]) -> Callable[[], Any]:
         def run() -> Any:
