@@ -87,6 +87,7 @@ from symacct.models.hf import (
     check_routing,
     eager_paths,
     is_transformers_model,
+    last_within,
     window_constraints,
 )
 from symacct.models.hf import serving_inputs as hf_serving_inputs
@@ -976,6 +977,9 @@ class UserRun:
     trace: StepTrace
     sizes: dict[str, int]
     ignore: frozenset[str]
+    # the user's trace at the probe's own lengths, where it ran longer (``_longest``): what a difference
+    # found at the longer lengths is checked against before it is put down to a length
+    at_probe_lengths: Callable[[], UserRun] | None = None
 
 
 def _same_model(
@@ -1009,43 +1013,132 @@ def _same_model(
         grads=step == "train",
         depth=depth[0] if len(depth) == 1 and probe.layers is not None else None,
     )
-    B, S = probe.values["B"], probe.values.get("S", src.seq)
-    dims = _input_dims(src, probe)
+    B, S0 = probe.values["B"], probe.values.get("S", src.seq)
+    dims0 = _input_dims(src, probe)
+    device = precision.get("device", "cpu")
+    ignore = TENSOR_PARALLEL_IGNORED if TP in precision else frozenset()
+
+    def lengths(long: bool) -> tuple[int, dict[str, int]]:
+        S, dims = _longest(src, probe, S0, dims0) if long and CP not in precision else _below(src, S0, dims0)
+        if TP in precision and _splits_sequence(precision):  # sequence parallelism: whole shards of S
+            S = max(precision[TP], S - S % precision[TP])
+        if CP in precision:  # the user's tables' rows (S_max is S), else whole chunks of S: 2 * cp of them
+            tied = [src.values[f] for f, letter in src.fields.items() if letter == "S" and f in src.values]
+            S = tied[0] if tied else max(2 * precision[CP], S - S % (2 * precision[CP]))
+        return S, dims
+
+    def run(S: int, dims: dict[str, int]) -> UserRun:
+        def user_trace(short: bool) -> StepTrace:
+            def build(fake: FakeTensorMode) -> nn.Module:
+                if not short:
+                    return fake_copy(model, fake, device)
+                with shortened(model, stacks):  # copied with its stacks shortened, then restored
+                    return fake_copy(model, fake, device)
+
+            tp = precision.get(TP)
+            return _trace(
+                src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims, tp_world=tp
+            )
+
+        sizes = {"B": B, "S": S, **dims}
+        if TP in precision:
+            sizes[TP] = precision[TP]
+        try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
+            user = user_trace(True)
+            compare_ops(user, trace, stacks, blocks, ignore)
+        except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
+            user = user_trace(False)
+            try:
+                compare_ops(user, trace, stacks, blocks, ignore)
+            except SymacctError as differ:
+                raise _window_between(src, probe, dims.get("C", 0) + S) or differ from differ
+        return UserRun(user, sizes, ignore)
+
+    short = lengths(False)
+    long = lengths(True)
+    if long == short:
+        return run(*short)
+    try:
+        user = run(*long)
+    except SymacctError as differ:
+        run(*short)  # a difference at the probe's lengths too is no length's doing: it is refused as such
+        raise _length_branch(src, long, short, differ) from differ
+    return dataclasses.replace(user, at_probe_lengths=lambda: run(*short))
+
+
+# the user's trace of a model without a position table runs this many positions (a prime)
+LONGEST = 8191
+
+
+def _longest(src: _Source, probe: Probe, S: int, dims: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """The lengths the user's trace runs at: as long as the model runs (below its position table, else
+    ``LONGEST``) and on the probe's side of every window the config keeps. A step whose path turns on a
+    length's value (``if S > 1024``) then takes the other path there than in the probe traces wherever the
+    threshold lies between the second probe's lengths and the longest the model runs, and its ops or shapes
+    differ; the probes' lengths alone see only the thresholds between them. S keeps its probe value where
+    the probe gives it structure (a multiple of the pooled sides) or no symbol; with cached positions C
+    (a decode step), C takes the length and S keeps its value."""
+    structured = "S" in probe.values and probe.values["S"] != probe.own.get("S")  # 64 * prime, tp * prime
+    if structured or ("S" not in probe.values and "C" not in dims):
+        return _below(src, S, dims)
+    tables = [src.values[f] for f, letter in src.fields.items() if letter == "S_max" and f in src.values]
+    if tables:
+        top = min(tables) - 1  # a whole table runs no slice op
+    elif "C" not in dims:
+        top = LONGEST
+    else:
+        return _below(src, S, dims)
+    for f in WINDOWS:  # on the probe's side of every window: within it where the probe is within it
+        w = src.values.get(f)
+        if f in src.constants and isinstance(w, int) and _length(probe) <= last_within(f, w):
+            top = min(top, last_within(f, w))
+    dims = dict(dims)
+    if "C" in dims:
+        dims["C"] = max(1, top - S)
+        return S, dims
+    return max(1, top), dims
+
+
+def _below(src: _Source, S: int, dims: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """The probe's lengths, below the model's position tables: S below each, and C + S below each where the
+    step has cached positions C (the user's trace at the probe's own lengths)."""
     S = _below_tables(src, S)
+    dims = dict(dims)
     for f, letter in src.fields.items():
         if letter == "S_max" and "C" in dims:  # cached positions and new ones share the table: C + S < S_max
             dims["C"] = max(1, min(dims["C"], src.values[f] - S - 1))  # (a whole table runs no slice)
-    device = precision.get("device", "cpu")
-    if TP in precision and _splits_sequence(precision):  # sequence parallelism: whole shards of S at the degree
-        S = max(precision[TP], S - S % precision[TP])
-    if CP in precision:  # the user's tables' rows (S_max is S), else whole chunks of S: 2 * cp of them
-        tied = [src.values[f] for f, letter in src.fields.items() if letter == "S" and f in src.values]
-        S = tied[0] if tied else max(2 * precision[CP], S - S % (2 * precision[CP]))
+    return S, dims
 
-    def user_trace(short: bool) -> StepTrace:
-        def build(fake: FakeTensorMode) -> nn.Module:
-            if not short:
-                return fake_copy(model, fake, device)
-            with shortened(model, stacks):  # copied with its stacks shortened, then restored
-                return fake_copy(model, fake, device)
 
-        tp = precision.get(TP)
-        return _trace(src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims, tp_world=tp)
+def _lengths_of(user: UserRun) -> tuple[int, dict[str, int]]:
+    """S and the other input sizes a user's trace ran at."""
+    return user.sizes["S"], {k: v for k, v in user.sizes.items() if k not in ("B", "S", TP)}
 
-    ignore = TENSOR_PARALLEL_IGNORED if TP in precision else frozenset()
-    sizes = {"B": B, "S": S, **dims}
-    if TP in precision:
-        sizes[TP] = precision[TP]
-    try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
-        user = user_trace(True)
-        compare_ops(user, trace, stacks, blocks, ignore)
-    except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
-        user = user_trace(False)
-        try:
-            compare_ops(user, trace, stacks, blocks, ignore)
-        except SymacctError as differ:
-            raise _window_between(src, probe, dims.get("C", 0) + S) or differ from differ
-    return UserRun(user, sizes, ignore)
+
+def _length_branch(
+    src: _Source, long: tuple[int, dict[str, int]], short: tuple[int, dict[str, int]], differ: SymacctError
+) -> SymacctError:
+    """The refusal of a step whose ops or shapes at the longest lengths the model runs differ from those at the
+    probe's, where at the probe's lengths they are alike: the step's path turns on a length's value."""
+
+    def name(S: int, dims: dict[str, int]) -> str:
+        return f"S = {S}" + (f", C = {dims['C']}" if "C" in dims else "")
+
+    tables = [f for f, letter in src.fields.items() if letter == "S_max" and f in src.values]
+    longest = f"below its {tables[0]} = {src.values[tables[0]]}" if tables else "having no position table"
+    return SymacctError(
+        f"the model given takes another path at {name(*long)} (the longest it runs, {longest}) than at the "
+        f"probe's {name(*short)}, where it runs the probe model's ops: the step branches on a length's value "
+        f"(``if S > 1024``), and formulas read on one side would be wrong on the other ({differ.what})",
+        node=differ.node,
+        module=differ.module,
+        op=differ.op,
+        shapes=differ.shapes,
+        hint="derive a config whose position table ends where the lengths you run end, below the threshold: the "
+        "figures then hold up to that table (formulas for lengths past the threshold cannot be read from these "
+        "probes)",
+        sizes=("S", "C") if "C" in long[1] else ("S",),
+    )
 
 
 def _window_between(src: _Source, probe: Probe, own: int) -> SymacctError | None:
@@ -1054,7 +1147,11 @@ def _window_between(src: _Source, probe: Probe, own: int) -> SymacctError | None
     tables = [src.values[f] for f, letter in src.fields.items() if letter == "S_max"]
     for f in WINDOWS:
         w = src.values.get(f)
-        if f in src.constants and isinstance(w, int) and (_length(probe) > w) != (own > w):
+        if (
+            f in src.constants
+            and isinstance(w, int)
+            and (_length(probe) > last_within(f, w)) != (own > last_within(f, w))
+        ):
             table = f" (its position table: {tables[0]} positions)" if tables else ""
             return SymacctError(
                 f"the model given runs {own} positions{table}, within its {f} = {w}, and the probe's sizes pass "
@@ -2129,7 +2226,18 @@ def check_parameters(
             compare_shapes(user.trace, first.trace, first.stacks, blocks, read, user.ignore)
         except SymacctError as e:
             _retry_degenerate(src, req, e)
-            raise
+            if user.at_probe_lengths is None:
+                raise
+            short = user.at_probe_lengths()  # alike at the probe's lengths: the longer ones took another path
+            compare_shapes(
+                short.trace,
+                first.trace,
+                first.stacks,
+                blocks,
+                _at_own_sizes(src, probes.first, short.sizes),
+                short.ignore,
+            )
+            raise _length_branch(src, _lengths_of(user), _lengths_of(short), e) from e
 
 
 def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:

@@ -1390,6 +1390,62 @@ class _ByParity(nn.Module):
         return (torch.randint(0, self.config.vocab, (B, S)),)
 
 
+@dataclasses.dataclass
+class LengthConfig:
+    vocab: int = 50
+    width: int = 16
+    n_positions: int | None = 2048  # S_max: the position table's rows (None: no table, any length runs)
+
+
+class _ByLength(nn.Module):
+    """One more Linear past 1,000 positions: a branch on S's value beyond both probes' lengths."""
+
+    def __init__(self, config: LengthConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.pos = nn.Embedding(config.n_positions, config.width) if config.n_positions else None
+        self.a = nn.Linear(config.width, config.width)
+        self.b = nn.Linear(config.width, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
+        h = self.emb(x)  # (B, S, width)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(x.shape[1]))  # (B, S, width)
+        h = self.a(h)
+        if x.shape[1] > 1000:
+            h = self.b(h)  # (B, S, width): past 1,000 positions only
+        return h.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def _forward_matmul_flops(model: nn.Module, B: int, S: int) -> int:
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(*model.example_inputs(B, S))
+    return fc.get_total_flops()
+
+
+@pytest.mark.parametrize("table", [2048, None])
+def test_a_branch_on_a_length_past_the_probes_is_refused(table):
+    """Both probes run a few hundred positions at most, so a step that takes another path past 1,000 was
+    derived on the short side, and every longer size users run got the short path's figures (at S = 1,500
+    here: half the forward matmul FLOPs). The user's own model is now traced as long as it runs (below its
+    position table, else 8,191 positions) and compared with the probe's ops: the model is refused, naming
+    the lengths. With a table that ends below the threshold it derives, exact there."""
+    model = _ByLength(LengthConfig(n_positions=table))
+    assert _forward_matmul_flops(model, 2, 1001) == 2 * _forward_matmul_flops(model, 2, 1000) * 1001 // 1000
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(model)
+    longest = 2047 if table else 8191
+    assert f"takes another path at S = {longest}" in e.value.what and "branches on a length's value" in e.value.what
+    assert e.value.module == "b" and "position table" in e.value.hint
+    short = _ByLength(LengthConfig(n_positions=1000))  # lengths up to 999: the short side only
+    acct = symacct.derive(short, step="forward")
+    assert acct.at(B=2, S=999).flops.forward == _forward_matmul_flops(short, 2, 999)
+
+
 @pytest.mark.parametrize("configless", [False, True])
 def test_a_branch_on_a_lengths_parity_is_refused(configless):
     """Both probes' lengths were odd primes: a step that takes another path at an even length (here one more

@@ -372,12 +372,29 @@ def test_transformers_prefill_then_decode_with_its_own_cache(kind, B, P, T):
 
 def test_a_sliding_window_bounds_the_decode_formulas():
     """Beyond Mistral's window its cache stops growing and another mask is built: the decode formulas,
-    derived within the window, refuse a context past it (never a silent figure)."""
-    _, _, decode = _hf("mistral")
-    decode.at(B=1, C=1023)
+    derived within the window, refuse a context past it (never a silent figure). transformers builds the
+    window's mask from exactly the window's length on (``kv_length >= sliding_window``), so a token decoded
+    after 1,023 cached positions (1,024 in all) already takes the far side's path: the bound accepted it, and
+    its peak was derived 1,024 bytes below what the real step holds. The near side ends one position
+    earlier now."""
+    transformers = pytest.importorskip("transformers")
+    model, _, decode = _hf("mistral")
     with pytest.raises(symacct.SymacctError, match="sliding_window") as e:
-        decode.at(B=1, C=1024)
+        decode.at(B=1, C=1023)
     assert "the side derived" in str(e.value)  # the model runs there: another path, not an impossible size
+    cache = transformers.DynamicCache(config=model.config)
+    ids = torch.randint(0, 128, (1, 1024))
+    _generation_call(model, cache, ids[:, :1022].clone())  # a prompt of 1,022 positions
+    at = decode.at(B=1, C=1022)
+    assert _generation_call(model, cache, ids[:, 1022:1023].clone()) == (
+        at.flops.forward,
+        at.memory.peak,
+        at.memory.kv_cache,
+    )
+    unbounded = dataclasses.replace(decode, constraints=[c for c in decode.constraints if not c.path])
+    at = unbounded.at(B=1, C=1023)  # the near side's formulas, read past the bound
+    flops, peak, _ = _generation_call(model, cache, ids[:, 1023:1024].clone())
+    assert flops == at.flops.forward and peak > at.memory.peak  # the window's mask, materialised
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -634,9 +651,9 @@ def test_a_mixture_of_experts_decodes_within_its_window():
     )  # fmt: skip
     _exact_through_generation(model, 2, 5, 3)
     decode = symacct.derive(model, step="decode")  # the family memoised: the formulas above
-    decode.at(B=1, C=4095)
+    decode.at(B=1, C=4094)
     with pytest.raises(symacct.SymacctError, match="sliding_window"):
-        decode.at(B=1, C=4096)
+        decode.at(B=1, C=4095)  # 4,096 positions in all: the window's mask is built
 
 
 def test_a_part_the_step_never_runs_counts_its_parameters_as_numbers():
@@ -805,13 +822,14 @@ def test_a_table_shorter_than_the_window_is_refused_naming_the_window():
 
 def test_serve_bounds_the_longest_context_by_the_window_derived():
     """A Mistral derived within its window of 1,024 positions: the longest context that fits in memory is
-    searched only where the derivation holds (C + 1 <= 1024), and a note says the derivation bounds it. The
-    search used to step past the window and raise from inside serve()."""
+    searched only where the derivation holds (C + 1 <= 1023: at 1,024 positions transformers builds the
+    window's mask), and a note says the derivation bounds it. The search used to step past the window and
+    raise from inside serve()."""
     from symacct.time.serving import serve
 
     prefill, decode = _hf("mistral")[1:]
     s = serve(prefill, decode, hardware="H100-SXM", context=512)
-    assert s.max_context == 1024
+    assert s.max_context == 1023
     assert any("the derivation bounds it" in n and "sliding_window" in n for n in s.notes)
 
 

@@ -731,6 +731,15 @@ def _read_config(path: str) -> tuple[Any, Any]:
 WINDOWS = ("sliding_window", "keep_window_size", "attention_chunk_size")
 
 
+def last_within(name: str, w: int) -> int:
+    """The most positions a step attends to on the near side of the window ``name`` of ``w`` positions.
+    transformers skips the mask (SDPA's ``is_causal``) only below a sliding or chunked window and builds it from
+    a length of exactly the window on (``masking_utils``: ``kv_length < local_attention_size``), so ``w - 1``;
+    Doge masks all but the top keys only past ``keep_window_size`` (``attn_mask.shape[-1] > keep_window_size``),
+    so ``w``."""
+    return w if name == "keep_window_size" else w - 1
+
+
 def window_constraints(model: nn.Module, probe_S: int, probe_C: int | None = None) -> list[Any]:
     """A sliding-window attention (``config.sliding_window``, Mistral, Qwen2) takes another path on each side of
     its window: within it the mask is the causal one (SDPA's ``is_causal``), beyond it a window mask is built;
@@ -756,8 +765,9 @@ def window_constraints(model: nn.Module, probe_S: int, probe_C: int | None = Non
             total, probe_total = sym("C") + probe_S, probe_C + probe_S
         else:
             total, probe_total = sym("S"), probe_S
-        if probe_total > w:
+        last = last_within(name, w)
+        if probe_total > last:  # past it: a length of exactly the window is not taken for the far side's
             out.append(Constraint("le", sympy.Integer(w + 1), total, where, path=True))
         else:
-            out.append(Constraint("le", total, sympy.Integer(w), where, path=True))
+            out.append(Constraint("le", total, sympy.Integer(last), where, path=True))
     return out
