@@ -1129,7 +1129,8 @@ def _length_branch(
     return SymacctError(
         f"the model given takes another path at {name(*long)} (the longest it runs, {longest}) than at the "
         f"probe's {name(*short)}, where it runs the probe model's ops: the step branches on a length's value "
-        f"(``if S > 1024``), and formulas read on one side would be wrong on the other ({differ.what})",
+        f"between the two (an ``if`` on S, a ``min(S, n)``), and formulas read on one side would be wrong on the "
+        f"other ({differ.what})",
         node=differ.node,
         module=differ.module,
         op=differ.op,

@@ -1395,6 +1395,7 @@ class LengthConfig:
     vocab: int = 50
     width: int = 16
     n_positions: int | None = 2048  # S_max: the position table's rows (None: no table, any length runs)
+    clip: bool = False  # min(S, 1000) in place of the branch
 
 
 class _ByLength(nn.Module):
@@ -1413,6 +1414,8 @@ class _ByLength(nn.Module):
         if self.pos is not None:
             h = h + self.pos(torch.arange(x.shape[1]))  # (B, S, width)
         h = self.a(h)
+        if self.config.clip:  # the same ops at every length, other shapes past 1,000 positions
+            return h.sum() + h.new_ones(x.shape[0], min(x.shape[1], 1000)).sum()  # (B, min(S, 1000))
         if x.shape[1] > 1000:
             h = self.b(h)  # (B, S, width): past 1,000 positions only
         return h.sum()
@@ -1444,6 +1447,17 @@ def test_a_branch_on_a_length_past_the_probes_is_refused(table):
     short = _ByLength(LengthConfig(n_positions=1000))  # lengths up to 999: the short side only
     acct = symacct.derive(short, step="forward")
     assert acct.at(B=2, S=999).flops.forward == _forward_matmul_flops(short, 2, 999)
+
+
+def test_a_size_that_stops_growing_past_the_probes_is_refused():
+    """``min(S, 1000)``: the same ops at every length, and a tensor that stops growing at 1,000 positions. The
+    probes' lengths never reach it, so its formula read S there; the user's model traced at 2,047 positions
+    returns another shape than that formula gives, where at the probe's own length it returns the same:
+    refused as a branch on a length, naming the op."""
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(_ByLength(LengthConfig(clip=True)), step="forward")
+    assert "takes another path at S = 2047" in e.value.what and "returns" in e.value.what
+    assert e.value.op == "aten.new_ones.default"
 
 
 @pytest.mark.parametrize("configless", [False, True])
