@@ -412,12 +412,14 @@ def _to_layout(model: nn.Module, layout: torch.memory_format) -> None:
 
 def _odd_halves(failed: SymacctError) -> bool:
     """Whether an op failed on two shapes one apart in one dimension, as the halves of an odd width are
-    (``x.chunk(2, -1)`` of a prime width): the retry that probes the widths even."""
+    (``x.chunk(2, -1)`` of a prime width; a rotary table ``cat([f, f])`` of ``arange(0, D, 2)``'s ceil(D/2)
+    frequencies, D + 1 wide, broadcast against a tensor of D): the retry that probes the widths even. The
+    dimensions are aligned from the last, as broadcasting aligns them."""
     if not failed.what.startswith("the op failed on fake tensors"):
         return False
     shapes = [s for s in failed.shapes or () if isinstance(s, tuple)]
     return any(
-        len(a) == len(b) and any(abs(x - y) == 1 and min(x, y) > max(OFFSETS) for x, y in zip(a, b))
+        any(abs(x - y) == 1 and min(x, y) > max(OFFSETS) for x, y in zip(reversed(a), reversed(b)))
         for i, a in enumerate(shapes)
         for b in shapes[i + 1 :]
     )

@@ -70,3 +70,40 @@ def test_a_halved_width_is_probed_even_and_keeps_its_symbol() -> None:
     assert acct.at(B=B, S=S).flops.hardware == L * matmuls + head  # the matmuls: the hardware count
     with pytest.raises(symacct.SymacctError):
         acct.at(B=B, S=S, ffn=33)  # an odd width: its halves are not whole
+
+
+class Rotary(nn.Module):
+    """A rotary-style table built each call from ``arange(0, width, 2)`` frequencies, ``cat([f, f])``: at an odd
+    width it is one wider than the tensor it multiplies."""
+
+    def __init__(self, c: GatedConfig) -> None:
+        super().__init__()
+        self.lin = nn.Linear(c.width, c.width)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, c.width, 2).float() / c.width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h (B, S, width)
+        f = torch.outer(torch.arange(h.shape[1], dtype=h.dtype), self.inv_freq)  # (S, width/2)
+        return h + self.lin(h * torch.cat([f, f], -1).cos())  # (B, S, width)
+
+
+class RotaryLM(GatedLM):
+    def __init__(self, config: GatedConfig) -> None:
+        super().__init__(config)
+        self.blocks = nn.ModuleList([Rotary(config) for _ in range(config.n_layers)])
+
+
+def test_a_rotary_table_one_wider_at_a_prime_width_is_probed_even() -> None:
+    """The table's ceil(width/2) frequencies, doubled, are width + 1 wide at a prime width and fail to
+    broadcast against the (B, S, width) tensor, in shapes of two ranks: the retry that probes the widths even
+    did not recognise it (it compared shapes of one rank only), so the widths were kept at their values and
+    the formulas held at the model's own width only. Exact against a real step, and at another width
+    against a real step of a model that wide."""
+    from symacct.measure.run import measure_step
+
+    torch.manual_seed(0)
+    acct = symacct.derive(RotaryLM(GatedConfig()), optimizer="adamw")
+    assert "probed as 2 * prime" in acct.notes[0] and "width" in acct.symbols and not acct.tied
+    exact_against_a_real_step(RotaryLM(GatedConfig()), acct)
+    wide = RotaryLM(GatedConfig(width=24))
+    counted = measure_step(wide, wide.example_inputs(2, 5))
+    assert acct.at(B=2, S=5, width=24).flops.hardware == counted.flops_total
