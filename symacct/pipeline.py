@@ -982,6 +982,8 @@ class UserRun:
     # the user's trace at the probe's own lengths, where it ran longer (``_longest``): what a difference
     # found at the longer lengths is checked against before it is put down to a length
     at_probe_lengths: Callable[[], UserRun] | None = None
+    # where it ran at other lengths than the probe's: a probe's count of an op as it scales to them (``_count_at``)
+    scale: Callable[[int], int | None] | None = None
 
 
 def _same_model(
@@ -1029,10 +1031,12 @@ def _same_model(
             S = tied[0] if tied else max(2 * precision[CP], S - S % (2 * precision[CP]))
         return S, dims
 
+    short = lengths(False)
+
     def run(S: int, dims: dict[str, int]) -> UserRun:
-        def user_trace(short: bool) -> StepTrace:
+        def user_trace(cut: bool) -> StepTrace:
             def build(fake: FakeTensorMode) -> nn.Module:
-                if not short:
+                if not cut:
                     return fake_copy(model, fake, device)
                 with shortened(model, stacks):  # copied with its stacks shortened, then restored
                     return fake_copy(model, fake, device)
@@ -1045,18 +1049,18 @@ def _same_model(
         sizes = {"B": B, "S": S, **dims}
         if TP in precision:
             sizes[TP] = precision[TP]
+        scale = _count_at(probe, sizes) if (S, dims) != short else None
         try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
             user = user_trace(True)
-            compare_ops(user, trace, stacks, blocks, ignore)
+            compare_ops(user, trace, stacks, blocks, ignore, scale)
         except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
             user = user_trace(False)
             try:
-                compare_ops(user, trace, stacks, blocks, ignore)
+                compare_ops(user, trace, stacks, blocks, ignore, scale)
             except SymacctError as differ:
                 raise _window_between(src, probe, dims.get("C", 0) + S) or differ from differ
-        return UserRun(user, sizes, ignore)
+        return UserRun(user, sizes, ignore, scale=scale)
 
-    short = lengths(False)
     long = lengths(True)
     if long == short:
         return run(*short)
@@ -1110,6 +1114,25 @@ def _below(src: _Source, S: int, dims: dict[str, int]) -> tuple[int, dict[str, i
         if letter == "S_max" and "C" in dims:  # cached positions and new ones share the table: C + S < S_max
             dims["C"] = max(1, min(dims["C"], src.values[f] - S - 1))  # (a whole table runs no slice)
     return S, dims
+
+
+def _count_at(probe: Probe, sizes: Mapping[str, int]) -> Callable[[int], int | None]:
+    """A probe's count of an op read as a product of the lengths (and B), at ``sizes``: what the user's trace at
+    other lengths runs of an op the probe runs once a position (the S pieces ``stack``'s backward selects); None
+    for a count that is no such product. Only lengths may scale a count: a count read in a width (a loop over
+    the heads) must be equal, as the user's trace runs the model's own widths."""
+    lengths = {sym(n) for n in ("S", "C")}
+    at = {sym(n): v for n, v in sizes.items() if n in ("B", "S", "C")}
+
+    @functools.cache
+    def scale(n: int) -> int | None:
+        expr = probe.to_expr(n)
+        if expr is None or not (expr.free_symbols & lengths) or not expr.free_symbols <= set(at):
+            return None
+        value = sympy.sympify(expr).subs(at)
+        return int(value) if value.is_Integer else None
+
+    return scale
 
 
 def _lengths_of(user: UserRun) -> tuple[int, dict[str, int]]:
@@ -2226,7 +2249,7 @@ def check_parameters(
     if CP not in req.precision:  # context parallelism runs the user's model at its own S (the tables' rows)
         read = _at_own_sizes(src, probes.first, user.sizes)
         try:
-            compare_shapes(user.trace, first.trace, first.stacks, blocks, read, user.ignore)
+            compare_shapes(user.trace, first.trace, first.stacks, blocks, read, user.ignore, user.scale)
         except SymacctError as e:
             _retry_degenerate(src, req, e)
             if user.at_probe_lengths is None:

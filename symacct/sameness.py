@@ -157,17 +157,21 @@ def _keys(groups: Groups) -> tuple[Counter[Key], dict[int, Counter[Key]]]:
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 
 
-def _first_difference(a: Counter[Key], b: Counter[Key]) -> tuple[Key, int, int] | None:
+def _first_difference(
+    a: Counter[Key], b: Counter[Key], scale: Callable[[int], int | None] | None = None
+) -> tuple[Key, int, int] | None:
     """The first key whose counts differ: the forward first (a backward difference follows from it), views and
-    detaches last (they follow from the ops that make their inputs)."""
+    detaches last (they follow from the ops that make their inputs). ``scale``: a probe's count as the user's
+    trace, run at other lengths, runs it (``stack``'s backward selects each of S pieces), or None."""
 
     def order(key: Key) -> tuple[int, bool, Key]:
         view = any(w in key[1] for w in ("detach", "view", "alias", "expand", "transpose", "unsqueeze", "t.default"))
         return _PHASES.get(key[0], 3), view, key
 
     for key in sorted(set(a) | set(b), key=order):
-        if a.get(key, 0) != b.get(key, 0):
-            return key, a.get(key, 0), b.get(key, 0)
+        n_user, n_probe = a.get(key, 0), b.get(key, 0)
+        if n_user != n_probe and (scale is None or scale(n_probe) != n_user):
+            return key, n_user, n_probe
     return None
 
 
@@ -203,12 +207,20 @@ def _where(block: int | None) -> str:
 
 
 def compare(
-    user: StepTrace, probe: StepTrace, stacks: list[str], probe_blocks: int, ignore: frozenset[str] = frozenset()
+    user: StepTrace,
+    probe: StepTrace,
+    stacks: list[str],
+    probe_blocks: int,
+    ignore: frozenset[str] = frozenset(),
+    scale: Callable[[int], int | None] | None = None,
 ) -> None:
     """Refuse when the user's model and the probe model do not run the same ops (see the module doc); ops
-    named in ``ignore`` (``TENSOR_PARALLEL_IGNORED``) are not compared."""
+    named in ``ignore`` (``TENSOR_PARALLEL_IGNORED``) are not compared. ``scale``: where the user's trace ran
+    at other lengths than the probe's, a probe's count of an op as a length-proportional count reads at the
+    user's lengths (None: the counts must be equal)."""
+    differ = functools.partial(_first_difference, scale=scale)
     at = _difference(_keys(_grouped(user, stacks, ignore)), _keys(_grouped(probe, stacks, ignore)), stacks,
-                     probe_blocks, _first_difference)  # fmt: skip
+                     probe_blocks, differ)  # fmt: skip
     if at is None:
         return
     ((phase, op, module), n_user, n_probe), i = at
@@ -232,16 +244,19 @@ def compare_shapes(
     probe_blocks: int,
     read: Callable[[int], int | None],
     ignore: frozenset[str] = frozenset(),
+    scale: Callable[[int], int | None] | None = None,
 ) -> None:
     """Refuse when an op of the user's model returns tensors of other shapes than its counterpart in the probe
     model, read in symbols and taken at the sizes of the user's trace (``read``, as in ``compare_parameters``).
+    Where a key's count scales with the lengths (``scale``, as in ``compare``), each of the user's ops must
+    return what one of the probe's does.
 
     ``compare`` has found the same op counts; this finds the same ops run at other sizes with the same
     parameters: an attribute changed after construction (an attention module's head count, which splits the
     same width into more heads and saves a larger score matrix; an MoE layer's top-k). Ops are paired in the
     order they ran within each (phase, op, module) key, else matched in any order.
     """
-    differ = functools.partial(_shape_difference, read=read)
+    differ = functools.partial(_shape_difference, read=read, scale=scale)
     at = _difference(_grouped(user, stacks, ignore), _grouped(probe, stacks, ignore), stacks, probe_blocks, differ)
     if at is None:
         return
@@ -259,7 +274,10 @@ def compare_shapes(
 
 
 def _shape_difference(
-    user: dict[Key, list[OpRecord]], probe: dict[Key, list[OpRecord]], read: Callable[[int], int | None]
+    user: dict[Key, list[OpRecord]],
+    probe: dict[Key, list[OpRecord]],
+    read: Callable[[int], int | None],
+    scale: Callable[[int], int | None] | None = None,
 ) -> tuple[OpRecord, tuple[tuple[int, ...], ...], tuple[Any, ...]] | None:
     """The first op of ``user`` (forward first) with no op of the same key in ``probe`` that returns its
     shapes: (the user's op, its shapes, the shapes of the probe's op in its place, read)."""
@@ -269,13 +287,15 @@ def _shape_difference(
         wants = [p.out_shapes for p in theirs]
         if len(gots) == len(wants) and all(_returns(g, w, read) for g, w in zip(gots, wants)):
             continue
+        scaled = len(gots) != len(wants) and scale is not None and scale(len(wants)) == len(gots)
         left = list(range(len(wants)))  # the same ops in another order
         for i, (r, got) in enumerate(zip(mine, gots)):
             match = next((j for j in left if _returns(got, wants[j], read)), None)
             if match is None:
                 want = wants[i] if i < len(wants) else ()
                 return r, got, tuple(tuple(read(d) if read(d) is not None else "?" for d in w) for w in want)
-            left.remove(match)
+            if not scaled:  # as many ops as the probe's: each its own counterpart
+                left.remove(match)
     return None
 
 
