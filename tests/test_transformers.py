@@ -295,14 +295,16 @@ def test_the_notes_name_the_task_and_the_head_width() -> None:
 
 
 def test_sliding_window_figures_hold_on_their_side_only() -> None:
-    """Within the window the eager step calls SDPA with is_causal; beyond it a window mask is built: the
-    figures are derived on the probe's side and refused on the other, not extrapolated."""
+    """Within the window the eager step calls SDPA with is_causal; from the window's length on a window mask
+    is built (at exactly 4,096 positions too: ``kv_length >= sliding_window``; the real step's extra bytes there
+    are measured in test_serving's window test): the figures are derived on the probe's side and refused on
+    the other, not extrapolated."""
     sizes = {"H": 4, "H_kv": 2, "D": 32, "L": 1, "V": 50, "F": 40, "S_max": 9000}
     wide = _llama_like(T.MistralConfig, T.MistralForCausalLM, sliding_window=4096)(sizes, "sdpa")
     acct = symacct.derive(wide)
-    acct.at(B=2, S=4096)
-    with pytest.raises(SymacctError, match="S <= 4096"):
-        acct.at(B=2, S=4097)
+    acct.at(B=2, S=4095)
+    with pytest.raises(SymacctError, match="S <= 4095"):
+        acct.at(B=2, S=4096)
     narrow = _llama_like(T.MistralConfig, T.MistralForCausalLM, sliding_window=4)({**sizes, "S_max": 32}, "sdpa")
     acct = symacct.derive(narrow, optimizer="adamw")
     with pytest.raises(SymacctError, match="5 <= S"):
