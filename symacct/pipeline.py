@@ -102,6 +102,7 @@ from symacct.sameness import (
     compare_settings,
     compare_shapes,
     fake_copy,
+    op_counts,
     shortened,
     unlike_middle,
 )
@@ -1023,7 +1024,10 @@ def _same_model(
     ignore = TENSOR_PARALLEL_IGNORED if TP in precision else frozenset()
 
     def lengths(long: bool) -> tuple[int, dict[str, int]]:
-        S, dims = _longest(src, probe, S0, dims0) if long and CP not in precision else _below(src, S0, dims0)
+        if long and CP not in precision:
+            S, dims = _longest(src, probe, S0, dims0, per_position=_per_position(probe, trace, stacks, ignore))
+        else:
+            S, dims = _below(src, S0, dims0)
         if TP in precision and _splits_sequence(precision):  # sequence parallelism: whole shards of S
             S = max(precision[TP], S - S % precision[TP])
         if CP in precision:  # the user's tables' rows (S_max is S), else whole chunks of S: 2 * cp of them
@@ -1072,18 +1076,35 @@ def _same_model(
     return dataclasses.replace(user, at_probe_lengths=lambda: run(*short))
 
 
-# the user's trace of a model without a position table runs this many positions (a prime)
+# the user's trace of a model without a position table runs this many positions (a prime); one that runs ops
+# once a position, at most as many as the second (its trace grows with the length)
 LONGEST = 8191
+PER_POSITION_LONGEST = 2053
 
 
-def _longest(src: _Source, probe: Probe, S: int, dims: dict[str, int]) -> tuple[int, dict[str, int]]:
+def _per_position(probe: Probe, trace: StepTrace, stacks: list[str], ignore: frozenset[str]) -> bool:
+    """Whether the probe's step runs an op once a position (a count read in S or C: the S pieces ``stack``'s
+    backward selects), so that a trace grows with the length it runs at."""
+    lengths = {sym("S"), sym("C")}
+    for n in set(op_counts(trace, stacks, ignore)):
+        expr = probe.to_expr(n) if n > 1 else None
+        if expr is not None and expr.free_symbols & lengths:
+            return True
+    return False
+
+
+def _longest(
+    src: _Source, probe: Probe, S: int, dims: dict[str, int], per_position: bool = False
+) -> tuple[int, dict[str, int]]:
     """The lengths the user's trace runs at: as long as the model runs (below its position table, else
     ``LONGEST``) and on the probe's side of every window the config keeps. A step whose path turns on a
     length's value (``if S > 1024``) then takes the other path there than in the probe traces wherever the
     threshold lies between the second probe's lengths and the longest the model runs, and its ops or shapes
     differ; the probes' lengths alone see only the thresholds between them. S keeps its probe value where
     the probe gives it structure (a multiple of the pooled sides) or no symbol; with cached positions C
-    (a decode step), C takes the length and S keeps its value."""
+    (a decode step), C takes the length and S keeps its value. A step that runs ops once a position
+    (``per_position``) runs at most ``PER_POSITION_LONGEST`` positions: its trace grows with the length
+    (131,071 positions of a long context would take minutes)."""
     structured = "S" in probe.values and probe.values["S"] != probe.own.get("S")  # 64 * prime, tp * prime
     if structured or ("S" not in probe.values and "C" not in dims):
         return _below(src, S, dims)
@@ -1094,6 +1115,8 @@ def _longest(src: _Source, probe: Probe, S: int, dims: dict[str, int]) -> tuple[
         top = LONGEST
     else:
         return _below(src, S, dims)
+    if per_position:
+        top = min(top, PER_POSITION_LONGEST)
     for f in WINDOWS:  # on the probe's side of every window: within it where the probe is within it
         w = src.values.get(f)
         if f in src.constants and isinstance(w, int) and _length(probe) <= last_within(f, w):

@@ -154,6 +154,13 @@ def _keys(groups: Groups) -> tuple[Counter[Key], dict[int, Counter[Key]]]:
     return count(outside), {i: count(by_key) for i, by_key in per.items()}
 
 
+def op_counts(trace: StepTrace, stacks: list[str], ignore: frozenset[str] = frozenset()) -> list[int]:
+    """How many times each (phase, op, module) ran in the forward and backward, outside the blocks and in each
+    block: the counts ``compare`` compares."""
+    outside, per = _keys(_grouped(trace, stacks, ignore))
+    return [*outside.values(), *(n for block in per.values() for n in block.values())]
+
+
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 
 
