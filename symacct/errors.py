@@ -55,3 +55,10 @@ class SymacctError(Exception):
         if hint:
             msg += ". " + hint
         super().__init__(msg)
+
+    def restated(self, what: str, hint: str | None, sizes: Sequence[str] = ()) -> SymacctError:
+        """Another refusal at the same place (node, module, op, shapes): a cause put in the words of what it
+        means for the derivation."""
+        return SymacctError(
+            what, node=self.node, module=self.module, op=self.op, shapes=self.shapes, hint=hint, sizes=sizes
+        )

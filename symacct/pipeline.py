@@ -1174,15 +1174,11 @@ def _length_branch(
 
     tables = [f for f, letter in src.fields.items() if letter == "S_max" and f in src.values]
     longest = f"below its {tables[0]} = {src.values[tables[0]]}" if tables else "having no position table"
-    return SymacctError(
+    return differ.restated(
         f"the model given takes another path at {name(*long)} (the longest it runs, {longest}) than at the "
         f"probe's {name(*short)}, where it runs the probe model's ops: the step branches on a length's value "
         f"between the two (an ``if`` on S, a ``min(S, n)``), and formulas read on one side would be wrong on the "
         f"other ({differ.what})",
-        node=differ.node,
-        module=differ.module,
-        op=differ.op,
-        shapes=differ.shapes,
         hint="derive a config whose position table ends where the lengths you run end, below the threshold: the "
         "figures then hold up to that table (formulas for lengths past the threshold cannot be read from these "
         "probes)",
@@ -1612,13 +1608,8 @@ def _derive(
             if not elsewhere:
                 raise  # the first failure, with its cause: neither retry was what the step needed
             how, again = elsewhere[-1]  # the retry that kept most: where the step stops once sizes are not the cause
-            raise SymacctError(
-                failed.what,
-                node=failed.node,
-                module=failed.module,
-                op=failed.op,
-                shapes=failed.shapes,
-                hint=f"{failed.hint}; derived again {how}, the step stopped elsewhere: {again}",
+            raise failed.restated(
+                failed.what, hint=f"{failed.hint}; derived again {how}, the step stopped elsewhere: {again}"
             ) from failed
         acct.notes.insert(0, note)
         return acct
@@ -1661,12 +1652,8 @@ def _fails_at_own_sizes(model: Any, src: _Source, req: Request, failed: SymacctE
     except SymacctError as e:
         cause = e.what.removeprefix("the model's forward failed at probe sizes: ")
         cause = cause.removeprefix("the op failed on fake tensors: ")
-        return SymacctError(
+        return e.restated(
             f"{OWN_SIZES_FAIL} (B=2, S={S}): {cause}",
-            node=e.node,
-            module=e.module,
-            op=e.op,
-            shapes=e.shapes,
             hint="the model as given cannot run this step, whatever the sizes: run it once eagerly to see the error "
             "(a config whose fields contradict each other, inputs the model does not take)",
         )
