@@ -1084,13 +1084,9 @@ PER_POSITION_LONGEST = 2053
 
 def _per_position(probe: Probe, trace: StepTrace, stacks: list[str], ignore: frozenset[str]) -> bool:
     """Whether the probe's step runs an op once a position (a count read in S or C: the S pieces ``stack``'s
-    backward selects), so that a trace grows with the length it runs at."""
-    lengths = {sym("S"), sym("C")}
-    for n in set(op_counts(trace, stacks, ignore)):
-        expr = probe.to_expr(n) if n > 1 else None
-        if expr is not None and expr.free_symbols & lengths:
-            return True
-    return False
+    backward selects), so that a trace grows with the length it runs at: a count ``_count_at`` reads."""
+    scale = _count_at(probe, probe.values)
+    return any(scale(n) is not None for n in set(op_counts(trace, stacks, ignore)))
 
 
 def _longest(
