@@ -231,6 +231,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
     class LengthConfig:
         width: int = 8
         n_positions: int = 2048  # S_max
+        short: int = 0  # > 0: one more Linear up to this many positions (a branch below the probes' lengths)
 
     class ByLength(nn.Module):  # one more Linear past 1,000 positions: the path turns on S's value
         def __init__(self, config: LengthConfig) -> None:
@@ -241,11 +242,18 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
 
         def forward(self, x: Any) -> Any:  # x (B, S, width)
             h = self.a(x + self.pos(torch.arange(x.shape[1])))
+            if self.config.short:
+                return (self.b(h) if x.shape[1] <= self.config.short else h).sum()
             return (self.b(h) if x.shape[1] > 1000 else h).sum()
 
     def by_length() -> Any:
         model = ByLength(LengthConfig())
         return symacct.derive(model, inputs=lambda m, B, S: (torch.randn(B, S, m.config.width),))
+
+    def by_short_length() -> Any:
+        model = ByLength(LengthConfig(short=32))
+        acct = symacct.derive(model, inputs=lambda m, B, S: (torch.randn(B, S, m.config.width),))
+        return acct.at(B=2, S=8).flops.total
 
     def by_parity() -> Any:
         return symacct.derive(ByParity, dims={"width": 8}, inputs=lambda m, B, S: (torch.randn(B, S, m.a.in_features),))
@@ -362,6 +370,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("derive inside autocast", in_autocast, Refuse("derive was called inside torch.autocast")),
         ("derive parity branch", by_parity, Refuse("does not predict a second trace at other sizes (B = 53, S = 74")),
         ("derive length branch", by_length, Refuse("takes another path at S = 2047")),
+        ("at below a short length branch", by_short_length, Refuse("S=8 breaks 33 <= S")),
         ("derive in anomaly mode", in_anomaly_mode, lambda v: v == g.memory.peak),
         ("derive saved hooks disabled", hooks_disabled, Refuse("saved-tensor hooks are disabled")),
         (

@@ -109,6 +109,7 @@ from symacct.sameness import (
 from symacct.sameness import compare as compare_ops
 from symacct.symbols import ALIASES, ORDER, exact_form, letter_for_field, sym
 from symacct.time.hardware import get as get_hardware
+from symacct.trace.constraints import Constraint
 from symacct.trace.constraints import check as check_constraints
 from symacct.trace.constraints import learn as learn_constraints
 from symacct.trace.context_parallel import sharded as sequence_sharded
@@ -985,6 +986,11 @@ class UserRun:
     at_probe_lengths: Callable[[], UserRun] | None = None
     # where it ran at other lengths than the probe's: a probe's count of an op as it scales to them (``_count_at``)
     scale: Callable[[int], int | None] | None = None
+    # the user's model traced again at other lengths (S, the other input sizes) and compared op by op
+    rerun: Callable[[int, dict[str, int]], UserRun] | None = None
+    # for ``shortest_path``: the length it moves ("S", or "C" in a decode step), the shortest on the probe's side
+    # of every window, and the probe's own lengths it moves from; None where the lengths keep their structure
+    span: tuple[str, int, tuple[int, dict[str, int]]] | None = None
 
 
 def _same_model(
@@ -1065,15 +1071,18 @@ def _same_model(
                 raise _window_between(src, probe, dims.get("C", 0) + S) or differ from differ
         return UserRun(user, sizes, ignore, scale=scale)
 
+    whole = CP in precision or (TP in precision and _splits_sequence(precision))  # S in whole shards or chunks
+    low = None if whole else _shortest(src, probe, *short)
+    more = {"rerun": run, "span": None if low is None else (*low, short)}
     long = lengths(True)
     if long == short:
-        return run(*short)
+        return dataclasses.replace(run(*short), **more)
     try:
         user = run(*long)
     except SymacctError as differ:
         run(*short)  # a difference at the probe's lengths too is no length's doing: it is refused as such
         raise _length_branch(src, long, short, differ) from differ
-    return dataclasses.replace(user, at_probe_lengths=lambda: run(*short))
+    return dataclasses.replace(user, at_probe_lengths=lambda: run(*short), **more)
 
 
 # the user's trace of a model without a position table runs this many positions (a prime); one that runs ops
@@ -1122,6 +1131,28 @@ def _longest(
         dims["C"] = max(1, top - S)
         return S, dims
     return max(1, top), dims
+
+
+def _shortest(src: _Source, probe: Probe, S: int, dims: dict[str, int]) -> tuple[str, int] | None:
+    """The length ``shortest_path`` moves (C in a decode step, else S) and the shortest value it takes: 2 (a size
+    of 1 is another convention, ``Accounting.at``'s note), on the probe's side of every window the config keeps
+    (past it where the probe is past it); None where S keeps its structure (64 * prime, tp * prime), where the
+    step has no length, or where that value is not below the probe's."""
+    structured = "S" in probe.values and probe.values["S"] != probe.own.get("S")
+    if structured:
+        return None
+    if "C" in dims:  # C + S positions: past a window from C = last + 1 - S on
+        name, value, other = "C", dims["C"], S
+    elif "S" in probe.values:
+        name, value, other = "S", S, 0
+    else:
+        return None
+    low = 2
+    for f in WINDOWS:
+        w = src.values.get(f)
+        if f in src.constants and isinstance(w, int) and _length(probe) > last_within(f, w):
+            low = max(low, last_within(f, w) + 1 - other)
+    return (name, low) if low < value else None
 
 
 def _below(src: _Source, S: int, dims: dict[str, int]) -> tuple[int, dict[str, int]]:
@@ -1525,8 +1556,9 @@ def _derive(
             user = check_same_model(model, src, probes, first, req)
             second = trace_check(src, probes, first, req)
             check_parameters(model, src, probes, first, req, user)  # the probe's readings checked by now
+            floor = shortest_path(src, probes, first, user)
             memory, live = memory_pass(src, probes, first, second, req)
-            known = Known(probes, first, memory, live)
+            known = Known(probes, first, memory, live, floor=floor)
             if key is not None:
                 graph = build_graph(first.trace, first.costed, first.counts, probes.first.to_expr, first.stacks)
                 constraints = learn_constraints(first.trace, probes.first.to_expr)
@@ -2272,6 +2304,64 @@ def check_parameters(
             raise _length_branch(src, _lengths_of(user), _lengths_of(short), e) from e
 
 
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """The shortest length the derived path holds from (``shortest_path``): a constraint ``at`` checks, and the
+    note that says where the model takes another path."""
+
+    constraint: Constraint
+    note: str
+
+
+def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun | None) -> Floor | None:
+    """Pass 4, last: the user's model traced at the shortest lengths (S = 2, or C = 2 in a decode step, on the
+    probe's side of every window) and compared with the probe's ops and shapes, as at its longest. A step whose
+    path turns on a length below both probes' (``if S <= 32``: the second probe runs about 74 positions, the
+    first a few hundred) takes another path there, and the formulas read from the probes would be given for
+    short lengths the model runs otherwise. Where the two differ, the least length from which the user's model
+    runs the probe's ops is found by bisection (one threshold between the two lengths, as a window has), and
+    the formulas hold from it: a constraint ``at`` checks (a path the derivation did not trace), with a note.
+    A model that cannot run at the shortest lengths (a kernel wider than S) is bounded the same way, as sizes
+    it cannot run. None where the two agree, or where pass 4 is skipped."""
+    if user is None or user.rerun is None or user.span is None:
+        return None
+    name, low, (S0, dims0) = user.span
+    rerun, blocks = user.rerun, probes.first.layers or 1
+
+    def differs(n: int) -> SymacctError | None:
+        S, dims = (n, dims0) if name == "S" else (S0, {**dims0, "C": n})
+        try:
+            run = rerun(S, dims)
+            read = _at_own_sizes(src, probes.first, run.sizes)
+            compare_shapes(run.trace, first.trace, first.stacks, blocks, read, run.ignore, run.scale)
+        except SymacctError as e:
+            if e.internal:
+                raise
+            return e
+        return None
+
+    found = differs(low)
+    if found is None:
+        return None
+    lo, hi = low, S0 if name == "S" else dims0["C"]
+    while hi - lo > 1:  # lo: another path (or a failure); hi: the probe's ops
+        mid = (lo + hi) // 2
+        e = differs(mid)
+        if e is None:
+            hi = mid
+        else:
+            lo, found = mid, e
+    path = found.what.startswith(NOT_THE_SAME)
+    at = f"{name} = {lo}" + (f" ({found.op}" + (f" in {found.module})" if found.module else ")") if found.op else "")
+    where = f"the model given at {at}"
+    how = "takes another path" if path else "does not run"
+    note = (
+        f"the model given {how} at {name} = {lo} ({found.what}); from {name} = {hi} on it runs the probe's ops: "
+        f"the figures hold for {name} >= {hi}, and at() refuses shorter lengths"
+    )
+    return Floor(Constraint("le", sympy.Integer(hi), sym(name), where, path=path), note)
+
+
 def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:
     """Refuse a tensor-parallel degree the user's model cannot be split by: the constraints the probe rank's
     trace teaches (tp dividing the heads, F, V; S with sequence parallelism) at the model's own sizes."""
@@ -2364,6 +2454,9 @@ class Known:
     live: Liveness
     graph: nx.DiGraph | None = None  # the step graph (pass 7's build_graph), copied for each accounting
     constraints: list[Any] | None = None  # the size constraints the first trace teaches
+    # the shortest length the user's model runs the probe's ops from (pass 4's ``shortest_path``): kept in the
+    # memo, whose pass 4 traces the user's model at its longest lengths only
+    floor: Floor | None = None
 
 
 def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, Any]) -> Any:
@@ -2480,6 +2573,9 @@ def account(model: Any, src: _Source, known: Known, req: Request) -> Accounting:
     )
     if is_transformers_model(model):
         acct.constraints += window_constraints(model, probe1.values.get("S", src.seq), probe1.values.get("C"))
+    if known.floor is not None:
+        acct.constraints.append(known.floor.constraint)
+        acct.notes.append(known.floor.note)
     # an input size defaults to S (a decoder as long as the encoder); C (cached positions) has no default
     acct.input_sizes = {d: None if d == "C" else "S" for d in src.input_dims}
     acct.experts = expert_layers(graph, acct.symbols, req.routing)

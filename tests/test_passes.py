@@ -19,6 +19,7 @@ from symacct.pipeline import (
     choose_probes,
     memory_pass,
     read_source,
+    shortest_path,
     trace_check,
     trace_first,
 )
@@ -109,8 +110,10 @@ def test_each_pass_feeds_the_next():
     # blocks collapse into one standing for L: no op counts anything else
     assert {c for c in first.counts if c.has(L)} <= {L, L - 2, L - 1}
     assert set(first.counts) - {c for c in first.counts if c.has(L)} <= {sympy.Integer(0), sympy.Integer(1)}
-    check_same_model(model, src, probes, first, req)  # the same model: nothing raised
+    user = check_same_model(model, src, probes, first, req)  # the same model: nothing raised
+    assert user is not None and user.span is not None and user.span[:2] == ("S", 2)  # traced again at S = 2
     second = trace_check(src, probes, first, req)
+    assert shortest_path(src, probes, first, user) is None  # the probe's ops at S = 2: no bound
     assert len(second.trace.ops) > len(first.trace.ops)  # one block more
     memory, live = memory_pass(src, probes, first, second, req)
     assert live.other is not None and live.layers == 4

@@ -1483,3 +1483,127 @@ def test_a_branch_on_a_lengths_parity_is_refused(configless):
         else:
             symacct.derive(model)
     assert "does not predict a second trace" in e.value.what and "parity" in e.value.hint
+
+
+@dataclasses.dataclass
+class ShortConfig:
+    vocab: int = 50
+    width: int = 16
+    at: int = 32  # the threshold: below both probes' lengths (the second runs about 74 positions)
+    how: str = "branch"  # "branch": one more Linear up to `at`; "pad": max(S, at) wide; "top": the `at` largest
+
+
+class _ByShortLength(nn.Module):
+    """Another path at short lengths, below both probes' (see ``ShortConfig.how``)."""
+
+    def __init__(self, config: ShortConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.a = nn.Linear(config.width, config.width)
+        self.b = nn.Linear(config.width, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
+        h = self.a(self.emb(x))  # (B, S, width)
+        if self.config.how == "top":  # (B, at, width): the `at` largest along S, which needs `at` positions
+            return h.topk(self.config.at, dim=1).values.sum()
+        if self.config.how == "pad":  # the same ops at every length, a tensor max(S, at) wide
+            return h.sum() + h.new_ones(x.shape[0], max(x.shape[1], self.config.at)).sum()  # (B, max(S, at))
+        if x.shape[1] <= self.config.at:
+            h = self.b(h)  # (B, S, width): up to `at` positions only
+        return h.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_a_branch_on_a_length_below_the_probes_bounds_the_formulas():
+    """Both probes run dozens of positions at least, and pass 4 traced the user's model at its longest: a step
+    that takes another path at short lengths (here one more Linear up to 32 positions) was derived on the long
+    side, and at S = 32 and below the figures were the long path's (half the forward matmul FLOPs). The user's
+    model is now traced at S = 2 too; where it runs other ops there, the least length from which it runs the
+    probe's is found, and ``at`` refuses shorter ones as another path, named in a note. The family memo keeps it."""
+    model = _ByShortLength(ShortConfig())
+    assert _forward_matmul_flops(model, 2, 32) == 2 * _forward_matmul_flops(model, 2, 33) * 32 // 33  # two paths
+    for _ in range(2):  # the second derive from the family memo
+        acct = symacct.derive(_ByShortLength(ShortConfig()), step="forward")
+        assert acct.at(B=2, S=33).flops.forward == _forward_matmul_flops(model, 2, 33)
+        with pytest.raises(SymacctError) as e:
+            acct.at(B=2, S=32)
+        assert "S=32 breaks 33 <= S" in e.value.what and "takes another path there" in e.value.what
+        assert "aten.addmm.default in b" in e.value.what
+        assert any("takes another path at S = 32" in n and "S >= 33" in n for n in acct.notes)
+    plain = symacct.derive(_ByLength(LengthConfig(n_positions=1000)), step="forward")  # one path up to 999
+    assert not any("at() refuses shorter lengths" in n for n in plain.notes)
+    assert plain.at(B=2, S=2).flops.forward == _forward_matmul_flops(_ByLength(LengthConfig()), 2, 2)
+
+
+def test_a_size_that_stops_shrinking_below_the_probes_bounds_the_formulas():
+    """``max(S, 32)``: the same ops at every length, a tensor that stops shrinking at 32 positions; its formula
+    read S, wrong below 32. Bounded from 32 by the shapes the user's model returns at shorter lengths."""
+    acct = symacct.derive(_ByShortLength(ShortConfig(how="pad")), step="forward")
+    with pytest.raises(SymacctError) as e:
+        acct.at(B=2, S=31)
+    assert "S=31 breaks 32 <= S" in e.value.what and "aten.new_ones.default" in e.value.what
+    assert acct.at(B=2, S=32).memory.params > 0
+
+
+def test_a_length_the_model_cannot_run_below_the_probes_is_refused_as_such():
+    """The 5 largest values along the sequence (``topk``) need 5 positions: ``at`` refused nothing below the
+    probes' lengths and gave figures for lengths the model fails at. Now bounded from 5, as sizes the model
+    cannot run (a real step at 4 fails too), naming the op."""
+    model = _ByShortLength(ShortConfig(at=5, how="top"))
+    with pytest.raises(RuntimeError):
+        model(*model.example_inputs(2, 4))
+    acct = symacct.derive(model, step="forward")
+    with pytest.raises(SymacctError) as e:
+        acct.at(B=2, S=4)
+    assert "cannot run these sizes: S=4 breaks 5 <= S" in e.value.what and "aten.topk.default" in e.value.what
+    assert acct.at(B=2, S=5).flops.forward == _forward_matmul_flops(model, 2, 5)
+
+
+@dataclasses.dataclass
+class CacheConfig:
+    vocab: int = 50
+    width: int = 16
+    at: int = 32  # the threshold on the cached positions C
+
+
+class _ByShortCache(nn.Module):
+    """A decode step with one more Linear while the cache holds up to ``at`` positions."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.a = nn.Linear(config.width, config.width)
+        self.b = nn.Linear(config.width, config.width)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:  # x (B, S) ids, cache (B, C, width)
+        h = self.a(self.emb(x))  # (B, S, width)
+        kv = torch.cat([cache, h], 1)  # (B, C + S, width)
+        if cache.shape[1] <= self.config.at:
+            kv = self.b(kv)  # (B, C + S, width): up to `at` cached positions only
+        return (h @ kv.transpose(1, 2)).sum()  # (B, S, C + S) scores
+
+    def decode_inputs(self, B: int, S: int, C: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.randint(0, self.config.vocab, (B, S)), "cache": torch.zeros(B, C, self.config.width)}
+
+
+def test_a_decode_step_that_branches_on_a_short_cache_is_bounded_in_c():
+    """The same for the cached positions of a decode step: the user's model is traced at C = 2, and the figures
+    hold from the least C that runs the probe's ops (33 here), exact there against a real step."""
+    model = _ByShortCache(CacheConfig())
+
+    def flops(C: int) -> int:
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            model(**model.decode_inputs(2, 1, C))
+        return fc.get_total_flops()
+
+    acct = symacct.derive(model, step="decode")
+    f33, f34 = (acct.at(B=2, C=C).flops.forward for C in (33, 34))
+    assert (f33, f34) == (flops(33), flops(34))
+    assert flops(32) > 2 * f33 - f34  # the formula (linear in C) read at 32: short of the short cache's path
+    with pytest.raises(SymacctError) as e:
+        acct.at(B=2, C=32)
+    assert "C=32 breaks 33 <= C" in e.value.what and "aten.addmm.default in b" in e.value.what
