@@ -1201,14 +1201,19 @@ def _length_branch(
 
     tables = [f for f, letter in src.fields.items() if letter == "S_max" and f in src.values]
     longest = f"below its {tables[0]} = {src.values[tables[0]]}" if tables else "having no position table"
+    table = (
+        "give the model a config (a dataclass, as model.config) with a position-table field (n_positions) that "
+        "ends where the lengths you run end, below the threshold"
+        if src.configless
+        else "derive a config whose position table ends where the lengths you run end, below the threshold"
+    )
     return differ.restated(
         f"the model given takes another path at {name(*long)} (the longest it runs, {longest}) than at the "
         f"probe's {name(*short)}, where it runs the probe model's ops: the step branches on a length's value "
         f"between the two (an ``if`` on S, a ``min(S, n)``), and formulas read on one side would be wrong on the "
         f"other ({differ.what})",
-        hint="derive a config whose position table ends where the lengths you run end, below the threshold: the "
-        "figures then hold up to that table (formulas for lengths past the threshold cannot be read from these "
-        "probes)",
+        hint=f"{table}: the figures then hold up to that table (formulas for lengths past the threshold cannot be "
+        "read from these probes)",
         sizes=("S", "C") if "C" in long[1] else ("S",),
     )
 
@@ -2230,7 +2235,7 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
 def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request) -> UserRun | None:
     """Pass 4: the user's own model runs the probe model's ops (``symacct.sameness``); its trace, or None
     where pass 4 is skipped."""
-    if src.configless or req.dims is not None:
+    if req.dims is not None:
         return None
     if TP in req.precision:
         _check_degree(src, probes.first, first.trace, req.precision[TP])
@@ -2276,7 +2281,7 @@ def check_parameters(
     and each op of the user's trace returns the shapes its counterpart does at the sizes that trace ran at
     (``compare_shapes``). Skipped as pass 4 is: a model without config is copied as it is, a factory's model
     is the factory's."""
-    if src.configless or req.dims is not None or user is None:
+    if req.dims is not None or user is None:
         return
     blocks = probes.first.layers or 1
     try:
@@ -2356,7 +2361,8 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
     where = f"the model given at {at}"
     how = "takes another path" if path else "does not run"
     note = (
-        f"the model given {how} at {name} = {lo} ({found.what}); from {name} = {hi} on it runs the probe's ops: "
+        f"the model given {how} at {name} = {lo} ({found.what.removeprefix(NOT_THE_SAME + ': ')}); from {name} = "
+        f"{hi} on it runs the probe's ops: "
         f"the figures hold for {name} >= {hi}, and at() refuses shorter lengths"
     )
     return Floor(Constraint("le", sympy.Integer(hi), sym(name), where, path=path), note)
