@@ -2234,7 +2234,8 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
 
 def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request) -> UserRun | None:
     """Pass 4: the user's own model runs the probe model's ops (``symacct.sameness``); its trace, or None
-    where pass 4 is skipped."""
+    where pass 4 is skipped (a factory's model is the factory's). A module without config is the probe model
+    itself: its trace here, as long and as short as it runs, checks the lengths only."""
     if req.dims is not None:
         return None
     if TP in req.precision:
@@ -2279,8 +2280,7 @@ def check_parameters(
     """Pass 4, after the check at other sizes has confirmed the first probe's readings: the user's parameters
     and buffers have the probe model's shapes at the model's own sizes (``symacct.sameness.compare_parameters``),
     and each op of the user's trace returns the shapes its counterpart does at the sizes that trace ran at
-    (``compare_shapes``). Skipped as pass 4 is: a model without config is copied as it is, a factory's model
-    is the factory's."""
+    (``compare_shapes``). Skipped as pass 4 is: a factory's model is the factory's."""
     if req.dims is not None or user is None:
         return
     blocks = probes.first.layers or 1

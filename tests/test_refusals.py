@@ -1607,3 +1607,36 @@ def test_a_decode_step_that_branches_on_a_short_cache_is_bounded_in_c():
     with pytest.raises(SymacctError) as e:
         acct.at(B=2, C=32)
     assert "C=32 breaks 33 <= C" in e.value.what and "aten.addmm.default in b" in e.value.what
+
+
+class _PlainByLength(nn.Module):
+    """A module without config (only B and S are symbols) with one more Linear up to 32 positions (``short``) or
+    past 1,000."""
+
+    def __init__(self, short: bool) -> None:
+        super().__init__()
+        self.short = short
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S, 16)
+        h = self.a(x)  # (B, S, 16)
+        if (x.shape[1] <= 32) if self.short else (x.shape[1] > 1000):
+            h = self.b(h)  # (B, S, 16)
+        return h.sum()
+
+
+def test_a_module_without_config_is_traced_at_its_longest_and_shortest_lengths():
+    """A module without config was traced at the probes' lengths only (pass 4 compared nothing: the probe model
+    is the module itself), so a branch on S past or below them was derived on one side, silently. Its own
+    trace at 8,191 and at 2 positions now refuses the first and bounds the second."""
+    inputs = lambda m, B, S: (torch.randn(B, S, 16),)  # noqa: E731
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(_PlainByLength(short=False), inputs=inputs, step="forward")
+    assert "takes another path at S = 8191" in e.value.what and "give the model a config" in e.value.hint
+    model = _PlainByLength(short=True)
+    acct = symacct.derive(model, inputs=inputs, step="forward")
+    with pytest.raises(SymacctError, match="S=32 breaks 33 <= S"):
+        acct.at(B=2, S=32)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(*inputs(model, 2, 33))
+    assert acct.at(B=2, S=33).flops.forward == fc.get_total_flops()
