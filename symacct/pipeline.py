@@ -96,6 +96,7 @@ from symacct.models.hf import tp_plan as hf_tp_plan
 from symacct.options import CACHE_DTYPES, OPTIMIZERS, dtype_key, optimizer_factory, torch_dtype
 from symacct.sameness import (
     AT_OWN_SIZES,
+    KEEP,
     NOT_THE_SAME,
     TENSOR_PARALLEL_IGNORED,
     compare_parameters,
@@ -1043,12 +1044,12 @@ def _same_model(
 
     short = lengths(False)
 
-    def run(S: int, dims: dict[str, int]) -> UserRun:
+    def run(S: int, dims: dict[str, int], keep: int = KEEP) -> UserRun:
         def user_trace(cut: bool) -> StepTrace:
             def build(fake: FakeTensorMode) -> nn.Module:
                 if not cut:
                     return fake_copy(model, fake, device)
-                with shortened(model, stacks):  # copied with its stacks shortened, then restored
+                with shortened(model, stacks, keep):  # copied with its stacks shortened, then restored
                     return fake_copy(model, fake, device)
 
             tp = precision.get(TP)
@@ -1073,7 +1074,9 @@ def _same_model(
 
     whole = CP in precision or (TP in precision and _splits_sequence(precision))  # S in whole shards or chunks
     low = None if whole else _shortest(src, probe, *short)
-    more = {"rerun": run, "span": None if low is None else (*low, short)}
+    # at the shortest lengths, a stack's first block and its last (the middle ones are built alike): the check
+    # then costs the same at any depth, as a model of two blocks is traced whole
+    more = {"rerun": functools.partial(run, keep=SHORTEST_KEEP), "span": None if low is None else (*low, short)}
     long = lengths(True)
     if long == short:
         return dataclasses.replace(run(*short), **more)
@@ -1085,6 +1088,7 @@ def _same_model(
     return dataclasses.replace(user, at_probe_lengths=lambda: run(*short), **more)
 
 
+SHORTEST_KEEP = 2  # blocks of a stack the user's trace at the shortest lengths keeps (``shortened``)
 # the user's trace of a model without a position table runs this many positions (a prime); one that runs ops
 # once a position, at most as many as the second (its trace grows with the length)
 LONGEST = 8191

@@ -613,10 +613,11 @@ KEEP = 4  # blocks of the user's model traced: the first three and the last (the
 
 
 @contextlib.contextmanager
-def shortened(model: nn.Module, stacks: list[str]) -> Iterator[bool]:
-    """While open, each layer stack of the user's ``model`` holds only its blocks 0, 1, 2 and the last, when
-    every middle block is built alike: the same module types, settings and parameter shapes
-    (``_block_signature``). The model is restored on exit (derive holds a process-wide lock meanwhile).
+def shortened(model: nn.Module, stacks: list[str], keep: int = KEEP) -> Iterator[bool]:
+    """While open, each layer stack of the user's ``model`` holds only its blocks 0, 1, 2 and the last (its first
+    ``keep - 1`` and the last), when every middle block is built alike: the same module types, settings and
+    parameter shapes (``_block_signature``). The model is restored on exit (derive holds a process-wide lock
+    meanwhile).
 
     A fake copy taken inside then costs as much to copy and to trace as the probe, whatever the model's
     depth; the blocks left out are checked by their structure, the ones kept by their ops. Yields whether
@@ -629,11 +630,11 @@ def shortened(model: nn.Module, stacks: list[str]) -> Iterator[bool]:
                 continue
             stack = model.get_submodule(path)
             n = len(stack)
-            if n <= KEEP or not isinstance(stack, (nn.ModuleList, nn.Sequential)):
+            if n <= keep or not isinstance(stack, (nn.ModuleList, nn.Sequential)):
                 continue
             if _first_unlike(stack) is not None:
                 continue
-            kept = [stack[i] for i in (*range(KEEP - 1), n - 1)]
+            kept = [stack[i] for i in (*range(keep - 1), n - 1)]
             parent, _, name = path.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
             short = nn.ModuleList(kept) if isinstance(stack, nn.ModuleList) else nn.Sequential(*kept)
