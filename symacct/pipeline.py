@@ -2330,8 +2330,9 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
     short lengths the model runs otherwise. Where the two differ, the least length from which the user's model
     runs the probe's ops is found by bisection (one threshold between the two lengths, as a window has), and
     the formulas hold from it: a constraint ``at`` checks (a path the derivation did not trace), with a note.
-    A model that cannot run at the shortest lengths (a kernel wider than S) is bounded the same way, as sizes
-    it cannot run. None where the two agree, or where pass 4 is skipped."""
+    A model that cannot run at the shortest lengths (the top 5 along S) is bounded the same way, as sizes it
+    cannot run; ``fit`` searches from the bound (``symacct.time.model.least``). None where the two agree, or
+    where pass 4 is skipped."""
     if user is None or user.rerun is None or user.span is None:
         return None
     name, low, (S0, dims0) = user.span
@@ -2364,10 +2365,10 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
     at = f"{name} = {lo}" + (f" ({found.op}" + (f" in {found.module})" if found.module else ")") if found.op else "")
     where = f"the model given at {at}"
     how = "takes another path" if path else "does not run"
+    cause = found.what.removeprefix(NOT_THE_SAME + ": ")
     note = (
-        f"the model given {how} at {name} = {lo} ({found.what.removeprefix(NOT_THE_SAME + ': ')}); from {name} = "
-        f"{hi} on it runs the probe's ops: "
-        f"the figures hold for {name} >= {hi}, and at() refuses shorter lengths"
+        f"the model given {how} at {name} = {lo} ({cause}); from {name} = {hi} on it runs the probe's ops: the "
+        f"figures hold for {name} >= {hi}, and at() refuses shorter lengths"
     )
     return Floor(Constraint("le", sympy.Integer(hi), sym(name), where, path=path), note)
 

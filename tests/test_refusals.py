@@ -1640,3 +1640,17 @@ def test_a_module_without_config_is_traced_at_its_longest_and_shortest_lengths()
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
         model(*inputs(model, 2, 33))
     assert acct.at(B=2, S=33).flops.forward == fc.get_total_flops()
+
+
+def test_fit_searches_from_the_least_length_the_formulas_hold_at():
+    """``fit`` searched S from 1, through lengths below the bound where the model takes another path: at B = 20
+    million it answered S = 24 from the long path's formulas. It starts at the bound now: the answer is above
+    it, or nothing fits there, which says so."""
+    from symacct.time.model import fit, least
+
+    acct = symacct.derive(_ByShortLength(ShortConfig()), step="forward")
+    assert least(acct, "S") == 33 and least(acct, "B") == 1
+    got = fit(acct, "S", hardware="h100", B=8_000_000)
+    assert got.value > 33 and acct.peak_every_step(B=8_000_000, S=got.value) <= got.budget_bytes
+    with pytest.raises(SymacctError, match="S=33 is the least value the formulas hold at"):
+        fit(acct, "S", hardware="h100", B=20_000_000)

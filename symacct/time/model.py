@@ -291,6 +291,18 @@ def bounded_by_table(acct: Accounting) -> bool:
     )
 
 
+def least(acct: Accounting, symbol: str) -> int:
+    """The least value of ``symbol`` the formulas hold at: the accounting's minimum (a layer count), raised by
+    each bound ``n <= symbol`` of its constraints (a length below which the model takes another path, or which
+    it cannot run; a window's far side)."""
+    floors = [
+        int(c.lhs)
+        for c in acct.constraints
+        if c.kind == "le" and c.lhs.is_Integer and c.rhs is not None and c.rhs.is_Symbol and c.rhs.name == symbol
+    ]
+    return max([acct.minimum.get(symbol, 1), *floors])
+
+
 def fit(
     acct: Accounting,
     symbol: str,
@@ -341,10 +353,16 @@ def fit(
             return acct.reserved(steps=2, hardware=hw, **vals).device_peak
         return int(acct.peak_every_step(**vals))
 
-    lo = acct.minimum.get(symbol, 1)
+    lo = least(acct, symbol)
     if peak(lo) > budget:
+        floor = (
+            f" ({symbol}={lo} is the least value the formulas hold at: below it the model takes another path, not "
+            "derived, or cannot run)"
+            if lo > acct.minimum.get(symbol, 1)
+            else ""
+        )
         raise SymacctError(
-            f"nothing fits: {symbol}={lo} already needs {peak(lo) / 1e9:.1f} GB of {budget / 1e9:.1f} GB",
+            f"nothing fits: {symbol}={lo} already needs {peak(lo) / 1e9:.1f} GB of {budget / 1e9:.1f} GB{floor}",
             hint="use more memory per device, a smaller model, or a lower reserve",
         )
     hi = lo
