@@ -1654,3 +1654,51 @@ def test_fit_searches_from_the_least_length_the_formulas_hold_at():
     assert got.value > 33 and acct.peak_every_step(B=8_000_000, S=got.value) <= got.budget_bytes
     with pytest.raises(SymacctError, match="S=33 is the least value the formulas hold at"):
         fit(acct, "S", hardware="h100", B=20_000_000)
+
+
+@dataclasses.dataclass
+class StackConfig:
+    vocab: int = 50
+    width: int = 16
+    n_layer: int = 6  # past the four blocks pass 4 keeps at the longest lengths, the two at the shortest
+
+
+class _ShortBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h (B, S, width)
+        h = self.a(h)
+        return self.b(h) if h.shape[1] <= 32 else h  # (B, S, width): one more Linear up to 32 positions
+
+
+class _StackByShortLength(nn.Module):
+    """A layer stack whose blocks take another path up to 32 positions."""
+
+    def __init__(self, config: StackConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.blocks = nn.ModuleList(_ShortBlock(config.width) for _ in range(config.n_layer))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
+        h = self.emb(x)  # (B, S, width)
+        for block in self.blocks:
+            h = block(h)
+        return h.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_a_stack_whose_blocks_branch_on_a_short_length_is_bounded():
+    """Blocks that take another path up to 32 positions, in a stack of 6: the trace at the shortest lengths keeps
+    its first block and its last, where the branch shows; bounded from 33, exact there in L and S."""
+    model = _StackByShortLength(StackConfig())
+    acct = symacct.derive(model, step="forward")
+    with pytest.raises(SymacctError, match="S=32 breaks 33 <= S"):
+        acct.at(B=2, S=32)
+    assert acct.at(B=2, S=33).flops.forward == _forward_matmul_flops(model, 2, 33)
+    deeper = _StackByShortLength(StackConfig(n_layer=9))
+    assert acct.at(B=2, S=40, L=9).flops.forward == _forward_matmul_flops(deeper, 2, 40)
