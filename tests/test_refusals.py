@@ -1370,24 +1370,28 @@ def test_a_model_that_fails_at_its_own_sizes_is_told_so():
     assert "probe sizes" not in e.value.what and e.value.module == "lin"
 
 
-class _ByParity(nn.Module):
-    """One more layer at an even length: a branch on S's parity, which no product of symbols expresses."""
+class _TwoPaths(nn.Module):
+    """An embedding and two Linears: a, always, and b on one path only (the subclass's forward says which)."""
 
-    def __init__(self, config: LoopConfig) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self.emb = nn.Embedding(config.vocab, config.width)
         self.a = nn.Linear(config.width, config.width)
         self.b = nn.Linear(config.width, config.width)
 
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+class _ByParity(_TwoPaths):
+    """One more layer at an even length: a branch on S's parity, which no product of symbols expresses."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
         h = self.a(self.emb(x))  # (B, S, width)
         if x.shape[1] % 2 == 0:
             h = self.b(h)  # (B, S, width): the even path only
         return h.sum()
-
-    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
-        return (torch.randint(0, self.config.vocab, (B, S)),)
 
 
 @dataclasses.dataclass
@@ -1398,16 +1402,12 @@ class LengthConfig:
     clip: bool = False  # min(S, 1000) in place of the branch
 
 
-class _ByLength(nn.Module):
+class _ByLength(_TwoPaths):
     """One more Linear past 1,000 positions: a branch on S's value beyond both probes' lengths."""
 
     def __init__(self, config: LengthConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.emb = nn.Embedding(config.vocab, config.width)
+        super().__init__(config)
         self.pos = nn.Embedding(config.n_positions, config.width) if config.n_positions else None
-        self.a = nn.Linear(config.width, config.width)
-        self.b = nn.Linear(config.width, config.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
         h = self.emb(x)  # (B, S, width)
@@ -1419,9 +1419,6 @@ class _ByLength(nn.Module):
         if x.shape[1] > 1000:
             h = self.b(h)  # (B, S, width): past 1,000 positions only
         return h.sum()
-
-    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
-        return (torch.randint(0, self.config.vocab, (B, S)),)
 
 
 def _forward_matmul_flops(model: nn.Module, B: int, S: int) -> int:
@@ -1493,15 +1490,8 @@ class ShortConfig:
     how: str = "branch"  # "branch": one more Linear up to `at`; "pad": max(S, at) wide; "top": the `at` largest
 
 
-class _ByShortLength(nn.Module):
+class _ByShortLength(_TwoPaths):
     """Another path at short lengths, below both probes' (see ``ShortConfig.how``)."""
-
-    def __init__(self, config: ShortConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.emb = nn.Embedding(config.vocab, config.width)
-        self.a = nn.Linear(config.width, config.width)
-        self.b = nn.Linear(config.width, config.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
         h = self.a(self.emb(x))  # (B, S, width)
@@ -1512,9 +1502,6 @@ class _ByShortLength(nn.Module):
         if x.shape[1] <= self.config.at:
             h = self.b(h)  # (B, S, width): up to `at` positions only
         return h.sum()
-
-    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
-        return (torch.randint(0, self.config.vocab, (B, S)),)
 
 
 def test_a_branch_on_a_length_below_the_probes_bounds_the_formulas():
