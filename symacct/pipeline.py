@@ -1205,12 +1205,15 @@ def _length_branch(
 
     tables = [f for f, letter in src.fields.items() if letter == "S_max" and f in src.values]
     longest = f"below its {tables[0]} = {src.values[tables[0]]}" if tables else "having no position table"
-    table = (
-        "give the model a config (a dataclass, as model.config) with a position-table field (n_positions) that "
-        "ends where the lengths you run end, below the threshold"
-        if src.configless
-        else "derive a config whose position table ends where the lengths you run end, below the threshold"
-    )
+    if src.configless:
+        table = (
+            "give the model a config (a dataclass, as model.config) with a position-table field (n_positions) "
+            "that ends where the lengths you run end, below the threshold"
+        )
+    elif src.config_at is None:  # a factory
+        table = "give the factory a position-table size (n_positions) in dims= that ends below the threshold"
+    else:
+        table = "derive a config whose position table ends where the lengths you run end, below the threshold"
     return differ.restated(
         f"the model given takes another path at {name(*long)} (the longest it runs, {longest}) than at the "
         f"probe's {name(*short)}, where it runs the probe model's ops: the step branches on a length's value "
@@ -2237,11 +2240,12 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
 
 
 def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request) -> UserRun | None:
-    """Pass 4: the user's own model runs the probe model's ops (``symacct.sameness``); its trace, or None
-    where pass 4 is skipped (a factory's model is the factory's). A module without config is the probe model
-    itself: its trace here, as long and as short as it runs, checks the lengths only."""
+    """Pass 4: the user's own model runs the probe model's ops (``symacct.sameness``); its trace. A module
+    without config is the probe model itself, and a factory's model is the factory's at the given sizes
+    (``_factory_model``): their traces here, as long and as short as they run, check the lengths (and the
+    factory's, the readings at its own sizes)."""
     if req.dims is not None:
-        return None
+        model = _factory_model(src)
     if TP in req.precision:
         _check_degree(src, probes.first, first.trace, req.precision[TP])
     try:
@@ -2257,6 +2261,25 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
         _fix_unlike_layers(model, src, first, e)
         _retry_degenerate(src, req, e)
         raise
+
+
+def _factory_model(src: _Source) -> nn.Module:
+    """A factory's model at the given sizes (``dims=``) with meta tensors, nothing allocated at any size: built
+    on fake tensors (``_build_fake``), then each parameter and buffer made a meta tensor of its shape and dtype
+    (tied ones stay tied), which pass 4's fake copies take as a model built on the meta device."""
+    with torch.device("cpu"):
+        model = _build_fake(lambda: src.build({}), FakeTensorMode())
+    metas: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in metas:
+                    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    metas[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                table[name] = metas[id(t)]
+    return model
 
 
 def _fix_unlike_layers(model: Any, src: _Source, first: FirstTrace, e: SymacctError) -> None:
@@ -2284,9 +2307,11 @@ def check_parameters(
     """Pass 4, after the check at other sizes has confirmed the first probe's readings: the user's parameters
     and buffers have the probe model's shapes at the model's own sizes (``symacct.sameness.compare_parameters``),
     and each op of the user's trace returns the shapes its counterpart does at the sizes that trace ran at
-    (``compare_shapes``). Skipped as pass 4 is: a factory's model is the factory's."""
-    if req.dims is not None or user is None:
+    (``compare_shapes``). A factory's model is built again at its sizes, as pass 4 built it."""
+    if user is None:
         return
+    if req.dims is not None:
+        model = _factory_model(src)
     blocks = probes.first.layers or 1
     try:
         compare_parameters(model, first.trace, first.stacks, blocks, _at_own_sizes(src, probes.first))

@@ -1689,3 +1689,28 @@ def test_a_stack_whose_blocks_branch_on_a_short_length_is_bounded():
     assert acct.at(B=2, S=33).flops.forward == _forward_matmul_flops(model, 2, 33)
     deeper = _StackByShortLength(StackConfig(n_layer=9))
     assert acct.at(B=2, S=40, L=9).flops.forward == _forward_matmul_flops(deeper, 2, 40)
+
+
+def test_a_factorys_model_is_traced_at_its_longest_and_shortest_lengths():
+    """A factory's model (``dims=``) was not traced at the given sizes at all: a branch on S past or below the
+    probes' lengths was derived on one side, silently. It is built at those sizes (meta tensors) and traced
+    as long and as short as it runs: refused past, bounded below; with a position table in dims that ends
+    below the threshold (the hint's way) the long side is out of reach and it derives."""
+    inputs = lambda m, B, S: m.example_inputs(B, S)  # noqa: E731
+
+    def by_length(width: int, n_positions: int | None = None) -> _ByLength:
+        return _ByLength(LengthConfig(width=width, n_positions=n_positions))
+
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(by_length, dims={"width": 16}, inputs=inputs, step="forward")
+    assert "takes another path at S = 8191" in e.value.what and "give the factory" in e.value.hint
+    short = symacct.derive(by_length, dims={"width": 16, "n_positions": 1000}, inputs=inputs, step="forward")
+    assert short.at(B=2, S=999).flops.forward == _forward_matmul_flops(by_length(16, 1000), 2, 999)
+
+    def stack(width: int, n_layer: int) -> _StackByShortLength:
+        return _StackByShortLength(StackConfig(width=width, n_layer=n_layer))
+
+    acct = symacct.derive(stack, dims={"width": 16, "n_layer": 6}, inputs=inputs, step="forward")
+    with pytest.raises(SymacctError, match="S=32 breaks 33 <= S"):
+        acct.at(B=2, S=32)
+    assert acct.at(B=2, S=33).flops.forward == _forward_matmul_flops(stack(16, 6), 2, 33)
