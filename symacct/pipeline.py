@@ -992,6 +992,8 @@ class UserRun:
     # for ``shortest_path``: the length it moves ("S", or "C" in a decode step), the shortest on the probe's side
     # of every window, and the probe's own lengths it moves from; None where the lengths keep their structure
     span: tuple[str, int, tuple[int, dict[str, int]]] | None = None
+    # a factory's model at the given sizes (``_factory_model``), where the user gave a factory
+    model: nn.Module | None = None
 
 
 def _same_model(
@@ -2245,13 +2247,14 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
     (``_factory_model``): their traces here, as long and as short as they run, check the lengths (and the
     factory's, the readings at its own sizes)."""
     if req.dims is not None:
-        model = _factory_model(src)
+        model = _factory_model(src, req.dims)
     if TP in req.precision:
         _check_degree(src, probes.first, first.trace, req.precision[TP])
     try:
-        return _same_model(
+        user = _same_model(
             model, src, probes.first, first.trace, first.stacks, req.step, src.loss, req.precision, req.make_opt
         )
+        return dataclasses.replace(user, model=model) if req.dims is not None else user
     except SymacctError as e:
         if not first.stacks and "L" in src.fields.values() and probes.first.layers is not None:
             # the layer count set, yet no list of L blocks: the layers share modules (ALBERT runs one group L
@@ -2263,12 +2266,19 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
         raise
 
 
-def _factory_model(src: _Source) -> nn.Module:
+def _factory_model(src: _Source, dims: Mapping[str, int]) -> nn.Module:
     """A factory's model at the given sizes (``dims=``) with meta tensors, nothing allocated at any size: built
     on fake tensors (``_build_fake``), then each parameter and buffer made a meta tensor of its shape and dtype
     (tied ones stay tied), which pass 4's fake copies take as a model built on the meta device."""
-    with torch.device("cpu"):
-        model = _build_fake(lambda: src.build({}), FakeTensorMode())
+    try:
+        with torch.device("cpu"):
+            model = _build_fake(lambda: src.build({}), FakeTensorMode())
+    except Exception as e:
+        raise SymacctError(
+            f"the factory fails at the sizes given ({', '.join(f'{k}={v}' for k, v in dims.items())}): "
+            f"{type(e).__name__}: {' '.join(str(e).split())}",
+            hint="pass dims= at which the factory builds its model",
+        ) from e
     metas: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for table in (module._parameters, module._buffers):
@@ -2310,8 +2320,8 @@ def check_parameters(
     (``compare_shapes``). A factory's model is built again at its sizes, as pass 4 built it."""
     if user is None:
         return
-    if req.dims is not None:
-        model = _factory_model(src)
+    if user.model is not None:  # a factory's, as pass 4 built it
+        model = user.model
     blocks = probes.first.layers or 1
     try:
         compare_parameters(model, first.trace, first.stacks, blocks, _at_own_sizes(src, probes.first))

@@ -1714,3 +1714,18 @@ def test_a_factorys_model_is_traced_at_its_longest_and_shortest_lengths():
     with pytest.raises(SymacctError, match="S=32 breaks 33 <= S"):
         acct.at(B=2, S=32)
     assert acct.at(B=2, S=33).flops.forward == _forward_matmul_flops(stack(16, 6), 2, 33)
+
+
+def test_a_factory_that_fails_at_the_sizes_given_is_refused():
+    """The probes build a factory at their own sizes: one that cannot build its model at the sizes given was
+    derived all the same, for a model that does not exist. Pass 4 builds it there now, and says why not."""
+
+    def linear(D: int) -> nn.Module:
+        if D == 16:
+            raise ValueError("no layer of 16")
+        return nn.Linear(D, D)
+
+    with pytest.raises(SymacctError, match=r"the factory fails at the sizes given \(D=16\): ValueError: no layer"):
+        symacct.derive(
+            linear, dims={"D": 16}, inputs=lambda m, B, S: (torch.randn(B, m.in_features),), loss=lambda o: o.sum()
+        )
