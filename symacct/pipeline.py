@@ -99,6 +99,7 @@ from symacct.sameness import (
     KEEP,
     NOT_THE_SAME,
     TENSOR_PARALLEL_IGNORED,
+    _empty_like,
     compare_parameters,
     compare_settings,
     compare_shapes,
@@ -2286,8 +2287,7 @@ def _factory_model(src: _Source, dims: Mapping[str, int]) -> nn.Module:
                 if t is None:
                     continue
                 if id(t) not in metas:
-                    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-                    metas[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                    metas[id(t)] = _empty_like(t, "meta")
                 table[name] = metas[id(t)]
     return model
 
