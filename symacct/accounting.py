@@ -75,6 +75,15 @@ class Bytes:
     written_backward: Expr = 0
 
 
+def size_one_note(ones: list[str]) -> str:
+    """The note ``at`` adds where sizes (or products of them) are 1: the convention the figures keep there."""
+    return (
+        f"{', '.join(ones)} = 1: byte figures are derived for sizes >= 2; at size 1 PyTorch may take a view instead "
+        "of a copy (or the reverse), or skip a reduction over the size of 1 (a gradient summed over a broadcast "
+        "batch), so bytes and the other FLOPs can differ (the matmuls' FLOPs do not: pass 4 compares them at B = 1)"
+    )
+
+
 @dataclass
 class Accounting:
     """Formulas derived from one traced step; see the module docstring."""
@@ -298,11 +307,7 @@ class Accounting:
             kw["memory"] = dataclasses.replace(kw["memory"], peak=peak, peak_at=[f"#{t} {op} in '{module}' ({phase})"])
         ones = self._unit_sizes(subs)
         if ones:
-            kw["notes"] = [
-                *kw["notes"],
-                f"{', '.join(ones)} = 1: byte figures are derived for sizes >= 2; at size 1 PyTorch may "
-                "take a view instead of a copy (or the reverse), so bytes can differ (FLOPs do not)",
-            ]
+            kw["notes"] = [*kw["notes"], size_one_note(ones)]
         return Accounting(graph=g, **kw)
 
     def peak(self, **values: int) -> int:

@@ -75,6 +75,7 @@ from symacct.cost.experts import note as experts_note
 from symacct.cost.graph import CostedOp, build_graph, cost_ops
 from symacct.cost.layers import METRICS, factor, find_stacks, generic_path, repeated
 from symacct.cost.rules import registry as rule_registry
+from symacct.cost.rules.memory_ops import MOVES
 from symacct.errors import SymacctError
 from symacct.memory.liveness import Liveness, fill_phases, intervals, liveness
 from symacct.memory.reserved import Timeline
@@ -988,11 +989,13 @@ class UserRun:
     at_probe_lengths: Callable[[], UserRun] | None = None
     # where it ran at other lengths than the probe's: a probe's count of an op as it scales to them (``_count_at``)
     scale: Callable[[int], int | None] | None = None
-    # the user's model traced again at other lengths (S, the other input sizes) and compared op by op
-    rerun: Callable[[int, dict[str, int]], UserRun] | None = None
-    # for ``shortest_path``: the length it moves ("S", or "C" in a decode step), the shortest on the probe's side
-    # of every window, and the probe's own lengths it moves from; None where the lengths keep their structure
-    span: tuple[str, int, tuple[int, dict[str, int]]] | None = None
+    # the user's model traced again at other lengths (S, the other input sizes) and batch sizes (``batch=``),
+    # and compared op by op
+    rerun: Callable[..., UserRun] | None = None
+    # for ``shortest_path``: the length it moves ("S", or "C" in a decode step) and the shortest it takes, on the
+    # probe's side of every window (None, None where the lengths keep their structure), and the probe's own
+    # lengths it moves from
+    span: tuple[str | None, int | None, tuple[int, dict[str, int]]] | None = None
     # a factory's model at the given sizes (``_factory_model``), where the user gave a factory
     model: nn.Module | None = None
 
@@ -1007,6 +1010,7 @@ def _same_model(
     loss: Any,
     precision: dict[str, Any],
     optimizer: Any = None,
+    counted: frozenset[str] = frozenset(),
 ) -> UserRun:
     """Trace the user's own model (a fake copy) at the probe's B and S and compare its ops with the probe's;
     the trace that passed and the sizes it ran at (for ``compare_shapes``, once the readings are checked).
@@ -1047,7 +1051,7 @@ def _same_model(
 
     short = lengths(False)
 
-    def run(S: int, dims: dict[str, int], keep: int = KEEP) -> UserRun:
+    def run(S: int, dims: dict[str, int], keep: int = KEEP, batch: int = B) -> UserRun:
         def user_trace(cut: bool) -> StepTrace:
             def build(fake: FakeTensorMode) -> nn.Module:
                 if not cut:
@@ -1057,29 +1061,32 @@ def _same_model(
 
             tp = precision.get(TP)
             return _trace(
-                src, probe, build, B, S, step, loss, optimizer, precision, only_ops=True, dims=dims, tp_world=tp
+                src, probe, build, batch, S, step, loss, optimizer, precision, only_ops=True, dims=dims, tp_world=tp
             )
 
-        sizes = {"B": B, "S": S, **dims}
+        sizes = {"B": batch, "S": S, **dims}
         if TP in precision:
             sizes[TP] = precision[TP]
-        scale = _count_at(probe, sizes) if (S, dims) != short else None
+        scale = _count_at(probe, sizes) if (batch, S, dims) != (B, *short) else None
+        left = ignore
         try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
             user = user_trace(True)
-            compare_ops(user, trace, stacks, blocks, ignore, scale)
+            left = ignore | _aside_at_one(user, trace, counted) if batch == 1 else ignore
+            compare_ops(user, trace, stacks, blocks, left, scale)
         except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
             user = user_trace(False)
+            left = ignore | _aside_at_one(user, trace, counted) if batch == 1 else ignore
             try:
-                compare_ops(user, trace, stacks, blocks, ignore, scale)
+                compare_ops(user, trace, stacks, blocks, left, scale)
             except SymacctError as differ:
                 raise _window_between(src, probe, dims.get("C", 0) + S) or differ from differ
-        return UserRun(user, sizes, ignore, scale=scale)
+        return UserRun(user, sizes, left, scale=scale)
 
     whole = CP in precision or (TP in precision and _splits_sequence(precision))  # S in whole shards or chunks
     low = None if whole else _shortest(src, probe, *short)
     # at the shortest lengths, a stack's first block and its last (the middle ones are built alike): the check
     # then costs the same at any depth, as a model of two blocks is traced whole
-    more = {"rerun": functools.partial(run, keep=SHORTEST_KEEP), "span": None if low is None else (*low, short)}
+    more = {"rerun": functools.partial(run, keep=SHORTEST_KEEP), "span": (*(low or (None, None)), short)}
     long = lengths(True)
     if long == short:
         return dataclasses.replace(run(*short), **more)
@@ -1089,6 +1096,17 @@ def _same_model(
         run(*short)  # a difference at the probe's lengths too is no length's doing: it is refused as such
         raise _length_branch(src, long, short, differ) from differ
     return dataclasses.replace(user, at_probe_lengths=lambda: run(*short), **more)
+
+
+def _aside_at_one(user: StepTrace, probe: StepTrace, counted: frozenset[str]) -> frozenset[str]:
+    """The ops left out of the comparison where the user's model runs at B = 1, where PyTorch may view what it
+    otherwise copies and skips a reduction over the size of 1 (a gradient summed over a broadcast batch), which
+    change bytes and the other FLOPs (``symacct.accounting``'s note at a size of 1): the probe's ops that its
+    FLOPs do not count (``counted``: the matmuls'), and of the user's own, those that view or copy
+    (``memory_ops.MOVES``)."""
+    probe_ops = {str(rec.op) for rec in probe.ops} - counted
+    moves = {op for op in {rec.op for rec in user.ops} if isinstance(op, torch._ops.OpOverload)}
+    return frozenset(probe_ops | {str(op) for op in moves if rule_registry.lookup(op) in MOVES})
 
 
 SHORTEST_KEEP = 2  # blocks of a stack the user's trace at the shortest lengths keeps (``shortened``)
@@ -1571,9 +1589,9 @@ def _derive(
             user = check_same_model(model, src, probes, first, req)
             second = trace_check(src, probes, first, req)
             check_parameters(model, src, probes, first, req, user)  # the probe's readings checked by now
-            floor = shortest_path(src, probes, first, user)
+            floors = shortest_path(src, probes, first, user)
             memory, live = memory_pass(src, probes, first, second, req)
-            known = Known(probes, first, memory, live, floor=floor)
+            known = Known(probes, first, memory, live, floors=floors)
             if key is not None:
                 graph = build_graph(first.trace, first.costed, first.counts, probes.first.to_expr, first.stacks)
                 constraints = learn_constraints(first.trace, probes.first.to_expr)
@@ -2252,8 +2270,18 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
     if TP in req.precision:
         _check_degree(src, probes.first, first.trace, req.precision[TP])
     try:
+        counted = frozenset(str(c.rec.op) for c in first.costed if c.cost.flops != 0 or c.cost.flops_recompute != 0)
         user = _same_model(
-            model, src, probes.first, first.trace, first.stacks, req.step, src.loss, req.precision, req.make_opt
+            model,
+            src,
+            probes.first,
+            first.trace,
+            first.stacks,
+            req.step,
+            src.loss,
+            req.precision,
+            req.make_opt,
+            counted=counted,
         )
         return dataclasses.replace(user, model=model) if req.dims is not None else user
     except SymacctError as e:
@@ -2350,33 +2378,42 @@ def check_parameters(
 
 @dataclasses.dataclass(frozen=True)
 class Floor:
-    """The shortest length the derived path holds from (``shortest_path``): a constraint ``at`` checks, and the
-    note that says where the model takes another path."""
+    """The least value of a size (a length, or B) the derived path holds from (``shortest_path``): a constraint
+    ``at`` checks, and the note that says where the model takes another path."""
 
     constraint: Constraint
     note: str
 
 
-def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun | None) -> Floor | None:
-    """Pass 4, last: the user's model traced at the shortest lengths (S = 2, or C = 2 in a decode step, on the
-    probe's side of every window) and compared with the probe's ops and shapes, as at its longest. A step whose
-    path turns on a length below both probes' (``if S <= 32``: the second probe runs about 74 positions, the
-    first a few hundred) takes another path there, and the formulas read from the probes would be given for
-    short lengths the model runs otherwise. Where the two differ, the least length from which the user's model
-    runs the probe's ops is found by bisection (one threshold between the two lengths, as a window has), and
-    the formulas hold from it: a constraint ``at`` checks (a path the derivation did not trace), with a note.
-    A model that cannot run at the shortest lengths (the top 5 along S) is bounded the same way, as sizes it
-    cannot run; ``fit`` searches from the bound (``symacct.time.model.least``). None where the two agree, or
-    where pass 4 is skipped."""
-    if user is None or user.rerun is None or user.span is None:
-        return None
-    name, low, (S0, dims0) = user.span
-    rerun, blocks = user.rerun, probes.first.layers or 1
+SHORTEST_BATCH = 2  # the least B ``shortest_path`` runs: a size of 1 is another convention (``Accounting.at``'s note)
 
-    def differs(n: int) -> SymacctError | None:
-        S, dims = (n, dims0) if name == "S" else (S0, {**dims0, "C": n})
+
+def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun | None) -> tuple[Floor, ...]:
+    """Pass 4, last: the user's model traced at the shortest lengths (S = 2, or C = 2 in a decode step, on the
+    probe's side of every window) and the least batch (B = 2), and compared with the probe's ops and shapes, as
+    at its longest. A step whose path turns on a length below both probes' (``if S <= 32``: the second probe
+    runs about 74 positions, the first a few hundred), on a batch size below theirs (``if B <= 8``: they run 53
+    and 233) or on the tokens in a step (``if B * S <= 4096``) takes another path there, and the formulas read
+    from the probes would be given for sizes the model runs otherwise.
+
+    Where the two differ, the least sizes from which the user's model runs the probe's ops are found by
+    bisection, B first (at the probe's lengths), then the length (at that B), one threshold between two values
+    as a window has; the formulas hold from them: constraints ``at`` checks (a path the derivation did not
+    trace), each with a note. A threshold on B, on a length or on their product is monotone in each, so the
+    corner found bounds every larger size. A model that cannot run at the shortest lengths (the top 5 along S)
+    is bounded the same way, as sizes it cannot run; ``fit`` searches from the bound
+    (``symacct.time.model.least``). Empty where the two agree (one trace), or where pass 4 is skipped."""
+    if user is None or user.rerun is None or user.span is None:
+        return ()
+    name, low, (S0, dims0) = user.span
+    B0, rerun, blocks = user.sizes["B"], user.rerun, probes.first.layers or 1
+    top = S0 if name == "S" else dims0.get("C", 0)  # the probe's own value of the length that moves
+
+    @functools.cache
+    def differs(b: int, n: int) -> SymacctError | None:
+        S, dims = (n, dims0) if name == "S" else (S0, {**dims0, "C": n}) if name == "C" else (S0, dims0)
         try:
-            run = rerun(S, dims)
+            run = rerun(S, dims, batch=b)
             read = _at_own_sizes(src, probes.first, run.sizes)
             compare_shapes(run.trace, first.trace, first.stacks, blocks, read, run.ignore, run.scale)
         except SymacctError as e:
@@ -2385,27 +2422,53 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
             return e
         return None
 
-    found = differs(low)
-    if found is None:
-        return None
-    lo, hi = low, S0 if name == "S" else dims0["C"]
-    while hi - lo > 1:  # lo: another path (or a failure); hi: the probe's ops
+    least = min(SHORTEST_BATCH, B0)
+    b, n = least, top if low is None else low
+    floors = []
+    if b < B0 and differs(b, n) is not None and differs(b, top) is not None:  # a threshold on B
+        lo, b, found = _least(lambda m: differs(m, top), b, B0)
+        floors.append(_floor("B", lo, b, found, "smaller batches"))
+    if low is not None and name is not None and differs(b, low) is not None:
+        lo, n, found = _least(lambda m: differs(b, m), low, top)
+        floors.append(_floor(name, lo, n, found, "shorter lengths", f", B = {b}" if b < B0 else ""))
+    if b == least and B0 > 1 and (found := differs(1, n)) is not None:  # B = 1: views and copies aside
+        floors.append(_floor("B", 1, 2, found, "B = 1"))
+    return tuple(floors)
+
+
+def _least(differs: Callable[[int], SymacctError | None], lo: int, hi: int) -> tuple[int, int, SymacctError]:
+    """Bisection between a value where the user's model takes another path (or fails), ``lo``, and one where it
+    runs the probe's ops, ``hi``: the last of the one, the first of the other, and the difference at the last."""
+    found = differs(lo)
+    assert found is not None
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         e = differs(mid)
         if e is None:
             hi = mid
         else:
             lo, found = mid, e
+    return lo, hi, found
+
+
+def _floor(name: str, lo: int, hi: int, found: SymacctError, sizes: str, read: str = "") -> Floor:
+    """The bound ``name >= hi`` (a constraint and its note), where at ``lo`` the model differs as ``found`` says
+    (``read``: at which other sizes the bound was read)."""
     path = found.what.startswith(NOT_THE_SAME)
     at = f"{name} = {lo}" + (f" ({found.op}" + (f" in {found.module})" if found.module else ")") if found.op else "")
-    where = f"the model given at {at}"
     how = "takes another path" if path else "does not run"
     cause = found.what.removeprefix(NOT_THE_SAME + ": ")
-    note = (
-        f"the model given {how} at {name} = {lo} ({cause}); from {name} = {hi} on it runs the probe's ops: the "
-        f"figures hold for {name} >= {hi}, and at() refuses shorter lengths"
+    ones = (
+        ", in the ops its FLOPs count (at a size of 1 PyTorch may view what it otherwise copies, or skip a "
+        "reduction: bytes and the other FLOPs are a convention there)"
+        if lo == 1
+        else ""
     )
-    return Floor(Constraint("le", sympy.Integer(hi), sym(name), where, path=path), note)
+    note = (
+        f"the model given {how} at {name} = {lo}{read}{ones} ({cause}); from {name} = {hi} on it runs the probe's "
+        f"ops: the figures hold for {name} >= {hi}, and at() refuses {sizes}"
+    )
+    return Floor(Constraint("le", sympy.Integer(hi), sym(name), f"the model given at {at}", path=path), note)
 
 
 def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:
@@ -2500,9 +2563,9 @@ class Known:
     live: Liveness
     graph: nx.DiGraph | None = None  # the step graph (pass 7's build_graph), copied for each accounting
     constraints: list[Any] | None = None  # the size constraints the first trace teaches
-    # the shortest length the user's model runs the probe's ops from (pass 4's ``shortest_path``): kept in the
-    # memo, whose pass 4 traces the user's model at its longest lengths only
-    floor: Floor | None = None
+    # the least B and length the user's model runs the probe's ops from (pass 4's ``shortest_path``): kept in
+    # the memo, whose pass 4 traces the user's model at its longest lengths only
+    floors: tuple[Floor, ...] = ()
 
 
 def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, Any]) -> Any:
@@ -2619,9 +2682,9 @@ def account(model: Any, src: _Source, known: Known, req: Request) -> Accounting:
     )
     if is_transformers_model(model):
         acct.constraints += window_constraints(model, probe1.values.get("S", src.seq), probe1.values.get("C"))
-    if known.floor is not None:
-        acct.constraints.append(known.floor.constraint)
-        acct.notes.append(known.floor.note)
+    for floor in known.floors:
+        acct.constraints.append(floor.constraint)
+        acct.notes.append(floor.note)
     # an input size defaults to S (a decoder as long as the encoder); C (cached positions) has no default
     acct.input_sizes = {d: None if d == "C" else "S" for d in src.input_dims}
     acct.experts = expert_layers(graph, acct.symbols, req.routing)

@@ -113,7 +113,7 @@ def test_each_pass_feeds_the_next():
     user = check_same_model(model, src, probes, first, req)  # the same model: nothing raised
     assert user is not None and user.span is not None and user.span[:2] == ("S", 2)  # traced again at S = 2
     second = trace_check(src, probes, first, req)
-    assert shortest_path(src, probes, first, user) is None  # the probe's ops at S = 2: no bound
+    assert shortest_path(src, probes, first, user) == ()  # the probe's ops at S = 2, B = 2 and B = 1: no bound
     assert len(second.trace.ops) > len(first.trace.ops)  # one block more
     memory, live = memory_pass(src, probes, first, second, req)
     assert live.other is not None and live.layers == 4

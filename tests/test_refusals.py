@@ -1644,6 +1644,83 @@ def test_fit_searches_from_the_least_length_the_formulas_hold_at():
 
 
 @dataclasses.dataclass
+class BatchConfig:
+    vocab: int = 50
+    width: int = 16
+    at: int = 8  # the threshold: below both probes' batch sizes (the second runs B = 53)
+    how: str = "batch"  # one more Linear where "batch": B <= at; "tokens": B * S <= at; "one": B == 1
+
+
+class _ByBatch(_TwoPaths):
+    """Another path at small batches, or few tokens in a step, below both probes' (see ``BatchConfig.how``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
+        h = self.a(self.emb(x))  # (B, S, width)
+        B, S = x.shape
+        small = {"batch": B <= self.config.at, "tokens": B * S <= self.config.at, "one": B == 1}[self.config.how]
+        if small:
+            h = self.b(h)  # (B, S, width): on the small side only
+        return h.sum()
+
+
+def test_a_branch_on_a_batch_size_below_the_probes_bounds_the_formulas():
+    """The probes run B = 233 and 53, pass 4 the probe's B: a step that takes another path at small batches
+    (one more Linear up to B = 8) was derived on the large side, and at B = 8 and below the figures were the
+    large path's (half the forward matmul FLOPs: 20,480 derived at B = 8, S = 5, where a real step counts 40,960).
+    The user's model is now traced at B = 2 too; where it runs other ops there, the least batch from which it
+    runs the probe's is found, and ``at`` refuses smaller ones as another path. The family memo keeps it."""
+    model = _ByBatch(BatchConfig())
+    assert _forward_matmul_flops(model, 8, 5) == 2 * _forward_matmul_flops(model, 9, 5) * 8 // 9  # two paths
+    for _ in range(2):  # the second derive from the family memo
+        acct = symacct.derive(_ByBatch(BatchConfig()), step="forward")
+        assert acct.at(B=9, S=5).flops.forward == _forward_matmul_flops(model, 9, 5)
+        with pytest.raises(SymacctError) as e:
+            acct.at(B=8, S=5)
+        assert "B=8 breaks 9 <= B" in e.value.what and "takes another path there" in e.value.what
+        assert "aten.addmm.default in b" in e.value.what
+        assert any("takes another path at B = 8" in n and "B >= 9" in n for n in acct.notes)
+        assert not any("refuses shorter lengths" in n for n in acct.notes)  # no bound on S: S = 2 runs at B = 9
+
+
+def test_a_branch_on_the_tokens_in_a_step_bounds_the_length_at_the_least_batch():
+    """``if B * S <= 64``, a chunked path on a step's token count: below both probes' tokens. Bounded where the
+    product says: the length from the least batch, B = 2 (S >= 33), and B = 1, where 33 positions are too
+    few tokens (a real step at B = 1, S = 33 takes the small path); each exact on its side. The old tree gave
+    the large path's figures on the small side: 32,768 forward matmul FLOPs at B = 2, S = 32 where a real step
+    counts 65,536."""
+    model = _ByBatch(BatchConfig(at=64, how="tokens"))
+    acct = symacct.derive(model, step="forward")
+    assert acct.at(B=2, S=33).flops.forward == _forward_matmul_flops(model, 2, 33)
+    assert acct.at(B=5, S=40).flops.forward == _forward_matmul_flops(model, 5, 40)
+    with pytest.raises(SymacctError, match="S=32 breaks 33 <= S"):
+        acct.at(B=2, S=32)
+    assert _forward_matmul_flops(model, 1, 33) == _forward_matmul_flops(model, 2, 33)  # half the tokens, two Linears
+    with pytest.raises(SymacctError, match="B=1 breaks 2 <= B"):
+        acct.at(B=1, S=33)
+    assert any("takes another path at S = 32, B = 2" in n for n in acct.notes)
+
+
+def test_a_branch_at_batch_one_bounds_the_formulas_from_two():
+    """``if B == 1``: at a size of 1 PyTorch views what it otherwise copies and skips a reduction over the size
+    of 1, so bytes and the pointwise FLOPs are a convention there, and the matmuls' FLOPs were said not to
+    change; this model runs one more Linear at B = 1, and at(B=1, S=7) gave half the forward matmul FLOPs of
+    a real step (3,584 against 7,168). The user's model is now traced at B = 1 and compared in the ops the
+    probe's FLOPs count (and any op of its own that is no view or copy): another op there bounds B from 2.
+    The reference models run the probe's matmuls at B = 1 (test_passes: no bound), so at(B=1) stays open."""
+    model = _ByBatch(BatchConfig(how="one"))
+    acct = symacct.derive(model, step="forward")
+    assert acct.at(B=2, S=7).flops.forward == _forward_matmul_flops(model, 2, 7)
+    assert _forward_matmul_flops(model, 1, 7) == _forward_matmul_flops(model, 2, 7)  # two Linears at B = 1
+    with pytest.raises(SymacctError) as e:
+        acct.at(B=1, S=7)
+    assert "B=1 breaks 2 <= B" in e.value.what and "aten.addmm.default in b" in e.value.what
+    assert any("at B = 1, in the ops its FLOPs count" in n for n in acct.notes)
+    gpt2 = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, block_size=64)))
+    assert not any("in the ops its FLOPs count" in n for n in gpt2.notes)
+    assert any("B = 1: byte figures" in n for n in gpt2.at(B=1, S=8).notes)  # given, with the bytes' convention
+
+
+@dataclasses.dataclass
 class StackConfig:
     vocab: int = 50
     width: int = 16

@@ -56,6 +56,7 @@ import numpy as np
 import sympy
 import torch
 
+from symacct.accounting import size_one_note
 from symacct.cost.graph import records
 from symacct.cost.layers import DROP, differing_ends, first_block_own, generic_path, op_blocks, stage_share
 from symacct.errors import SymacctError
@@ -197,14 +198,7 @@ class Parallel:
         elif lay.pp > 1:
             ranks = self.pipeline_peaks(ranks, base)
         ones = self.acct._unit_sizes({sym(k): v for k, v in values.items()})
-        notes = self.notes + (
-            [
-                f"{', '.join(ones)} = 1: byte figures are derived for sizes >= 2; at size 1 PyTorch may take a view "
-                "instead of a copy (or the reverse), so bytes can differ (FLOPs do not)"
-            ]
-            if ones
-            else []
-        )
+        notes = self.notes + ([size_one_note(ones)] if ones else [])
         return dataclasses.replace(
             self,
             ranks=ranks,

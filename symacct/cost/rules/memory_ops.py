@@ -301,3 +301,8 @@ def embedding_renorm(call: Call) -> Cost:
     weight, idx = call.inputs[0], call.inputs[1]  # weight: [V, D], idx: [...] (tokens)
     rows = numel(idx.shape) * weight.shape[1] * weight.itemsize
     return Cost(flops_other=3 * numel(idx.shape) * weight.shape[1], bytes_read=nbytes(idx) + rows, bytes_written=rows)
+
+
+# the rules of ops that view or copy and do no arithmetic: at a size of 1 PyTorch may run one where it otherwise
+# runs the other (a (1, H, S, Dh) tensor is viewable as (H, S, Dh)), which changes bytes and never FLOPs
+MOVES = (view, copy, to)
