@@ -232,6 +232,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         width: int = 8
         n_positions: int = 2048  # S_max
         short: int = 0  # > 0: one more Linear up to this many positions (a branch below the probes' lengths)
+        batch: int = 0  # > 0: one more Linear up to this batch size (a branch below the probes' batch sizes)
 
     class ByLength(nn.Module):  # one more Linear past 1,000 positions: the path turns on S's value
         def __init__(self, config: LengthConfig) -> None:
@@ -244,6 +245,8 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
             h = self.a(x + self.pos(torch.arange(x.shape[1])))
             if self.config.short:
                 return (self.b(h) if x.shape[1] <= self.config.short else h).sum()
+            if self.config.batch:
+                return (self.b(h) if x.shape[0] <= self.config.batch else h).sum()
             return (self.b(h) if x.shape[1] > 1000 else h).sum()
 
     def by_length() -> Any:
@@ -254,6 +257,14 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         model = ByLength(LengthConfig(short=32))
         acct = symacct.derive(model, inputs=lambda m, B, S: (torch.randn(B, S, m.config.width),))
         return acct.at(B=2, S=8).flops.total
+
+    def by_small_batch(batch: int) -> Callable[[], Any]:
+        def run() -> Any:
+            model = ByLength(LengthConfig(batch=batch))
+            acct = symacct.derive(model, inputs=lambda m, B, S: (torch.randn(B, S, m.config.width),))
+            return acct.at(B=batch, S=8).flops.total
+
+        return run
 
     def by_parity() -> Any:
         return symacct.derive(ByParity, dims={"width": 8}, inputs=lambda m, B, S: (torch.randn(B, S, m.a.in_features),))
@@ -371,6 +382,8 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("derive parity branch", by_parity, Refuse("does not predict a second trace at other sizes (B = 53, S = 74")),
         ("derive length branch", by_length, Refuse("takes another path at S = 2047")),
         ("at below a short length branch", by_short_length, Refuse("S=8 breaks 33 <= S")),
+        ("at below a small batch branch", by_small_batch(8), Refuse("B=8 breaks 9 <= B")),
+        ("at B 1 on a B == 1 branch", by_small_batch(1), Refuse("B=1 breaks 2 <= B")),
         ("derive in anomaly mode", in_anomaly_mode, lambda v: v == g.memory.peak),
         ("derive saved hooks disabled", hooks_disabled, Refuse("saved-tensor hooks are disabled")),
         (

@@ -1680,6 +1680,9 @@ def test_a_branch_on_a_batch_size_below_the_probes_bounds_the_formulas():
         assert "aten.addmm.default in b" in e.value.what
         assert any("takes another path at B = 8" in n and "B >= 9" in n for n in acct.notes)
         assert not any("refuses shorter lengths" in n for n in acct.notes)  # no bound on S: S = 2 runs at B = 9
+    from symacct.time.model import least
+
+    assert least(acct, "B") == 9 and least(acct, "S") == 1  # where fit's search starts
 
 
 def test_a_branch_on_the_tokens_in_a_step_bounds_the_length_at_the_least_batch():
