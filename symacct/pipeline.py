@@ -2392,9 +2392,9 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
     """Pass 4, last: the user's model traced at the shortest lengths (S = 2, or C = 2 in a decode step, on the
     probe's side of every window) and the least batch (B = 2), and compared with the probe's ops and shapes, as
     at its longest. A step whose path turns on a length below both probes' (``if S <= 32``: the second probe
-    runs about 74 positions, the first a few hundred), on a batch size below theirs (``if B <= 8``: they run 53
-    and 233) or on the tokens in a step (``if B * S <= 4096``) takes another path there, and the formulas read
-    from the probes would be given for sizes the model runs otherwise.
+    runs about 74 positions, the first a few hundred), on a batch size below theirs (``if B <= 8``: they run
+    dozens and hundreds) or on the tokens in a step (``if B * S <= 4096``) takes another path there, and the
+    formulas read from the probes would be given for sizes the model runs otherwise.
 
     Where the two differ, the least sizes from which the user's model runs the probe's ops are found by
     bisection, B first (at the probe's lengths), then the length (at that B), one threshold between two values
@@ -2423,7 +2423,7 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
         return None
 
     least = min(SHORTEST_BATCH, B0)
-    b, n = least, top if low is None else low
+    b, n = least, top if low is None else low  # n: the shortest length, or (S keeping its structure) the probe's
     floors = []
     if b < B0 and differs(b, n) is not None and differs(b, top) is not None:  # a threshold on B
         lo, b, found = _least(lambda m: differs(m, top), b, B0)
@@ -2461,7 +2461,7 @@ def _floor(name: str, lo: int, hi: int, found: SymacctError, sizes: str, read: s
     ones = (
         ", in the ops its FLOPs count (at a size of 1 PyTorch may view what it otherwise copies, or skip a "
         "reduction: bytes and the other FLOPs are a convention there)"
-        if lo == 1
+        if name == "B" and lo == 1
         else ""
     )
     note = (
