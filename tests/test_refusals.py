@@ -1504,6 +1504,21 @@ class _ByShortLength(_TwoPaths):
         return h.sum()
 
 
+def _bounded(make: Any, holds: tuple[int, int], other: tuple[int, int], breaks: str, at: str, bound: str) -> Any:
+    """Derive ``make()``'s forward twice (the second from the family memo); each time exact against
+    FlopCounterMode at ``holds`` (B, S), refused at ``other`` as another path (``breaks``, naming the op in b),
+    and noted (another path ``at``, the figures holding for ``bound``). The second accounting."""
+    for _ in range(2):
+        acct = symacct.derive(make(), step="forward")
+        assert acct.at(B=holds[0], S=holds[1]).flops.forward == _forward_matmul_flops(make(), *holds)
+        with pytest.raises(SymacctError) as e:
+            acct.at(B=other[0], S=other[1])
+        assert breaks in e.value.what and "takes another path there" in e.value.what
+        assert "aten.addmm.default in b" in e.value.what
+        assert any(f"takes another path at {at}" in n and bound in n for n in acct.notes)
+    return acct
+
+
 def test_a_branch_on_a_length_below_the_probes_bounds_the_formulas():
     """Both probes run dozens of positions at least, and pass 4 traced the user's model at its longest: a step
     that takes another path at short lengths (here one more Linear up to 32 positions) was derived on the long
@@ -1512,14 +1527,7 @@ def test_a_branch_on_a_length_below_the_probes_bounds_the_formulas():
     probe's is found, and ``at`` refuses shorter ones as another path, named in a note. The family memo keeps it."""
     model = _ByShortLength(ShortConfig())
     assert _forward_matmul_flops(model, 2, 32) == 2 * _forward_matmul_flops(model, 2, 33) * 32 // 33  # two paths
-    for _ in range(2):  # the second derive from the family memo
-        acct = symacct.derive(_ByShortLength(ShortConfig()), step="forward")
-        assert acct.at(B=2, S=33).flops.forward == _forward_matmul_flops(model, 2, 33)
-        with pytest.raises(SymacctError) as e:
-            acct.at(B=2, S=32)
-        assert "S=32 breaks 33 <= S" in e.value.what and "takes another path there" in e.value.what
-        assert "aten.addmm.default in b" in e.value.what
-        assert any("takes another path at S = 32" in n and "S >= 33" in n for n in acct.notes)
+    _bounded(lambda: _ByShortLength(ShortConfig()), (2, 33), (2, 32), "S=32 breaks 33 <= S", "S = 32", "S >= 33")
     plain = symacct.derive(_ByLength(LengthConfig(n_positions=1000)), step="forward")  # one path up to 999
     assert not any("at() refuses shorter lengths" in n for n in plain.notes)
     assert plain.at(B=2, S=2).flops.forward == _forward_matmul_flops(_ByLength(LengthConfig()), 2, 2)
@@ -1671,15 +1679,8 @@ def test_a_branch_on_a_batch_size_below_the_probes_bounds_the_formulas():
     runs the probe's is found, and ``at`` refuses smaller ones as another path. The family memo keeps it."""
     model = _ByBatch(BatchConfig())
     assert _forward_matmul_flops(model, 8, 5) == 2 * _forward_matmul_flops(model, 9, 5) * 8 // 9  # two paths
-    for _ in range(2):  # the second derive from the family memo
-        acct = symacct.derive(_ByBatch(BatchConfig()), step="forward")
-        assert acct.at(B=9, S=5).flops.forward == _forward_matmul_flops(model, 9, 5)
-        with pytest.raises(SymacctError) as e:
-            acct.at(B=8, S=5)
-        assert "B=8 breaks 9 <= B" in e.value.what and "takes another path there" in e.value.what
-        assert "aten.addmm.default in b" in e.value.what
-        assert any("takes another path at B = 8" in n and "B >= 9" in n for n in acct.notes)
-        assert not any("refuses shorter lengths" in n for n in acct.notes)  # no bound on S: S = 2 runs at B = 9
+    acct = _bounded(lambda: _ByBatch(BatchConfig()), (9, 5), (8, 5), "B=8 breaks 9 <= B", "B = 8", "B >= 9")
+    assert not any("refuses shorter lengths" in n for n in acct.notes)  # no bound on S: S = 2 runs at B = 9
     from symacct.time.model import least
 
     assert least(acct, "B") == 9 and least(acct, "S") == 1  # where fit's search starts
