@@ -1068,16 +1068,19 @@ def _same_model(
         if TP in precision:
             sizes[TP] = precision[TP]
         scale = _count_at(probe, sizes) if (batch, S, dims) != (B, *short) else None
-        left = ignore
-        try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
-            user = user_trace(True)
+
+        def compared(user: StepTrace) -> frozenset[str]:  # the ops left out, once the rest are alike
             left = ignore | _aside_at_one(user, trace, counted) if batch == 1 else ignore
             compare_ops(user, trace, stacks, blocks, left, scale)
+            return left
+
+        try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
+            user = user_trace(True)
+            left = compared(user)
         except SymacctError:  # a difference (or a model that needs all its blocks): the whole model decides
             user = user_trace(False)
-            left = ignore | _aside_at_one(user, trace, counted) if batch == 1 else ignore
             try:
-                compare_ops(user, trace, stacks, blocks, left, scale)
+                left = compared(user)
             except SymacctError as differ:
                 raise _window_between(src, probe, dims.get("C", 0) + S) or differ from differ
         return UserRun(user, sizes, left, scale=scale)
@@ -2407,7 +2410,7 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
         return ()
     name, low, (S0, dims0) = user.span
     B0, rerun, blocks = user.sizes["B"], user.rerun, probes.first.layers or 1
-    top = S0 if name == "S" else dims0.get("C", 0)  # the probe's own value of the length that moves
+    top = S0 if name == "S" else dims0.get("C", 0)  # the probe's own value of the length that moves (0: none)
 
     @functools.cache
     def differs(b: int, n: int) -> SymacctError | None:
