@@ -169,6 +169,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
 
     import symacct
     from symacct.models import GPT2, GPT2Config, Llama, LlamaConfig
+    from symacct.time.model import fit
 
     small = GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=16)
     g = symacct.derive(GPT2(small))
@@ -233,6 +234,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         n_positions: int = 2048  # S_max
         short: int = 0  # > 0: one more Linear up to this many positions (a branch below the probes' lengths)
         batch: int = 0  # > 0: one more Linear up to this batch size (a branch below the probes' batch sizes)
+        large: int = 0  # > 0: one more Linear past this batch size (a branch above the probes' batch sizes)
 
     class ByLength(nn.Module):  # one more Linear past 1,000 positions: the path turns on S's value
         def __init__(self, config: LengthConfig) -> None:
@@ -247,6 +249,8 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
                 return (self.b(h) if x.shape[1] <= self.config.short else h).sum()
             if self.config.batch:
                 return (self.b(h) if x.shape[0] <= self.config.batch else h).sum()
+            if self.config.large:
+                return (self.b(h) if x.shape[0] > self.config.large else h).sum()
             return (self.b(h) if x.shape[1] > 1000 else h).sum()
 
     def by_length() -> Any:
@@ -263,6 +267,17 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
             model = ByLength(LengthConfig(batch=batch))
             acct = symacct.derive(model, inputs=lambda m, B, S: (torch.randn(B, S, m.config.width),))
             return acct.at(B=batch, S=8).flops.total
+
+        return run
+
+    def by_large_batch(fits: bool = False) -> Callable[[], Any]:
+        def run() -> Any:
+            model = ByLength(LengthConfig(large=256))
+            acct = symacct.derive(model, inputs=lambda m, B, S: (torch.randn(B, S, m.config.width),))
+            if fits:
+                got = fit(acct, "B", hardware="H100-SXM", S=8)
+                return got.value, got.next_peak_bytes
+            return acct.at(B=300, S=8).flops.total
 
         return run
 
@@ -384,6 +399,8 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("at below a short length branch", by_short_length, Refuse("S=8 breaks 33 <= S")),
         ("at below a small batch branch", by_small_batch(8), Refuse("B=8 breaks 9 <= B")),
         ("at B 1 on a B == 1 branch", by_small_batch(1), Refuse("B=1 breaks 2 <= B")),
+        ("at above a large batch branch", by_large_batch(), Refuse("B=300 breaks B <= 256")),
+        ("fit B on a large batch branch", by_large_batch(fits=True), lambda v: v == (256, None)),
         ("derive in anomaly mode", in_anomaly_mode, lambda v: v == g.memory.peak),
         ("derive saved hooks disabled", hooks_disabled, Refuse("saved-tensor hooks are disabled")),
         (

@@ -595,6 +595,7 @@ def _fit_layout(args: argparse.Namespace) -> dict[str, Any]:
         "worst_stage": res.worst_stage,
         "reserve": args.reserve,
         "S": S,
+        "notes": res.notes,
     }
 
 

@@ -998,6 +998,12 @@ class UserRun:
     span: tuple[str | None, int | None, tuple[int, dict[str, int]]] | None = None
     # a factory's model at the given sizes (``_factory_model``), where the user gave a factory
     model: nn.Module | None = None
+    # where it ran at a larger batch than the probe's (``LARGEST_BATCH``): its trace at the probe's B and the
+    # same lengths, what a difference found there is checked against before it is put down to B
+    at_probe_batch: Callable[[], UserRun] | None = None
+    # the batch size at which it took another path than the probe's (a threshold above the probes' B) and the
+    # difference, where the run at the probe's B then ran the probe's ops: ``shortest_path`` bounds B below it
+    over: tuple[int, SymacctError] | None = None
 
 
 def _same_model(
@@ -1089,16 +1095,33 @@ def _same_model(
     low = None if whole else _shortest(src, probe, *short)
     # at the shortest lengths, a stack's first block and its last (the middle ones are built alike): the check
     # then costs the same at any depth, as a model of two blocks is traced whole
-    more = {"rerun": functools.partial(run, keep=SHORTEST_KEEP), "span": (*(low or (None, None)), short)}
+    more: dict[str, Any] = {
+        "rerun": functools.partial(run, keep=SHORTEST_KEEP),
+        "span": (*(low or (None, None)), short),
+    }
     long = lengths(True)
-    if long == short:
+    # as large a batch as it runs too, in the same trace (a threshold on B above the probes'), unless the step
+    # runs an op once a sequence of the batch (its trace would grow with B)
+    big = B if B >= LARGEST_BATCH or _per_sample(probe, trace, stacks, ignore) else LARGEST_BATCH
+    if long == short and big == B:
         return dataclasses.replace(run(*short), **more)
+    if long != short:
+        more["at_probe_lengths"] = lambda: run(*short)
     try:
-        user = run(*long)
+        user = run(*long, batch=big)
     except SymacctError as differ:
-        run(*short)  # a difference at the probe's lengths too is no length's doing: it is refused as such
-        raise _length_branch(src, long, short, differ) from differ
-    return dataclasses.replace(user, at_probe_lengths=lambda: run(*short), **more)
+        at_probe = run(*short)  # a difference at the probe's sizes too is no size's doing: it is refused as such
+        if big == B:
+            raise _length_branch(src, long, short, differ) from differ
+        try:  # at the probe's B: alike there, the larger batch took another path (a bound, ``shortest_path``)
+            at_b = at_probe if long == short else run(*long)
+        except SymacctError as again:
+            raise _length_branch(src, long, short, again) from again
+        return dataclasses.replace(at_b, over=(big, differ), **more)
+    if big != B:  # its trace at the probe's B, with the same reruns
+        reruns = dict(more)
+        more["at_probe_batch"] = lambda: dataclasses.replace(run(*long), **reruns)
+    return dataclasses.replace(user, **more)
 
 
 def _aside_at_one(user: StepTrace, probe: StepTrace, counted: frozenset[str]) -> frozenset[str]:
@@ -1591,10 +1614,10 @@ def _derive(
             first = trace_first(src, probes, req)
             user = check_same_model(model, src, probes, first, req)
             second = trace_check(src, probes, first, req)
-            check_parameters(model, src, probes, first, req, user)  # the probe's readings checked by now
-            floors = shortest_path(src, probes, first, user)
+            user = check_parameters(model, src, probes, first, req, user)  # the probe's readings checked by now
+            bounds = shortest_path(src, probes, first, user)
             memory, live = memory_pass(src, probes, first, second, req)
-            known = Known(probes, first, memory, live, floors=floors)
+            known = Known(probes, first, memory, live, bounds=bounds)
             if key is not None:
                 graph = build_graph(first.trace, first.costed, first.counts, probes.first.to_expr, first.stacks)
                 constraints = learn_constraints(first.trace, probes.first.to_expr)
@@ -2344,13 +2367,15 @@ def _retry_degenerate(src: _Source, req: Request, e: SymacctError) -> None:
 
 def check_parameters(
     model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request, user: UserRun | None
-) -> None:
+) -> UserRun | None:
     """Pass 4, after the check at other sizes has confirmed the first probe's readings: the user's parameters
     and buffers have the probe model's shapes at the model's own sizes (``symacct.sameness.compare_parameters``),
     and each op of the user's trace returns the shapes its counterpart does at the sizes that trace ran at
-    (``compare_shapes``). A factory's model is built again at its sizes, as pass 4 built it."""
+    (``compare_shapes``). A factory's model is built again at its sizes, as pass 4 built it. The user's trace
+    that passed: where shapes differ at the largest batch only, the one at the probe's B, with the difference
+    (``UserRun.over``)."""
     if user is None:
-        return
+        return None
     if user.model is not None:  # a factory's, as pass 4 built it
         model = user.model
     blocks = probes.first.layers or 1
@@ -2365,8 +2390,16 @@ def check_parameters(
             compare_shapes(user.trace, first.trace, first.stacks, blocks, read, user.ignore, user.scale)
         except SymacctError as e:
             _retry_degenerate(src, req, e)
+            if user.at_probe_batch is not None:  # alike at the probe's B: the larger batch took another path
+                big, user = user.sizes["B"], user.at_probe_batch()
+                read = _at_own_sizes(src, probes.first, user.sizes)
+                try:
+                    compare_shapes(user.trace, first.trace, first.stacks, blocks, read, user.ignore, user.scale)
+                    return dataclasses.replace(user, over=(big, e))
+                except SymacctError as again:
+                    e = again
             if user.at_probe_lengths is None:
-                raise
+                raise e
             short = user.at_probe_lengths()  # alike at the probe's lengths: the longer ones took another path
             compare_shapes(
                 short.trace,
@@ -2377,44 +2410,49 @@ def check_parameters(
                 short.ignore,
             )
             raise _length_branch(src, _lengths_of(user), _lengths_of(short), e) from e
+    return user
 
 
 @dataclasses.dataclass(frozen=True)
-class Floor:
-    """The least value of a size (a length, or B) the derived path holds from (``shortest_path``): a constraint
-    ``at`` checks, and the note that says where the model takes another path."""
+class Bound:
+    """The least value of a size (a length, or B) the derived path holds from, or the largest batch it holds up
+    to (``shortest_path``): a constraint ``at`` checks, and the note that says where the model takes another
+    path."""
 
     constraint: Constraint
     note: str
 
 
 SHORTEST_BATCH = 2  # the least B ``shortest_path`` runs: a size of 1 is another convention (``Accounting.at``'s note)
+LARGEST_BATCH = 8191  # the largest B it runs (a prime, as ``LONGEST``): thresholds past it are not seen
 
 
-def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun | None) -> tuple[Floor, ...]:
+def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun | None) -> tuple[Bound, ...]:
     """Pass 4, last: the user's model traced at the shortest lengths (S = 2, or C = 2 in a decode step, on the
     probe's side of every window) and the least batch (B = 2), and compared with the probe's ops and shapes, as
-    at its longest. A step whose path turns on a length below both probes' (``if S <= 32``: the second probe
-    runs about 74 positions, the first a few hundred), on a batch size below theirs (``if B <= 8``: they run
-    dozens and hundreds) or on the tokens in a step (``if B * S <= 4096``) takes another path there, and the
-    formulas read from the probes would be given for sizes the model runs otherwise.
+    at its longest (where it runs the largest batch, ``LARGEST_BATCH``, too). A step whose path turns on a
+    length below both probes' (``if S <= 32``: the second probe runs about 74 positions, the first a few
+    hundred), on a batch size below theirs (``if B <= 8``: they run dozens and hundreds) or above them
+    (``if B > 256``: a batch chunked past a size), or on the tokens in a step (``if B * S <= 4096``) takes
+    another path there, and the formulas read from the probes would be given for sizes the model runs
+    otherwise.
 
-    Where the two differ, the least sizes from which the user's model runs the probe's ops are found by
-    bisection, B first (at the probe's lengths), then the length (at that B), one threshold between two values
-    as a window has; the formulas hold from them: constraints ``at`` checks (a path the derivation did not
+    Where they differ, the sizes between which the user's model runs the probe's ops are found by bisection,
+    B first (at the probe's lengths), then the length (at the least B), one threshold between two values as a
+    window has; the formulas hold between them: constraints ``at`` checks (a path the derivation did not
     trace), each with a note. A threshold on B, on a length or on their product is monotone in each, so the
-    corner found bounds every larger size. A model that cannot run at the shortest lengths (the top 5 along S)
-    is bounded the same way, as sizes it cannot run; ``fit`` searches from the bound
-    (``symacct.time.model.least``). Empty where the two agree (one trace), or where pass 4 is skipped."""
+    corner found bounds every larger size (every smaller batch, for the largest). The largest batch is read
+    at the probe's lengths, or where the longest lengths alone take the other path (``B * S > n``) at those,
+    which bounds it for every shorter length too. A model that cannot run at the shortest lengths (the top 5
+    along S) is bounded the same way, as sizes it cannot run; ``fit`` searches between the bounds
+    (``symacct.time.model.least``, ``most``). Empty where they all agree, or where pass 4 is skipped."""
     if user is None or user.rerun is None or user.span is None:
         return ()
     name, low, (S0, dims0) = user.span
-    B0, rerun, blocks = user.sizes["B"], user.rerun, probes.first.layers or 1
+    B0, rerun, blocks = probes.first.values["B"], user.rerun, probes.first.layers or 1
     top = S0 if name == "S" else dims0.get("C", 0)  # the probe's own value of the length that moves (0: none)
 
-    @functools.cache
-    def differs(b: int, n: int) -> SymacctError | None:
-        S, dims = (n, dims0) if name == "S" else (S0, {**dims0, "C": n}) if name == "C" else (S0, dims0)
+    def _differs_at(b: int, S: int, dims: dict[str, int]) -> SymacctError | None:
         try:
             run = rerun(S, dims, batch=b)
             read = _at_own_sizes(src, probes.first, run.sizes)
@@ -2425,53 +2463,83 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
             return e
         return None
 
+    @functools.cache
+    def differs(b: int, n: int) -> SymacctError | None:
+        S, dims = (n, dims0) if name == "S" else (S0, {**dims0, "C": n}) if name == "C" else (S0, dims0)
+        return _differs_at(b, S, dims)
+
     least = min(SHORTEST_BATCH, B0)
     b, n = least, top if low is None else low  # n: the shortest length, or (S keeping its structure) the probe's
-    floors = []
+    bounds = []
     if b < B0 and differs(b, n) is not None and differs(b, top) is not None:  # a threshold on B
-        lo, b, found = _least(lambda m: differs(m, top), b, B0)
-        floors.append(_floor("B", lo, b, found, "smaller batches"))
+        b, lo, found = _threshold(lambda m: differs(m, top), B0, b)
+        bounds.append(_bound("B", lo, b, found, "smaller batches"))
     if low is not None and name is not None and differs(b, low) is not None:
-        lo, n, found = _least(lambda m: differs(b, m), low, top)
-        floors.append(_floor(name, lo, n, found, "shorter lengths", f", B = {b}" if b < B0 else ""))
+        n, lo, found = _threshold(lambda m: differs(b, m), top, low)
+        bounds.append(_bound(name, lo, n, found, "shorter lengths", f", B = {b}" if b < B0 else ""))
     if b == least and B0 > 1 and (found := differs(1, n)) is not None:  # B = 1: views and copies aside
-        floors.append(_floor("B", 1, 2, found, "B = 1"))
-    return tuple(floors)
+        bounds.append(_bound("B", 1, 2, found, "B = 1"))
+    if user.over is not None:  # a threshold above the probe's B: the largest that runs its ops, at the lengths
+        big, found = user.over  # it was seen at (the longest, where a step's tokens decide: B * S > n)
+        S, dims = _lengths_of(user)
+        if differs(big, top) is not None:  # at the probe's lengths, where the bound is the loosest
+            most, hi, found = _threshold(lambda m: differs(m, top), B0, big)
+            read = ""
+        else:
+            most, hi, found = _threshold(lambda m: _differs_at(m, S, dims), B0, big)
+            read = f" (at S = {S}" + (f", C = {dims['C']}" if "C" in dims else "") + ")"
+        bounds.append(_bound("B", hi, most, found, "larger batches", read))
+    return tuple(bounds)
 
 
-def _least(differs: Callable[[int], SymacctError | None], lo: int, hi: int) -> tuple[int, int, SymacctError]:
-    """Bisection between a value where the user's model takes another path (or fails), ``lo``, and one where it
-    runs the probe's ops, ``hi``: the last of the one, the first of the other, and the difference at the last."""
-    found = differs(lo)
+def _per_sample(probe: Probe, trace: StepTrace, stacks: list[str], ignore: frozenset[str]) -> bool:
+    """Whether the probe's step runs an op once a sequence of the batch (a count read in B: a loop over the
+    batch), so that a trace grows with B."""
+    batch = sym("B")
+    return any(
+        (expr := probe.to_expr(n)) is not None and batch in sympy.sympify(expr).free_symbols
+        for n in set(op_counts(trace, stacks, ignore))
+    )
+
+
+def _threshold(differs: Callable[[int], SymacctError | None], same: int, other: int) -> tuple[int, int, SymacctError]:
+    """Bisection between a value where the user's model runs the probe's ops, ``same``, and one where it takes
+    another path (or fails), ``other``, on either side: the last value of the one, the first of the other,
+    and the difference there."""
+    found = differs(other)
     assert found is not None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+    while abs(other - same) > 1:
+        mid = (same + other) // 2
         e = differs(mid)
         if e is None:
-            hi = mid
+            same = mid
         else:
-            lo, found = mid, e
-    return lo, hi, found
+            other, found = mid, e
+    return same, other, found
 
 
-def _floor(name: str, lo: int, hi: int, found: SymacctError, sizes: str, read: str = "") -> Floor:
-    """The bound ``name >= hi`` (a constraint and its note), where at ``lo`` the model differs as ``found`` says
-    (``read``: at which other sizes the bound was read)."""
+def _bound(name: str, at: int, last: int, found: SymacctError, sizes: str, read: str = "") -> Bound:
+    """The bound ``name >= last`` (``name <= last`` where ``last`` is below ``at``): a constraint and its
+    note, where at ``at`` the model differs as ``found`` says (``read``: at which other sizes the bound was
+    read)."""
     path = found.what.startswith(NOT_THE_SAME)
-    at = f"{name} = {lo}" + (f" ({found.op}" + (f" in {found.module})" if found.module else ")") if found.op else "")
+    where = f"{name} = {at}" + (f" ({found.op}" + (f" in {found.module})" if found.module else ")") if found.op else "")
     how = "takes another path" if path else "does not run"
     cause = found.what.removeprefix(NOT_THE_SAME + ": ")
     ones = (
         ", in the ops its FLOPs count (at a size of 1 PyTorch may view what it otherwise copies, or skip a "
         "reduction: bytes and the other FLOPs are a convention there)"
-        if name == "B" and lo == 1
+        if name == "B" and at == 1
         else ""
     )
+    up = last < at
+    holds = f"up to {name} = {last}" if up else f"from {name} = {last} on"
     note = (
-        f"the model given {how} at {name} = {lo}{read}{ones} ({cause}); from {name} = {hi} on it runs the probe's "
-        f"ops: the figures hold for {name} >= {hi}, and at() refuses {sizes}"
+        f"the model given {how} at {name} = {at}{read}{ones} ({cause}); {holds} it runs the probe's "
+        f"ops: the figures hold for {name} {'<=' if up else '>='} {last}, and at() refuses {sizes}"
     )
-    return Floor(Constraint("le", sympy.Integer(hi), sym(name), f"the model given at {at}", path=path), note)
+    lhs, rhs = (sym(name), sympy.Integer(last)) if up else (sympy.Integer(last), sym(name))
+    return Bound(Constraint("le", lhs, rhs, f"the model given at {where}", path=path), note)
 
 
 def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:
@@ -2566,9 +2634,9 @@ class Known:
     live: Liveness
     graph: nx.DiGraph | None = None  # the step graph (pass 7's build_graph), copied for each accounting
     constraints: list[Any] | None = None  # the size constraints the first trace teaches
-    # the least B and length the user's model runs the probe's ops from (pass 4's ``shortest_path``): kept in
-    # the memo, whose pass 4 traces the user's model at its longest lengths only
-    floors: tuple[Floor, ...] = ()
+    # the least B and length the user's model runs the probe's ops from, and the largest B (pass 4's
+    # ``shortest_path``): kept in the memo, whose pass 4 traces the user's model at its longest lengths only
+    bounds: tuple[Bound, ...] = ()
 
 
 def family_key(model: Any, src: _Source, probes: Probes, options: Mapping[str, Any]) -> Any:
@@ -2685,9 +2753,9 @@ def account(model: Any, src: _Source, known: Known, req: Request) -> Accounting:
     )
     if is_transformers_model(model):
         acct.constraints += window_constraints(model, probe1.values.get("S", src.seq), probe1.values.get("C"))
-    for floor in known.floors:
-        acct.constraints.append(floor.constraint)
-        acct.notes.append(floor.note)
+    for bound in known.bounds:
+        acct.constraints.append(bound.constraint)
+        acct.notes.append(bound.note)
     # an input size defaults to S (a decoder as long as the encoder); C (cached positions) has no default
     acct.input_sizes = {d: None if d == "C" else "S" for d in src.input_dims}
     acct.experts = expert_layers(graph, acct.symbols, req.routing)

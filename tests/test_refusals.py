@@ -1725,6 +1725,124 @@ def test_a_branch_at_batch_one_bounds_the_formulas_from_two():
 
 
 @dataclasses.dataclass
+class LargeConfig:
+    vocab: int = 32
+    width: int = 16
+    at: int = 256  # the threshold: above both probes' batch sizes (the first runs B = 233)
+    how: str = "batch"  # "batch": one more Linear where B > at; "tokens": where B * S > at; "pad": max(B, at) rows
+    n_positions: int | None = None  # S_max (a table the model does not read: it bounds the lengths pass 4 runs)
+
+
+class _ByLargeBatch(_TwoPaths):
+    """Another path at large batches, or many tokens in a step, above both probes' (``LargeConfig.how``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
+        h = self.a(self.emb(x))  # (B, S, width)
+        B, S = x.shape
+        if self.config.how == "pad":  # the same ops at every batch size, a tensor max(B, at) rows high
+            return h.sum() + h.new_ones(max(B, self.config.at), S).sum()  # (max(B, at), S)
+        if (B if self.config.how == "batch" else B * S) > self.config.at:
+            h = self.b(h)  # (B, S, width): on the large side only
+        return h.sum()
+
+
+def _meta_forward_flops(model: nn.Module, B: int, S: int) -> int:
+    """FlopCounterMode's count of the forward on meta tensors (sizes too large to allocate)."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        twin(torch.zeros(B, S, dtype=torch.long, device="meta"))
+    return fc.get_total_flops()
+
+
+def test_a_branch_on_a_batch_size_above_the_probes_bounds_the_formulas():
+    """The probes run B = 233 and 53 and pass 4 ran the user's model at the probe's B: a step that takes
+    another path at large batches (one more Linear past B = 256: a batch chunked or sent to another kernel
+    past a size) was derived on the small side, and every larger batch got the small path's figures (at
+    B = 300, S = 5: 768,000 forward matmul FLOPs derived where a real step counts 1,536,000). Pass 4's longest
+    trace now runs B = 8,191 too; where it runs other ops there, the largest batch that runs the probe's is
+    found, ``at`` refuses larger ones, and ``fit`` stops there with a note. The family memo keeps it."""
+    model = _ByLargeBatch(LargeConfig())
+    assert _forward_matmul_flops(model, 257, 5) == 2 * _forward_matmul_flops(model, 256, 5) * 257 // 256
+    acct = _bounded(
+        lambda: _ByLargeBatch(LargeConfig()), (256, 5), (257, 5), "B=257 breaks B <= 256", "B = 257", "B <= 256"
+    )
+    assert any("up to B = 256 it runs the probe's ops" in n and "refuses larger batches" in n for n in acct.notes)
+    from symacct.time.model import fit, least, most
+
+    assert (least(acct, "B"), most(acct, "B"), most(acct, "S")) == (1, 256, None)
+    got = fit(acct, "B", hardware="H100-SXM", S=5)  # a few KiB a sequence: B = 256 fits, 257 is not derived
+    assert got.value == 256 and got.next_peak_bytes is None
+    assert any("B=256 is the largest value the formulas hold at" in n for n in got.notes)
+    small = fit(acct, "S", hardware="H100-SXM", B=256)  # no bound on S: the search as before
+    assert small.next_peak_bytes is not None and small.next_peak_bytes > small.budget_bytes >= small.peak_bytes
+    from symacct.parallel.layout import make_layout
+    from symacct.parallel.plan import fit_layout
+
+    trained = symacct.derive(_ByLargeBatch(LargeConfig()), optimizer="adamw")  # a training step, two ranks
+    ranks = fit_layout(trained, make_layout(dp=2), hardware="H100-SXM", seq=5)
+    assert (ranks.micro_batch, ranks.next_peak, ranks.global_batch) == (256, None, 512)
+    assert any("B=256 is the largest value the formulas hold at" in n for n in ranks.notes)
+
+
+def test_a_shape_that_stops_at_a_batch_size_above_the_probes_bounds_the_formulas():
+    """``max(B, 256)`` rows: the same ops at every batch size, and a tensor whose height both probes' batches
+    (233, 53) read as the constant 256. The user's trace at B = 8,191 returns another shape there (pass 4's
+    shape check, after the readings are confirmed), its trace at the probe's B the same: B is bounded at 256,
+    the largest batch whose shapes the formulas give, and the new_ones op is named."""
+    model = _ByLargeBatch(LargeConfig(how="pad"))
+    acct = symacct.derive(model, step="forward")
+    assert acct.at(B=256, S=5).flops.forward == _forward_matmul_flops(model, 256, 5)
+    with pytest.raises(SymacctError) as e:
+        acct.at(B=257, S=5)
+    assert "B=257 breaks B <= 256" in e.value.what and "aten.new_ones.default" in e.value.what
+
+
+def test_a_branch_on_many_tokens_in_a_step_bounds_the_batch_at_the_longest_lengths():
+    """``if B * S > 4,000,000``: at the probe's lengths (a few hundred positions) even B = 8,191 is too few
+    tokens, at the longest the model runs (999, below its table) it is not. The largest batch is then read
+    there (B * 999 <= 4,000,000: B <= 4,004) and bounds every length, which is conservative for shorter ones
+    and never wrong; the note says at which length it was read. Exact at the bound, against FlopCounterMode on
+    meta tensors."""
+    make = lambda: _ByLargeBatch(LargeConfig(at=4_000_000, how="tokens", n_positions=1000))  # noqa: E731
+    acct = symacct.derive(make(), step="forward")
+    assert acct.at(B=4004, S=999).flops.forward == _meta_forward_flops(make(), 4004, 999)
+    assert _meta_forward_flops(make(), 4005, 999) == 2 * _meta_forward_flops(make(), 4004, 999) * 4005 // 4004
+    with pytest.raises(SymacctError, match="B=4005 breaks B <= 4004"):
+        acct.at(B=4005, S=999)
+    assert any("at B = 4005 (at S = 999" in n and "B <= 4004" in n for n in acct.notes)
+
+
+def test_a_step_that_loops_over_the_batch_is_not_traced_at_the_largest_batch(monkeypatch):
+    """A step that runs an op once a sequence of the batch (its op count read in B: ``stack``'s backward
+    selects each of B pieces) would run 8,191 of those ops at the largest batch: pass 4 keeps the probe's B
+    there, and the model derives without a bound. A step without them is traced at B = 8,191 once (pass 4's
+    longest trace)."""
+    import symacct.pipeline as pipeline
+
+    batches: list[int] = []
+    real = pipeline._trace
+
+    def traced(src: Any, probe: Any, build: Any, B: int, *args: Any, **kw: Any) -> Any:
+        batches.append(B)
+        return real(src, probe, build, B, *args, **kw)
+
+    monkeypatch.setattr(pipeline, "_trace", traced)
+    memo.clear()
+
+    class PerSample(_TwoPaths):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
+            h = self.a(self.emb(x))  # (B, S, width)
+            return torch.stack(h.unbind(0)).sum()  # the B pieces go to one op; its backward selects each
+
+    looped = symacct.derive(PerSample(LargeConfig()))
+    assert pipeline.LARGEST_BATCH not in batches and not any("refuses larger batches" in n for n in looped.notes)
+    batches.clear()
+    symacct.derive(_ByLargeBatch(LargeConfig(at=10**9)), step="forward")
+    assert batches.count(pipeline.LARGEST_BATCH) == 1
+
+
+@dataclasses.dataclass
 class StackConfig:
     vocab: int = 50
     width: int = 16

@@ -192,6 +192,32 @@ def test_serve_figures_hold_on_the_derived_steps():
     assert s.tokens_per_second == pytest.approx(3 / s.decode_seconds)
 
 
+class _LargeBatchLlama(Llama):
+    """Llama whose step takes another path past 1,000 sequences (its output doubled there: one more op)."""
+
+    def forward(self, tokens: torch.Tensor, targets: Any = None, cache: Any = None, cache_dtype: Any = None) -> Any:
+        out = super().forward(tokens, targets, cache, cache_dtype)  # (B, S, V) logits, or the loss
+        return out * 2 if tokens.shape[0] > 1000 else out
+
+
+def test_serve_stops_its_batch_searches_at_the_largest_batch_the_formulas_hold_at():
+    """A decode step that takes another path past B = 1,000 is derived with B <= 1,000 (pass 4 traces the
+    user's model at a batch of 8,191). serve's largest batch was the fit's 3,766,057 on the small path's
+    figures, far past that; it now stops at the bound, and says so, as does its search for the batch where
+    decode turns compute-bound (memory-bound up to 1,000 here)."""
+    from symacct.time.serving import serve
+
+    model = _LargeBatchLlama(LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, hidden_dim=48))
+    prefill, decode = symacct.derive(model, step="prefill"), symacct.derive(model, step="decode")
+    assert any("the figures hold for B <= 1000" in n for n in decode.notes)
+    s = serve(prefill, decode, hardware="H100-SXM", context=32)
+    assert s.max_batch == 1000 and s.compute_bound_batch is None
+    assert any("B=1000 is the largest value the formulas hold at" in n for n in s.notes)
+    assert any(
+        "memory-bound up to a batch of 1000 at this context, the largest the formulas hold at" in n for n in s.notes
+    )
+
+
 def test_serve_says_when_the_batchs_prefill_or_decode_does_not_fit():
     """The time to first token is the prefill of the whole batch's prompts at once, whose peak (the S x S
     scores of matmul attention, the activations of every prompt token) can exceed the device where the decode

@@ -38,6 +38,7 @@ from symacct.parallel.rank import Parallel, Rank, compiled, derive_parallel, opt
 from symacct.parallel.schedule import actions, makespan
 from symacct.pipeline import no_cycle_collection
 from symacct.time.hardware import Accelerator, get
+from symacct.time.model import most
 
 if TYPE_CHECKING:
     from symacct.accounting import Accounting
@@ -527,10 +528,11 @@ class LayoutFit:
     layout: Layout
     micro_batch: int  # 0: not even B = 1 fits
     peak: int  # worst rank's peak at micro_batch (at B = 1 when nothing fits)
-    next_peak: int  # at micro_batch + 1
+    next_peak: int | None  # at micro_batch + 1; None where micro_batch is the largest B the formulas hold at
     budget: int
     worst_stage: str
     global_batch: int  # micro_batch * m * dp
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def fit_layout(
@@ -553,8 +555,15 @@ def fit_layout(
     def worst(B: int) -> Rank:
         return max(par.at(B=B, S=seq).ranks, key=lambda r: r.peak)
 
-    lo, hi = 0, 1
-    while hi <= limit and worst(hi).peak <= budget:
+    top = most(acct, "B")  # the largest B the formulas hold at (above it the model takes another path)
+    lo, hi, capped = 0, 1, False
+    while hi <= limit:
+        if top is not None and hi >= top:  # doubling reached the bound: B = top fits, or the answer is below
+            capped = worst(top).peak <= budget
+            lo, hi = (top, top) if capped else (lo, top)
+            break
+        if worst(hi).peak > budget:
+            break
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -563,5 +572,14 @@ def fit_layout(
         else:
             hi = mid
     at = worst(max(lo, 1))
-    nxt = worst(lo + 1)
-    return LayoutFit(layout, lo, int(at.peak), int(nxt.peak), budget, at.stage, lo * layout.micro_batches * layout.dp)
+    nxt = None if capped else int(worst(lo + 1).peak)
+    notes = (
+        [
+            f"B={top} is the largest value the formulas hold at (above it the model takes another path, not derived: "
+            "the accounting's notes say where), and it fits: larger values may fit too"
+        ]
+        if capped
+        else []
+    )
+    global_batch = lo * layout.micro_batches * layout.dp
+    return LayoutFit(layout, lo, int(at.peak), nxt, budget, at.stage, global_batch, notes)

@@ -276,7 +276,8 @@ class Fit:
     value: int  # the largest value that fits
     peak_bytes: int  # the derived peak there
     budget_bytes: int
-    next_peak_bytes: int  # the peak one size up (does not fit)
+    # the peak one size up (does not fit); None where the value is the largest the formulas hold at (``most``)
+    next_peak_bytes: int | None
     formula: str
     replicas: int = 1  # data-parallel replicas (gpus): memory per device is unchanged
     global_batch: int | None = None  # B x replicas, when B is known (solved or given)
@@ -301,6 +302,20 @@ def least(acct: Accounting, symbol: str) -> int:
         if c.kind == "le" and c.lhs.is_Integer and c.rhs is not None and c.rhs.is_Symbol and c.rhs.name == symbol
     ]
     return max([acct.minimum.get(symbol, 1), *floors])
+
+
+def most(acct: Accounting, symbol: str) -> int | None:
+    """The largest value of ``symbol`` the formulas hold at, from the bounds ``symbol <= n`` of its
+    constraints (a batch size above which the model takes another path, a window's near side); None where
+    none bounds it."""
+    return min(
+        (
+            int(c.rhs)
+            for c in acct.constraints
+            if c.kind == "le" and c.lhs.is_Symbol and c.lhs.name == symbol and c.rhs is not None and c.rhs.is_Integer
+        ),
+        default=None,
+    )
 
 
 def fit(
@@ -365,19 +380,30 @@ def fit(
             f"nothing fits: {symbol}={lo} already needs {peak(lo) / 1e9:.1f} GB of {budget / 1e9:.1f} GB{floor}",
             hint="use more memory per device, a smaller model, or a lower reserve",
         )
-    hi = lo
-    while peak(hi * 2) <= budget:
-        hi *= 2
-        if hi > limit:
-            raise SymacctError(f"{symbol} fits beyond {limit}", hint="the peak does not grow with this symbol")
-    lo, hi = hi, hi * 2  # peak(lo) fits, peak(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if peak(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
+    top = most(acct, symbol)
     notes = []
+    capped = top is not None and peak(top) <= budget
+    if capped:  # fits up to the bound: larger sizes are not derived
+        lo = top
+        notes.append(
+            f"{symbol}={top} is the largest value the formulas hold at (above it the model takes another path, not "
+            f"derived: the accounting's notes say where), and it fits: larger values may fit too"
+        )
+    else:
+        hi = lo
+        while top is None or hi * 2 < top:
+            if peak(hi * 2) > budget:
+                break
+            hi *= 2
+            if hi > limit:
+                raise SymacctError(f"{symbol} fits beyond {limit}", hint="the peak does not grow with this symbol")
+        lo, hi = hi, hi * 2 if top is None else min(hi * 2, top)  # peak(lo) fits, peak(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if peak(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
     if gpus > 1:
         notes.append(
             f"gpus={gpus}: each replica's memory is the single-device step's; DDP's gradient buckets (the gradients' "
@@ -396,7 +422,7 @@ def fit(
         lo,
         peak(lo),
         budget,
-        peak(lo + 1),
+        None if capped else peak(lo + 1),
         (
             "largest v with the caching allocator's reserved bytes (2 steps, cuBLAS workspace) + the CUDA context "
             "<= capacity * (1 - reserve)"

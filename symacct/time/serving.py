@@ -41,6 +41,7 @@ from symacct.formula import text
 from symacct.symbols import evaluate, sym
 from symacct.time.hardware import Accelerator, get
 from symacct.time.model import DEFAULT_RESERVE, _peak, bounded_by_table, fit, roofline, step_dtype
+from symacct.time.model import most as largest
 
 if TYPE_CHECKING:
     from symacct.accounting import Accounting
@@ -390,9 +391,10 @@ def serve(
         return c >= m
 
     bound_batch: int | None = None
+    most_batch = largest(decode, "B") or 1 << 20  # the largest batch the formulas hold at (a bound)
     hi = 1
-    while not turns(hi) and hi < 1 << 20:
-        hi *= 2
+    while not turns(hi) and hi < most_batch:
+        hi = min(hi * 2, most_batch)
     if turns(hi):
         lo = hi // 2 if hi > 1 else 0  # turns(lo) is false (or lo = 0)
         while hi - lo > 1:
@@ -402,11 +404,18 @@ def serve(
             else:
                 lo = mid
         bound_batch = hi
+    elif most_batch < 1 << 20:
+        notes.append(
+            f"the decode step stays memory-bound up to a batch of {most_batch} at this context, the largest the "
+            "formulas hold at (the model takes another path past it)"
+        )
     else:
         notes.append("the decode step stays memory-bound up to a batch of 2^20 at this context")
     max_batch = max_context = None
     try:
-        max_batch = fit(decode, "B", hardware=hw, reserve=reserve, C=C).value
+        fitted = fit(decode, "B", hardware=hw, reserve=reserve, C=C)
+        max_batch = fitted.value
+        notes += [f"batch: {n}" for n in fitted.notes]
     except SymacctError as e:
         notes.append(f"batch: {e.what}")
     budget = int(hw.memory_bytes * (1 - reserve))
