@@ -2485,9 +2485,18 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
         if differs(big, top) is not None:  # at the probe's lengths, where the bound is the loosest
             most, hi, found = _threshold(lambda m: differs(m, top), B0, big)
             read = ""
-        else:
+        elif _differs_at(big, S, dims) is not None:
             most, hi, found = _threshold(lambda m: _differs_at(m, S, dims), B0, big)
             read = f" (at S = {S}" + (f", C = {dims['C']}" if "C" in dims else "") + ")"
+        else:  # alike with a stack's first and last blocks only: a block between them differs, not bounded
+            raise found.restated(
+                f"the model given takes another path at B = {big} than at the probe's B = {B0}, in a block of its "
+                f"layer stack between the first and the last, where the batch sizes between cannot be bisected "
+                f"({found.what})",
+                hint="branch on the batch size alike in every block of the stack (or in none), so that its first "
+                "and last blocks show where",
+                sizes=("B",),
+            )
         bounds.append(_bound("B", hi, most, found, "larger batches", read))
     return tuple(bounds)
 

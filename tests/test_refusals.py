@@ -1813,6 +1813,45 @@ def test_a_branch_on_many_tokens_in_a_step_bounds_the_batch_at_the_longest_lengt
     assert any("at B = 4005 (at S = 999" in n and "B <= 4004" in n for n in acct.notes)
 
 
+class _IndexedBlock(nn.Module):
+    def __init__(self, width: int, index: int) -> None:
+        super().__init__()
+        self.a, self.index = nn.Linear(width, width), index
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h (B, S, width)
+        h = self.a(h)
+        return h * 2 if self.index == 2 and h.shape[0] > 256 else h  # block 2, on the large side only
+
+
+class _MiddleBranch(nn.Module):
+    """Blocks built alike, whose third alone takes another path past B = 256 (its index read in the forward)."""
+
+    def __init__(self, config: StackConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab, config.width)
+        self.blocks = nn.ModuleList(_IndexedBlock(config.width, i) for i in range(config.n_layer))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
+        h = self.emb(x)  # (B, S, width)
+        for block in self.blocks:
+            h = block(h)  # (B, S, width)
+        return h.sum()
+
+    def example_inputs(self, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, self.config.vocab, (B, S)),)
+
+
+def test_a_branch_above_the_probes_batch_in_a_middle_block_only_is_refused():
+    """The largest batch is bisected on a stack's first and last blocks (the middle ones built alike), as the
+    least is: a branch that block 2 alone takes is seen at B = 8,191 (pass 4 keeps blocks 0, 1, 2 and the
+    last there) but not between, so no bound can be read and the model is refused, naming the block."""
+    with pytest.raises(SymacctError) as e:
+        symacct.derive(_MiddleBranch(StackConfig()), step="forward")
+    assert "takes another path at B = 8191 than at the probe's B = 233, in a block of its layer stack" in e.value.what
+    assert e.value.module == "blocks.2" and e.value.op == "aten.mul.Tensor" and "every block" in e.value.hint
+
+
 def test_a_step_that_loops_over_the_batch_is_not_traced_at_the_largest_batch(monkeypatch):
     """A step that runs an op once a sequence of the batch (its op count read in B: ``stack``'s backward
     selects each of B pieces) would run 8,191 of those ops at the largest batch: pass 4 keeps the probe's B
