@@ -1018,8 +1018,10 @@ def _same_model(
     optimizer: Any = None,
     counted: frozenset[str] = frozenset(),
 ) -> UserRun:
-    """Trace the user's own model (a fake copy) at the probe's B and S and compare its ops with the probe's;
-    the trace that passed and the sizes it ran at (for ``compare_shapes``, once the readings are checked).
+    """Trace the user's own model (a fake copy) at the longest lengths it runs and the largest batch
+    (``LARGEST_BATCH``; else at the probe's B and S) and compare its ops with the probe's; the trace that
+    passed and the sizes it ran at (for ``compare_shapes``, once the readings are checked). Where it differs
+    there and not at the probe's B, the trace at the probe's B, with the difference (``UserRun.over``).
 
     The optimizer is built on it too (hooks it registers, such as the mixed recipe's fp32 gradient casts, run
     in the backward); its step is not run, as its phase is not compared.
