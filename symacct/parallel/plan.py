@@ -38,7 +38,7 @@ from symacct.parallel.rank import Parallel, Rank, compiled, derive_parallel, opt
 from symacct.parallel.schedule import actions, makespan
 from symacct.pipeline import no_cycle_collection
 from symacct.time.hardware import Accelerator, get
-from symacct.time.model import most
+from symacct.time.model import fits_at_most, most
 
 if TYPE_CHECKING:
     from symacct.accounting import Accounting
@@ -573,13 +573,6 @@ def fit_layout(
             hi = mid
     at = worst(max(lo, 1))
     nxt = None if capped else int(worst(lo + 1).peak)
-    notes = (
-        [
-            f"B={top} is the largest value the formulas hold at (above it the model takes another path, not derived: "
-            "the accounting's notes say where), and it fits: larger values may fit too"
-        ]
-        if capped
-        else []
-    )
+    notes = [fits_at_most("B", lo)] if capped else []
     global_batch = lo * layout.micro_batches * layout.dp
     return LayoutFit(layout, lo, int(at.peak), nxt, budget, at.stage, global_batch, notes)

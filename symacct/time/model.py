@@ -318,6 +318,14 @@ def most(acct: Accounting, symbol: str) -> int | None:
     )
 
 
+def fits_at_most(symbol: str, top: int) -> str:
+    """The note of a search that stops at ``most``'s bound, where it still fits (``fit``, ``fit_layout``)."""
+    return (
+        f"{symbol}={top} is the largest value the formulas hold at (above it the model takes another path, not "
+        "derived: the accounting's notes say where), and it fits: larger values may fit too"
+    )
+
+
 def fit(
     acct: Accounting,
     symbol: str,
@@ -385,10 +393,7 @@ def fit(
     capped = top is not None and peak(top) <= budget
     if capped:  # fits up to the bound: larger sizes are not derived
         lo = top
-        notes.append(
-            f"{symbol}={top} is the largest value the formulas hold at (above it the model takes another path, not "
-            f"derived: the accounting's notes say where), and it fits: larger values may fit too"
-        )
+        notes.append(fits_at_most(symbol, top))
     else:
         hi = lo
         while top is None or hi * 2 < top:
