@@ -281,6 +281,19 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
 
         return run
 
+    class EinsumAttention(nn.Module):  # one head in einsum, which runs no bmm where the sizes it keeps are 1
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.q, self.k = nn.Linear(width, width), nn.Linear(width, width)
+
+        def forward(self, x: Any) -> Any:  # x (B, S, width)
+            scores = torch.einsum("bsd,btd->bst", self.q(x), self.k(x)).softmax(-1)  # (B, S, S)
+            return torch.einsum("bst,btd->bsd", scores, x).sum()  # (B, S, width)
+
+    def einsum_at_one() -> Any:
+        acct = symacct.derive(EinsumAttention, dims={"width": 8}, inputs=lambda m, B, S: (torch.randn(B, S, 8),))
+        return acct.at(B=2, S=1).flops.total
+
     def by_parity() -> Any:
         return symacct.derive(ByParity, dims={"width": 8}, inputs=lambda m, B, S: (torch.randn(B, S, m.a.in_features),))
 
@@ -400,6 +413,7 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ("at below a small batch branch", by_small_batch(8), Refuse("B=8 breaks 9 <= B")),
         ("at B 1 on a B == 1 branch", by_small_batch(1), Refuse("B=1 breaks 2 <= B")),
         ("at above a large batch branch", by_large_batch(), Refuse("B=300 breaks B <= 256")),
+        ("at S 1 on an einsum attention", einsum_at_one, Refuse("S=1 breaks 2 <= S")),
         ("fit B on a large batch branch", by_large_batch(fits=True), lambda v: v == (256, None)),
         ("derive in anomaly mode", in_anomaly_mode, lambda v: v == g.memory.peak),
         ("derive saved hooks disabled", hooks_disabled, Refuse("saved-tensor hooks are disabled")),

@@ -80,7 +80,8 @@ def size_one_note(ones: list[str]) -> str:
     return (
         f"{', '.join(ones)} = 1: byte figures are derived for sizes >= 2; at size 1 PyTorch may take a view instead "
         "of a copy (or the reverse), or skip a reduction over the size of 1 (a gradient summed over a broadcast "
-        "batch), so bytes and the other FLOPs can differ (the matmuls' FLOPs do not: pass 4 compares them at B = 1)"
+        "batch), so bytes and the other FLOPs can differ (the matmuls' FLOPs do not at B = 1 or at a length of 1: "
+        "pass 4 compares them there)"
     )
 
 

@@ -1077,8 +1077,10 @@ def _same_model(
             sizes[TP] = precision[TP]
         scale = _count_at(probe, sizes) if (batch, S, dims) != (B, *short) else None
 
+        one = batch == 1 or dims.get("C", S) == 1  # B or the length that moves at 1: views and copies aside
+
         def compared(user: StepTrace) -> frozenset[str]:  # the ops left out, once the rest are alike
-            left = ignore | _aside_at_one(user, trace, counted) if batch == 1 else ignore
+            left = ignore | _aside_at_one(user, trace, counted) if one else ignore
             compare_ops(user, trace, stacks, blocks, left, scale)
             return left
 
@@ -1127,11 +1129,11 @@ def _same_model(
 
 
 def _aside_at_one(user: StepTrace, probe: StepTrace, counted: frozenset[str]) -> frozenset[str]:
-    """The ops left out of the comparison where the user's model runs at B = 1, where PyTorch may view what it
-    otherwise copies and skips a reduction over the size of 1 (a gradient summed over a broadcast batch), which
-    change bytes and the other FLOPs (``symacct.accounting``'s note at a size of 1): the probe's ops that its
-    FLOPs do not count (``counted``: the matmuls'), and of the user's own, those that view or copy
-    (``memory_ops.MOVES``)."""
+    """The ops left out of the comparison where the user's model runs at B = 1 or at a length of 1, where
+    PyTorch may view what it otherwise copies and skips a reduction over the size of 1 (a gradient summed over a
+    broadcast batch), which change bytes and the other FLOPs (``symacct.accounting``'s note at a size of 1): the
+    probe's ops that its FLOPs do not count (``counted``: the matmuls'), and of the user's own, those that view,
+    copy or allocate (``memory_ops.MOVES``)."""
     probe_ops = {str(rec.op) for rec in probe.ops} - counted
     moves = {op for op in {rec.op for rec in user.ops} if isinstance(op, torch._ops.OpOverload)}
     return frozenset(probe_ops | {str(op) for op in moves if rule_registry.lookup(op) in MOVES})
@@ -2447,7 +2449,10 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
     at the probe's lengths, or where the longest lengths alone take the other path (``B * S > n``) at those,
     which bounds it for every shorter length too. A model that cannot run at the shortest lengths (the top 5
     along S) is bounded the same way, as sizes it cannot run; ``fit`` searches between the bounds
-    (``symacct.time.model.least``, ``most``). Empty where they all agree, or where pass 4 is skipped."""
+    (``symacct.time.model.least``, ``most``). B = 1 and a length of 1 are traced too, compared in the ops the
+    probe's FLOPs count (``_aside_at_one``): another matmul there (``if B == 1``; an einsum, which runs no bmm
+    where the sizes it keeps are 1) bounds B, or the length, from 2. Empty where they all agree, or where pass 4
+    is skipped."""
     if user is None or user.rerun is None or user.span is None:
         return ()
     name, low, (S0, dims0) = user.span
@@ -2458,7 +2463,8 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
         try:
             run = rerun(S, dims, batch=b)
             read = _at_own_sizes(src, probes.first, run.sizes)
-            compare_shapes(run.trace, first.trace, first.stacks, blocks, read, run.ignore, run.scale)
+            one = b == 1 or dims.get("C", S) == 1  # a size of 1: the matmuls alike in their FLOPs
+            compare_shapes(run.trace, first.trace, first.stacks, blocks, read, run.ignore, run.scale, by_flops=one)
         except SymacctError as e:
             if e.internal:
                 raise
@@ -2481,6 +2487,8 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
         bounds.append(_bound(name, lo, n, found, "shorter lengths", f", B = {b}" if b < B0 else ""))
     if b == least and B0 > 1 and (found := differs(1, n)) is not None:  # B = 1: views and copies aside
         bounds.append(_bound("B", 1, 2, found, "B = 1"))
+    if low == n == 2 and name is not None and (found := differs(b, 1)) is not None:  # the length at 1, alike
+        bounds.append(_bound(name, 1, 2, found, f"{name} = 1"))
     if user.over is not None:  # a threshold above the probe's B: the largest that runs its ops, at the lengths
         big, found = user.over  # it was seen at (the longest, where a step's tokens decide: B * S > n)
         S, dims = _lengths_of(user)
@@ -2540,7 +2548,7 @@ def _bound(name: str, at: int, last: int, found: SymacctError, sizes: str, read:
     ones = (
         ", in the ops its FLOPs count (at a size of 1 PyTorch may view what it otherwise copies, or skip a "
         "reduction: bytes and the other FLOPs are a convention there)"
-        if name == "B" and at == 1
+        if at == 1
         else ""
     )
     up = last < at

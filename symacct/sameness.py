@@ -43,14 +43,16 @@ import torch
 from torch import nn
 from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from symacct.cost.layers import op_blocks
 from symacct.errors import SymacctError
 from symacct.options import dtype_key
+from symacct.trace.counted import counted_flops
 from symacct.trace.hooks import describe as describe_hook
 from symacct.trace.hooks import hooks_of
 from symacct.trace.hooks import keys as hook_places
-from symacct.trace.record import OpRecord, StepTrace
+from symacct.trace.record import OpRecord, StepTrace, TMeta
 
 D = TypeVar("D")
 Key = tuple[str, str, str]  # phase, op, module path within its block (or the full path outside blocks)
@@ -252,18 +254,22 @@ def compare_shapes(
     read: Callable[[int], int | None],
     ignore: frozenset[str] = frozenset(),
     scale: Callable[[int], int | None] | None = None,
+    by_flops: bool = False,
 ) -> None:
     """Refuse when an op of the user's model returns tensors of other shapes than its counterpart in the probe
     model, read in symbols and taken at the sizes of the user's trace (``read``, as in ``compare_parameters``).
     Where a key's count scales with the lengths (``scale``, as in ``compare``), each of the user's ops must
-    return what one of the probe's does.
+    return what one of the probe's does. ``by_flops`` (a user's trace at a size of 1): the ops that
+    ``torch.utils.flop_counter`` counts are alike where they count the same FLOPs as the probe's, read at those
+    sizes, whatever their shapes (at a size of 1 a batch dimension may be folded into a matrix's rows: the
+    query heads of a group, in SDPA's math path and transformers' grouped attention at one position).
 
     ``compare`` has found the same op counts; this finds the same ops run at other sizes with the same
     parameters: an attribute changed after construction (an attention module's head count, which splits the
     same width into more heads and saves a larger score matrix; an MoE layer's top-k). Ops are paired in the
     order they ran within each (phase, op, module) key, else matched in any order.
     """
-    differ = functools.partial(_shape_difference, read=read, scale=scale)
+    differ = functools.partial(_flop_difference if by_flops else _shape_difference, read=read, scale=scale)
     at = _difference(_grouped(user, stacks, ignore), _grouped(probe, stacks, ignore), stacks, probe_blocks, differ)
     if at is None:
         return
@@ -304,6 +310,43 @@ def _shape_difference(
             if not scaled:  # as many ops as the probe's: each its own counterpart
                 left.remove(match)
     return None
+
+
+def _flop_difference(
+    user: dict[Key, list[OpRecord]],
+    probe: dict[Key, list[OpRecord]],
+    read: Callable[[int], int | None],
+    scale: Callable[[int], int | None] | None = None,
+) -> tuple[OpRecord, tuple[tuple[int, ...], ...], tuple[Any, ...]] | None:
+    """``_shape_difference`` where, for a key of ops PyTorch counts the FLOPs of, the user's ops count on average
+    what the probe's count, read at the user's sizes, is no difference (as many ops or a count that scales:
+    ``compare`` has checked the counts)."""
+    shaped = {}
+    for key, mine in user.items():
+        theirs = probe.get(key, [])
+        want = [_read_flops(rec, read) for rec in theirs]
+        got = [rec.flops for rec in mine]
+        if theirs and None not in want and None not in got and sum(got) * len(theirs) == sum(want) * len(mine):
+            continue
+        shaped[key] = mine
+    return _shape_difference(shaped, probe, read, scale)
+
+
+def _read_flops(rec: OpRecord, read: Callable[[int], int | None]) -> int | None:
+    """What PyTorch counts for a probe's op (``symacct.trace.counted``) at the sizes ``read`` takes its
+    dimensions to; None for an op it does not count, or a dimension with no reading."""
+    unread = False
+
+    def size(x: Any) -> Any:
+        nonlocal unread
+        if not isinstance(x, TMeta):
+            return x
+        dims = [read(d) if isinstance(d, int) else None for d in x.shape]
+        unread = unread or None in dims
+        return torch.Size(d or 0 for d in dims)
+
+    args, kwargs, out = tree_map(size, (rec.args, rec.kwargs, rec.out))
+    return None if unread else counted_flops(rec.op, args, kwargs, out)
 
 
 def _returns(

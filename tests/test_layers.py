@@ -31,6 +31,7 @@ ORDER = [
     "trace.eager",
     "trace.loops",
     "trace.engine",
+    "trace.counted",
     "trace.sdpa_choice",
     "trace.sdpa",
     "trace.record",

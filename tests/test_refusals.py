@@ -1604,6 +1604,18 @@ def test_a_decode_step_that_branches_on_a_short_cache_is_bounded_in_c():
     assert "C=32 breaks 33 <= C" in e.value.what and "aten.addmm.default in b" in e.value.what
 
 
+def test_a_decode_step_that_branches_on_a_cache_of_one_is_bounded_from_two():
+    """A cache of one position, C = 1, as S = 1: compared in the ops the probe's FLOPs count, and bounded."""
+    model = _ByShortCache(CacheConfig(at=1))
+    acct = symacct.derive(model, step="decode")
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(**model.decode_inputs(2, 1, 2))
+    assert acct.at(B=2, C=2).flops.forward == fc.get_total_flops()
+    with pytest.raises(SymacctError) as e:
+        acct.at(B=2, C=1)
+    assert "C=1 breaks 2 <= C" in e.value.what and "aten.addmm.default in b" in e.value.what
+
+
 class _PlainByLength(nn.Module):
     """A module without config (only B and S are symbols) with one more Linear up to 32 positions (``short``) or
     past 1,000."""
@@ -1656,7 +1668,7 @@ class BatchConfig:
     vocab: int = 50
     width: int = 16
     at: int = 8  # the threshold: below both probes' batch sizes (the second runs B = 53)
-    how: str = "batch"  # one more Linear where "batch": B <= at; "tokens": B * S <= at; "one": B == 1
+    how: str = "batch"  # one more Linear where "batch": B <= at; "tokens": B * S <= at; "one": B == 1; "S1": S == 1
 
 
 class _ByBatch(_TwoPaths):
@@ -1665,7 +1677,9 @@ class _ByBatch(_TwoPaths):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
         h = self.a(self.emb(x))  # (B, S, width)
         B, S = x.shape
-        small = {"batch": B <= self.config.at, "tokens": B * S <= self.config.at, "one": B == 1}[self.config.how]
+        small = {"batch": B <= self.config.at, "tokens": B * S <= self.config.at, "one": B == 1, "S1": S == 1}[
+            self.config.how
+        ]
         if small:
             h = self.b(h)  # (B, S, width): on the small side only
         return h.sum()
@@ -1722,6 +1736,46 @@ def test_a_branch_at_batch_one_bounds_the_formulas_from_two():
     gpt2 = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, block_size=64)))
     assert not any("in the ops its FLOPs count" in n for n in gpt2.notes)
     assert any("B = 1: byte figures" in n for n in gpt2.at(B=1, S=8).notes)  # given, with the bytes' convention
+
+
+def test_a_branch_at_a_length_of_one_bounds_the_formulas_from_two():
+    """``if S == 1``: as at B = 1, the matmuls' FLOPs were said not to change at a size of 1, and pass 4 compared
+    them at B = 1 only: this model runs one more Linear at S = 1, and at(B=7, S=1) gave half the forward
+    matmul FLOPs of a real step (3,584 against 7,168). The user's model is now traced at S = 1 too (at B = 2)
+    and compared as at B = 1: another op there bounds S from 2. B = 1 stays open."""
+    model = _ByBatch(BatchConfig(how="S1"))
+    assert _forward_matmul_flops(model, 7, 1) == _forward_matmul_flops(model, 7, 2)  # two Linears at S = 1
+    acct = _bounded(lambda: _ByBatch(BatchConfig(how="S1")), (7, 2), (7, 1), "S=1 breaks 2 <= S", "S = 1", "S >= 2")
+    assert acct.at(B=1, S=2).flops.forward == _forward_matmul_flops(model, 1, 2)
+    assert any("at S = 1, in the ops its FLOPs count" in n for n in acct.notes)
+    gpt2 = symacct.derive(GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, block_size=64)))
+    assert not any("in the ops its FLOPs count" in n for n in gpt2.notes)
+    assert any("S = 1: byte figures" in n for n in gpt2.at(B=2, S=1).notes)  # given, with the bytes' convention
+
+
+class _EinsumAttention(_TwoPaths):
+    """One attention head written with einsum, as research code often is: queries a, keys b, values the
+    embedding."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S) token ids
+        h = self.emb(x)  # (B, S, width)
+        scores = torch.einsum("bsd,btd->bst", self.a(h), self.b(h)).softmax(-1)  # (B, S, S)
+        return torch.einsum("bst,btd->bsd", scores, h).sum()  # (B, S, width)
+
+
+def test_einsum_attention_at_one_position_is_refused_where_it_runs_no_matmul():
+    """PyTorch's einsum multiplies and sums instead of calling bmm where the sizes it keeps and contracts are 1:
+    at S = 1 a real step of this attention runs one bmm where it runs two at S = 2, and at(B=3, S=1) gave
+    3,264 forward matmul FLOPs where FlopCounterMode counts 3,168 (its saved bytes differed too). Now bounded
+    from S = 2, exact there."""
+    model = _EinsumAttention(BatchConfig())
+    acct = symacct.derive(model, step="forward")
+    assert acct.at(B=3, S=2).flops.forward == _forward_matmul_flops(model, 3, 2)
+    sizes = {**acct.symbols, "B": 3, "S": 1}
+    old = acct.flops.forward.subs({x: sizes[x.name] for x in acct.flops.forward.free_symbols})
+    assert (old, _forward_matmul_flops(model, 3, 1)) == (3264, 3168)  # the formula read at S = 1: wrong
+    with pytest.raises(SymacctError, match="S=1 breaks 2 <= S"):
+        acct.at(B=3, S=1)
 
 
 @dataclasses.dataclass

@@ -34,10 +34,11 @@ import torch
 from cli_run import cli
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
 
 import symacct
 from symacct import SymacctError
-from symacct.measure.run import measure_memory, measure_step
+from symacct.measure.run import CpuFlashCounter, measure_memory, measure_step
 from symacct.models.hf import task
 from symacct.symbols import sym
 
@@ -756,6 +757,7 @@ def test_mamba_on_the_cpu_is_refused_as_a_loop_over_the_sequence() -> None:
     assert e.value.module == "backbone.layers.0.mixer" and e.value.sizes == ("S",)
 
 
+@pytest.mark.slow  # eight unlike layers traced whole, the default run's longest: in CI's slow pass (20 minutes)
 def test_gemma4_with_per_layer_head_widths_is_exact() -> None:
     """Gemma 4's config gives its full-attention layers a head width of their own (``global_head_dim``) through
     per-layer overrides, and refuses a read of the global ``head_dim`` (AmbiguousGlobalPerLayerAttributeError).
@@ -824,6 +826,7 @@ def _whisper(head: str = "ForConditionalGeneration", **sizes: int) -> Any:
     return getattr(T, f"Whisper{head}")(config)
 
 
+@pytest.mark.slow  # an encoder-decoder of its own, exact at two sizes: in CI's slow pass (the default run's 20 minutes)
 def test_whisper_speech_to_text_is_exact() -> None:
     """Whisper's forward takes input_features, not input_ids: it got the text sequence-to-sequence step and
     was refused with a hint about size relations ("'NoneType' object has no attribute 'shape'"). Its step
@@ -1002,3 +1005,33 @@ def test_deepseek_v3_with_its_first_blocks_dense_is_exact_at_its_depth() -> None
     acct = symacct.derive(model, optimizer="adamw")
     assert "L" not in acct.symbols and any("block 3 of model.layers is built unlike block 1" in n for n in acct.notes)
     check_exact(model, acct, [(2, 7), (3, 11)])
+
+
+def test_doge_at_one_position_folds_a_matmul_and_keeps_its_flops() -> None:
+    """Doge's attention runs SDPA's math path (its mask needs a gradient), whose bmm returns other shapes at
+    S = 1 for the same FLOPs (the query heads of a group folded into one product's rows). Pass 4's trace at
+    S = 1 compares the ops the probe's FLOPs count by those FLOPs (``torch.utils.flop_counter``'s), not by
+    shape, which bounded S from 2 although the matmul FLOPs there are exact, as this checks."""
+    config = T.DogeConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = T.DogeForCausalLM(config)
+    acct = symacct.derive(model)
+    assert not any("takes another path" in n for n in acct.notes)
+    step = task(model)
+    for B in (2, 1):
+        at = acct.at(B=B, S=1)
+        counted = measure_step(model, step.inputs(model, B, 1), loss=step.loss)
+        model.zero_grad(set_to_none=True)
+        assert (counted.flash_forward, counted.grouped_forward) == (0, 0)  # bmm only, as FlopCounterMode counts
+        assert (at.flops.forward, at.flops.backward) == (counted.flops_forward, counted.flops_backward)
+        assert any("S = 1: byte figures" in n for n in at.notes)  # the bytes: the convention at a size of 1
+    # its prefill runs the CPU flash kernel, which returns the folded shapes at S = 1: counted by its FLOPs too
+    model.eval()
+    prefill = symacct.derive(model, step="prefill")
+    assert not any("takes another path" in n for n in prefill.notes)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc, CpuFlashCounter() as flash:
+        model(input_ids=torch.randint(0, 64, (2, 1)), use_cache=True, logits_to_keep=1)
+    assert flash.total > 0 and prefill.at(B=2, S=1).flops.forward == fc.get_total_flops() + flash.total

@@ -19,9 +19,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from symacct.trace import versions
+from symacct.trace.counted import FLASH_CPU, FLASH_CPU_BACKWARD, counted_flops
 from symacct.trace.saved import composing
 
 
@@ -145,15 +146,10 @@ class CpuFlashCounter(TorchDispatchMode):
         self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        aten = torch.ops.aten
         if dtensor_op(types):
             return NotImplemented  # a sharded call (context parallelism's ring): its local kernels come back here
-        if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
-            q, k, v = args[:3]
-            self.total += sdpa_flop_count(q.shape, k.shape, v.shape)
-        elif func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-            grad_out, q, k, v = args[:4]
-            self.total += sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+        if func in _FLASH:
+            self.total += counted_flops(func, args, kwargs, None) or 0
         return func(*args, **(kwargs or {}))
 
 
@@ -184,10 +180,7 @@ class LocalFlopCounter(CpuFlashCounter):
         return out
 
 
-_FLASH = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-}
+_FLASH = {FLASH_CPU, FLASH_CPU_BACKWARD}
 _QUERIES = {  # metadata queries, not computation (FlopCounterMode's list)
     torch.ops.aten.sym_is_contiguous.default,
     torch.ops.aten.is_contiguous.default,

@@ -46,6 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from symacct.errors import SymacctError
 from symacct.trace import eager, known, versions, views
+from symacct.trace.counted import counted_flops
 from symacct.trace.engine import Saved, refusing_hooks
 from symacct.trace.engine import backward as engine_backward
 from symacct.trace.loops import INDEXING, SPLITTING, SizeLoops, walk_refusal
@@ -117,6 +118,8 @@ class OpRecord:
     is_view: bool  # every output aliases an input without writing it
     mutated: list[TMeta]  # arguments the op writes in place
     out_shapes: tuple[tuple[int, ...], ...] = ()  # the shapes of the tensors it returns
+    # an ``only_ops`` record of an op PyTorch counts the FLOPs of: its count (``symacct.trace.counted``; else None)
+    flops: int | None = None
 
 
 @dataclass
@@ -805,7 +808,7 @@ class _Recorder(TorchDispatchMode):
             self.replays.after_op(func, args)
         for a, k, o in _split_lists(func, args, kwargs, out):
             if self.only_ops:
-                self._record_op(func, o)
+                self._record_op(func, a, k, o)
             else:
                 self._record(func, a, k, o)
         if self.phase == "forward" or self.recomputing:
@@ -818,8 +821,9 @@ class _Recorder(TorchDispatchMode):
             self.seq_seen = max(self.seq_seen, last)
         return out
 
-    def _record_op(self, func: Any, out: Any) -> None:
-        """The op, its module, its phase and the shapes it returns; nothing else of its tensors."""
+    def _record_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """The op, its module, its phase and the shapes it returns (and the FLOPs PyTorch counts for it, where it
+        counts any: ``symacct.trace.counted``); nothing else of its tensors."""
         phase = "recompute" if self.phase == "backward" and self.recomputing else self.phase
         index = len(self.trace.ops)
         if isinstance(out, torch.Tensor):
@@ -828,7 +832,8 @@ class _Recorder(TorchDispatchMode):
             shapes = tuple(tuple(o.shape) for o in out)
         else:
             shapes = tuple(tuple(o.shape) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
-        rec = OpRecord(index, func, self.module(), phase, (), {}, None, [], [], False, [], shapes)
+        flops = counted_flops(func, args, kwargs, out)
+        rec = OpRecord(index, func, self.module(), phase, (), {}, None, [], [], False, [], shapes, flops)
         self.trace.ops.append(rec)
 
     def _record(self, func, args, kwargs, out) -> None:

@@ -303,6 +303,7 @@ def embedding_renorm(call: Call) -> Cost:
     return Cost(flops_other=3 * numel(idx.shape) * weight.shape[1], bytes_read=nbytes(idx) + rows, bytes_written=rows)
 
 
-# the rules of ops that view or copy and do no arithmetic: at a size of 1 PyTorch may run one where it otherwise
-# runs the other (a (1, H, S, Dh) tensor is viewable as (H, S, Dh)), which changes bytes and never FLOPs
-MOVES = (view, copy, to)
+# the rules of ops that view, copy or allocate and do no arithmetic: at a size of 1 PyTorch may run one where it
+# otherwise runs another (a (1, H, S, Dh) tensor is viewable as (H, S, Dh); a gradient whose strides a size of 1
+# leaves ambiguous is copied into a new tensor of its parameter's strides), which changes bytes and never FLOPs
+MOVES = (view, copy, to, allocate)
