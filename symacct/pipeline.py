@@ -101,6 +101,7 @@ from symacct.sameness import (
     NOT_THE_SAME,
     TENSOR_PARALLEL_IGNORED,
     _empty_like,
+    compare_flops,
     compare_parameters,
     compare_settings,
     compare_shapes,
@@ -116,6 +117,7 @@ from symacct.trace.constraints import Constraint
 from symacct.trace.constraints import check as check_constraints
 from symacct.trace.constraints import learn as learn_constraints
 from symacct.trace.context_parallel import sharded as sequence_sharded
+from symacct.trace.counted import counts_flops
 from symacct.trace.hooks import describe as describe_hook
 from symacct.trace.hooks import hooks_of
 from symacct.trace.probe import (
@@ -1133,10 +1135,14 @@ def _aside_at_one(user: StepTrace, probe: StepTrace, counted: frozenset[str]) ->
     PyTorch may view what it otherwise copies and skips a reduction over the size of 1 (a gradient summed over a
     broadcast batch), which change bytes and the other FLOPs (``symacct.accounting``'s note at a size of 1): the
     probe's ops that its FLOPs do not count (``counted``: the matmuls'), and of the user's own, those that view,
-    copy or allocate (``memory_ops.MOVES``)."""
+    copy or allocate (``memory_ops.MOVES``). The ops PyTorch counts the FLOPs of are compared by those FLOPs
+    instead (``sameness.compare_flops``): at a size of 1 a Linear may run ``addmm`` where it otherwise runs
+    ``mm`` and ``add``, for the same FLOPs."""
     probe_ops = {str(rec.op) for rec in probe.ops} - counted
-    moves = {op for op in {rec.op for rec in user.ops} if isinstance(op, torch._ops.OpOverload)}
-    return frozenset(probe_ops | {str(op) for op in moves if rule_registry.lookup(op) in MOVES})
+    ops = {rec.op for rec in (*user.ops, *probe.ops)}
+    moves = {op for op in ops if isinstance(op, torch._ops.OpOverload) and rule_registry.lookup(op) in MOVES}
+    pooled = {op for op in ops if counts_flops(op)}
+    return frozenset(probe_ops | {str(op) for op in moves | pooled})
 
 
 SHORTEST_KEEP = 2  # blocks of a stack the user's trace at the shortest lengths keeps (``shortened``)
@@ -1190,9 +1196,9 @@ def _longest(
 
 def _shortest(src: _Source, probe: Probe, S: int, dims: dict[str, int]) -> tuple[str, int] | None:
     """The length ``shortest_path`` moves (C in a decode step, else S) and the shortest value it takes: 2 (a size
-    of 1 is another convention, ``Accounting.at``'s note), on the probe's side of every window the config keeps
-    (past it where the probe is past it); None where S keeps its structure (64 * prime, tp * prime), where the
-    step has no length, or where that value is not below the probe's."""
+    of 1 is another convention, ``Accounting.at``'s note, traced apart), on the probe's side of every window the
+    config keeps (past it where the probe is past it); None where S keeps its structure (64 * prime, tp * prime),
+    where the step has no length, or where that value is not below the probe's."""
     structured = "S" in probe.values and probe.values["S"] != probe.own.get("S")
     if structured:
         return None
@@ -2463,8 +2469,9 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
         try:
             run = rerun(S, dims, batch=b)
             read = _at_own_sizes(src, probes.first, run.sizes)
-            one = b == 1 or dims.get("C", S) == 1  # a size of 1: the matmuls alike in their FLOPs
-            compare_shapes(run.trace, first.trace, first.stacks, blocks, read, run.ignore, run.scale, by_flops=one)
+            if b == 1 or dims.get("C", S) == 1:  # a size of 1: the matmuls alike in their FLOPs, in any ops
+                compare_flops(run.trace, first.trace, first.stacks, blocks, read)
+            compare_shapes(run.trace, first.trace, first.stacks, blocks, read, run.ignore, run.scale)
         except SymacctError as e:
             if e.internal:
                 raise

@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_map
 from symacct.cost.layers import op_blocks
 from symacct.errors import SymacctError
 from symacct.options import dtype_key
-from symacct.trace.counted import counted_flops
+from symacct.trace.counted import counted_flops, counts_flops
 from symacct.trace.hooks import describe as describe_hook
 from symacct.trace.hooks import hooks_of
 from symacct.trace.hooks import keys as hook_places
@@ -254,22 +254,18 @@ def compare_shapes(
     read: Callable[[int], int | None],
     ignore: frozenset[str] = frozenset(),
     scale: Callable[[int], int | None] | None = None,
-    by_flops: bool = False,
 ) -> None:
     """Refuse when an op of the user's model returns tensors of other shapes than its counterpart in the probe
     model, read in symbols and taken at the sizes of the user's trace (``read``, as in ``compare_parameters``).
     Where a key's count scales with the lengths (``scale``, as in ``compare``), each of the user's ops must
-    return what one of the probe's does. ``by_flops`` (a user's trace at a size of 1): the ops that
-    ``torch.utils.flop_counter`` counts are alike where they count the same FLOPs as the probe's, read at those
-    sizes, whatever their shapes (at a size of 1 a batch dimension may be folded into a matrix's rows: the
-    query heads of a group, in SDPA's math path and transformers' grouped attention at one position).
+    return what one of the probe's does.
 
     ``compare`` has found the same op counts; this finds the same ops run at other sizes with the same
     parameters: an attribute changed after construction (an attention module's head count, which splits the
     same width into more heads and saves a larger score matrix; an MoE layer's top-k). Ops are paired in the
     order they ran within each (phase, op, module) key, else matched in any order.
     """
-    differ = functools.partial(_flop_difference if by_flops else _shape_difference, read=read, scale=scale)
+    differ = functools.partial(_shape_difference, read=read, scale=scale)
     at = _difference(_grouped(user, stacks, ignore), _grouped(probe, stacks, ignore), stacks, probe_blocks, differ)
     if at is None:
         return
@@ -312,24 +308,60 @@ def _shape_difference(
     return None
 
 
-def _flop_difference(
-    user: dict[Key, list[OpRecord]],
-    probe: dict[Key, list[OpRecord]],
-    read: Callable[[int], int | None],
-    scale: Callable[[int], int | None] | None = None,
-) -> tuple[OpRecord, tuple[tuple[int, ...], ...], tuple[Any, ...]] | None:
-    """``_shape_difference`` where, for a key of ops PyTorch counts the FLOPs of, the user's ops count on average
-    what the probe's count, read at the user's sizes, is no difference (as many ops or a count that scales:
-    ``compare`` has checked the counts)."""
-    shaped = {}
-    for key, mine in user.items():
-        theirs = probe.get(key, [])
-        want = [_read_flops(rec, read) for rec in theirs]
-        got = [rec.flops for rec in mine]
-        if theirs and None not in want and None not in got and sum(got) * len(theirs) == sum(want) * len(mine):
-            continue
-        shaped[key] = mine
-    return _shape_difference(shaped, probe, read, scale)
+def compare_flops(
+    user: StepTrace, probe: StepTrace, stacks: list[str], probe_blocks: int, read: Callable[[int], int | None]
+) -> None:
+    """Refuse when the ops PyTorch counts the FLOPs of (``symacct.trace.counted``: the matmuls, convolutions
+    and attention kernels) count other FLOPs in a module and phase of the user's model than in the probe
+    model's, read at the sizes of the user's trace (``read``): the comparison at a size of 1, where the ops
+    and shapes that carry them may differ (a Linear's ``addmm`` on a tensor that is contiguous at one position
+    where it runs ``mm`` and ``add`` otherwise; a group's query heads folded into one product's rows), the
+    FLOPs may not. Their ops are left out of the comparison of ops and shapes there (``pipeline._aside_at_one``)."""
+    mine = _pooled(_grouped(user, stacks), lambda rec: rec.flops)
+    theirs = _pooled(_grouped(probe, stacks), lambda rec: _read_flops(rec, read) if counts_flops(rec.op) else None)
+    at = _difference(mine, theirs, stacks, probe_blocks, _pool_difference)
+    if at is None:
+        return
+    ((phase, module), got, want, op), i = at
+    raise SymacctError(
+        f"{NOT_THE_SAME}: the ops whose FLOPs PyTorch counts ({op} among them) count {got} FLOPs in the given "
+        f"model and {want} {AT_OWN_SIZES} ({phase}, {_where(i)})",
+        module=module,
+        op=op,
+        hint="a step that runs other matmuls at a size of 1 takes another path there: its figures hold from 2",
+    )
+
+
+Pools = dict[tuple[str, str], tuple[int | None, str]]
+
+
+def _pooled(groups: Groups, flops_of: Callable[[OpRecord], int | None]) -> tuple[Pools, dict[int, Pools]]:
+    """Per (phase, module), outside the blocks and per block index: the FLOPs PyTorch counts for its ops (None
+    where one of them has a dimension with no reading) and the first such op's name."""
+
+    def pool(by_key: dict[Key, list[OpRecord]]) -> Pools:
+        out: Pools = {}
+        for (phase, op, module), recs in by_key.items():
+            if not counts_flops(recs[0].op):
+                continue
+            for rec in recs:
+                f = flops_of(rec)
+                total, first = out.get((phase, module), (0, op))
+                out[(phase, module)] = (None if total is None or f is None else total + f, first)
+        return out
+
+    outside, per = groups
+    return pool(outside), {i: pool(by_key) for i, by_key in per.items()}
+
+
+def _pool_difference(user: Pools, probe: Pools) -> tuple[tuple[str, str], Any, Any, str] | None:
+    """The first (phase, module) whose FLOPs differ (or cannot be read): (it, the user's, the probe's, an op)."""
+    for key in sorted(set(user) | set(probe), key=lambda k: (_PHASES.get(k[0], 3), k)):
+        got, op = user.get(key, (0, ""))
+        want, theirs = probe.get(key, (0, ""))
+        if got is None or want is None or got != want:
+            return key, got, "?" if want is None else want, op or theirs
+    return None
 
 
 def _read_flops(rec: OpRecord, read: Callable[[int], int | None]) -> int | None:

@@ -910,3 +910,24 @@ def test_gemma4_caches_each_layers_own_head_width_and_shares_across_layers():
     )  # fmt: skip
     torch.manual_seed(0)
     _exact_through_generation(transformers.Gemma4ForCausalLM(cfg), 2, 5, 3)
+
+
+def test_a_bert_decoder_prefills_one_sequence_and_one_position_exactly():
+    """A BERT decoder's prefill keeps one position for its LM head, (B, 1, D): a tensor contiguous at B = 1 or
+    S = 1 only, where the head's Linear runs ``addmm`` instead of ``mm`` and ``add``, the same FLOPs. The check at
+    a size of 1 compared those ops by name and refused B = 1 (and, with the trace at S = 1, S = 1): a single
+    prompt, the commonest prefill. It compares them by the FLOPs PyTorch counts now: each size exact."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+        max_position_embeddings=64, is_decoder=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertLMHeadModel(config).eval()
+    prefill = symacct.derive(model, step="prefill")
+    assert not prefill.constraints or not any(c.path for c in prefill.constraints)
+    for B, S in ((1, 3), (2, 1), (1, 1)):
+        cache = transformers.DynamicCache(config=model.config)
+        at = prefill.at(B=B, S=S)
+        got = _generation_call(model, cache, torch.randint(3, 64, (B, S)))
+        assert got == (at.flops.forward, at.memory.peak, at.memory.kv_cache)

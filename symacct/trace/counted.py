@@ -22,6 +22,11 @@ def _shape(x: Any) -> Any:
     return x.shape if isinstance(x, torch.Tensor) else x
 
 
+def counts_flops(op: Any) -> bool:
+    """Whether PyTorch counts FLOPs for ``op`` (``counted_flops`` gives a number for it)."""
+    return op in (FLASH_CPU, FLASH_CPU_BACKWARD) or getattr(op, "overloadpacket", None) in flop_registry
+
+
 def counted_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int | None:
     """The FLOPs of ``func(*args, **kwargs)`` returning ``out`` as flop_counter counts them (tensors or their
     shapes in place of them); None for an op it does not count."""
