@@ -1084,6 +1084,8 @@ def _same_model(
         def compared(user: StepTrace) -> frozenset[str]:  # the ops left out, once the rest are alike
             left = ignore | _aside_at_one(user, trace, counted) if one else ignore
             compare_ops(user, trace, stacks, blocks, left, scale)
+            if one:  # the matmuls left out there: alike in the FLOPs PyTorch counts, whatever ops carry them
+                compare_flops(user, trace, stacks, blocks, _at_own_sizes(src, probe, sizes))
             return left
 
         try:  # the first three blocks and the last, when the middle ones are built alike (symacct.sameness)
@@ -2469,8 +2471,6 @@ def shortest_path(src: _Source, probes: Probes, first: FirstTrace, user: UserRun
         try:
             run = rerun(S, dims, batch=b)
             read = _at_own_sizes(src, probes.first, run.sizes)
-            if b == 1 or dims.get("C", S) == 1:  # a size of 1: the matmuls alike in their FLOPs, in any ops
-                compare_flops(run.trace, first.trace, first.stacks, blocks, read)
             compare_shapes(run.trace, first.trace, first.stacks, blocks, read, run.ignore, run.scale)
         except SymacctError as e:
             if e.internal:
