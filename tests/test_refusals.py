@@ -1766,8 +1766,7 @@ class _EinsumAttention(_TwoPaths):
 def test_einsum_attention_at_one_position_is_refused_where_it_runs_no_matmul():
     """PyTorch's einsum multiplies and sums instead of calling bmm where the sizes it keeps and contracts are 1:
     at S = 1 a real step of this attention runs one bmm where it runs two at S = 2, and at(B=3, S=1) gave
-    3,264 forward matmul FLOPs where FlopCounterMode counts 3,168 (its saved bytes differed too). Now bounded
-    from S = 2, exact there."""
+    3,264 forward matmul FLOPs where FlopCounterMode counts 3,168. Now bounded from S = 2, exact there."""
     model = _EinsumAttention(BatchConfig())
     acct = symacct.derive(model, step="forward")
     assert acct.at(B=3, S=2).flops.forward == _forward_matmul_flops(model, 3, 2)
