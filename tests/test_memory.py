@@ -272,19 +272,19 @@ _BORROW_CASES = [
 @pytest.mark.parametrize("cfg", _BORROW_CASES, ids=["gpt2-checkpointed", "llama-gqa"])
 def test_one_block_more_borrowed_from_the_checking_trace(cfg, monkeypatch):
     """The liveness of one block more comes from the trace that checks the formulas at other sizes, its bytes
-    borrowed from the first trace (5 traces: probe, the user's model at its longest lengths, at its shortest
-    with B = 2 and at B = 1, the check); where a storage has no counterpart, a sixth trace at the first probe's
-    sizes is taken instead.
+    borrowed from the first trace (6 traces: probe, the user's model at its longest lengths, at its shortest
+    with B = 2, at B = 1 and at S = 1, the check); where a storage has no counterpart, a seventh trace at the
+    first probe's sizes is taken instead.
     Both routes give the same formulas and the same exact peaks (which test_*_memory checks against real
     steps)."""
     import symacct.memory.liveness
 
     model = build(cfg)
     n, formulas, peaks = _traces_and_memory(model, monkeypatch, optimizer="adamw")
-    assert n == 5
+    assert n == 6
     monkeypatch.setattr(symacct.memory.liveness, "one_block_less", lambda name, stacks: name)  # no counterpart by name
     n2, formulas2, peaks2 = _traces_and_memory(model, monkeypatch, optimizer="adamw")
-    assert n2 == 6
+    assert n2 == 7
     assert (formulas2, peaks2) == (formulas, peaks)
 
 
