@@ -618,6 +618,7 @@ def test_transformers_gpt2_decodes_up_to_its_position_table():
         decode.at(B=2, C=16)
 
 
+@pytest.mark.slow  # DeepSeek-V3 derivations and a generation: in CI's slow pass (the default run's 20 minutes)
 def test_deepseek_v3_caches_its_latent_and_decodes_exactly():
     """DeepSeek-V3's multi-head latent attention caches the compressed latent (kv_lora_rank wide) and the
     rotary key (qk_rope_head_dim wide), one head each, not keys and values a head: the decode probe fills
@@ -755,6 +756,7 @@ def test_llama4s_attention_chunk_bounds_the_formulas_as_a_window():
         assert peak > at.memory.peak if t == 0 else peak == at.memory.peak
 
 
+@pytest.mark.slow  # a sparse attention's derivations and a generation: in CI's slow pass (the default run's 20 minutes)
 def test_a_sparse_attentions_indexer_keys_are_part_of_the_cache():
     """DeepSeek sparse attention (DeepSeek-V3.2, GLM-MoE-DSA, HY-V4): each layer's indexer scores every cached
     position with keys of its own, which transformers caches beside the latent (``DynamicIndexedLayer``). The
@@ -830,6 +832,7 @@ def test_a_model_that_keeps_no_cache_is_refused_its_serving_steps(step):
     assert "step='forward'" in e.value.hint
 
 
+@pytest.mark.slow  # derivations at a table and a window of their own: in CI's slow pass (the default run's 20 minutes)
 def test_a_table_shorter_than_the_window_is_refused_naming_the_window():
     """A Kolibri whose position table (64) ends within its sliding window (513): its own sizes never pass the
     window, the probe's do, and the two traces take two paths (its ops differ there). derive said "the model
@@ -895,6 +898,7 @@ def test_serve_names_what_bounds_the_longest_context():
     assert "context: the position table bounds it (S_max = 8), not the memory" in s.notes
 
 
+@pytest.mark.slow  # Gemma 4's derivations and a generation: in CI's slow pass (the default run's 20 minutes)
 def test_gemma4_caches_each_layers_own_head_width_and_shares_across_layers():
     """Gemma 4's full-attention layers have a head width of their own (16 here, 8 in the sliding layers), and
     its last layers read the cache of earlier ones (``num_kv_shared_layers``: transformers gives them a cache

@@ -259,6 +259,7 @@ def test_a_module_swapped_after_construction_is_refused() -> None:
         symacct.derive(model)
 
 
+@pytest.mark.slow  # a mixture's derivations: in CI's slow pass (the default run's 20 minutes)
 def test_a_top_k_raised_after_construction_is_refused() -> None:
     """Each token sent to 3 experts where the config sends it to 2: the same ops on the same parameters,
     with longer grouped matmuls. Derived as the config's model, the FLOPs were silently the top-2 figure
@@ -489,7 +490,8 @@ def test_albert_shares_its_layers_and_is_exact() -> None:
     check_exact(model, acct, [(2, 7), (3, 11)])
 
 
-@pytest.mark.parametrize("attn", [pytest.param("eager", marks=pytest.mark.slow), "sdpa"])  # eager: slow pass
+@pytest.mark.slow  # sequence-to-sequence is exact in the default run by BART: in CI's slow pass (20 minutes)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_t5_sequence_to_sequence_is_exact(attn: str) -> None:
     """An encoder-decoder (two stacks side by side, kept at their depths) with the decoder's length S_dec a
     size of its own (at() uses S when it is not given); d_kv follows D/H; relative position buckets are a size
@@ -624,6 +626,7 @@ def test_gpt_bigcode_multi_query_width_is_read_in_the_fewest_symbols() -> None:
     assert width == 32 + 2 * 32 // 4  # D + 2 * D/H: one key and one value head
 
 
+@pytest.mark.slow  # a mixture exact at two sizes: in CI's slow pass (the default run's 20 minutes)
 def test_phimoe_router_with_its_random_draws_is_exact() -> None:
     """Phi-MoE's sparsemixer router draws exponential noise (``exponential_``, a random fill) and scatters its
     top-k weights with ``scatter_add``: both costed; exact against a real step."""
@@ -699,7 +702,12 @@ def test_a_decoder_classifier_trains_without_a_kv_cache_and_is_exact() -> None:
 
 
 @pytest.mark.parametrize(
-    "head", ["BertForTokenClassification", "MistralForQuestionAnswering", "BartForQuestionAnswering"]
+    "head",
+    [
+        "BertForTokenClassification",
+        pytest.param("MistralForQuestionAnswering", marks=pytest.mark.slow),  # the slow pass: 20 minutes
+        pytest.param("BartForQuestionAnswering", marks=pytest.mark.slow),
+    ],
 )
 def test_token_classification_and_question_answering_have_a_default_step(head: str) -> None:
     """Two more heads with a default step: a class index a position (``labels`` (B, S)), and an answer's start
@@ -734,6 +742,7 @@ def test_token_classification_and_question_answering_have_a_default_step(head: s
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
 
 
+@pytest.mark.slow  # a vision family, exact at two sizes: in CI's slow pass (the default run's 20 minutes)
 def test_swin_pools_a_transposed_sequence_and_is_exact() -> None:
     """Swin's pooler averages the transposed sequence, so the gradient reaches its last layer norm transposed:
     PyTorch's meta kernel returned the input's gradient in those strides, the CPU kernel returns it contiguous,
@@ -776,6 +785,7 @@ def test_gemma4_with_per_layer_head_widths_is_exact() -> None:
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 7), (3, 11)])
 
 
+@pytest.mark.slow  # a family exact at two sizes: in CI's slow pass (the default run's 20 minutes)
 def test_bigbird_masked_lm_with_its_unread_pooler_is_exact() -> None:
     """BigBird's masked LM builds a pooler whose output no loss reads (a saved ``tanh`` output freed when forward
     returns: ``symacct.trace.versions.alias``), and its config has a ``block_size`` (a sparse-attention block)
