@@ -2286,12 +2286,17 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
     trace = _record(src, probe, req.step, src.loss, req.make_opt, req.precision)
     probe.pad(padded_sizes(trace))  # a kernel's rounded-up sizes, read as such
     stacks = find_stacks(trace, LAYERS[0]) if probe.layers is not None else []
+    if len(stacks) > 1:  # a list of L blocks beside one of as many modules by chance (a stem of 4 layers)
+        stacks = _following_layers(src, probe, stacks)
     costed = cost_ops(trace, probe.to_expr, strict=req.strict, options=req.rule_options)
+    got = factor(trace, costed, stacks, LAYERS[0]) if stacks else None
+    if stacks and got is None and (held := _following_layers(src, probe, stacks)) != stacks:
+        stacks = held  # a Sequential of 4 unlike modules is no stack: the step's ops follow L otherwise
+        got = factor(trace, costed, stacks, LAYERS[0]) if stacks else None
     if not stacks:
         counts = [sympy.Integer(1)] * len(costed)
         param_counts = {ph.name: sympy.Integer(1) for ph in trace.placeholders}
         return FirstTrace(trace, stacks, costed, counts, param_counts, [], 1)
-    got = factor(trace, costed, stacks, LAYERS[0])
     if got is None:
         raise _FixLayers(src, "the blocks of the layer stack differ")
     counts, param_counts, notes, min_layers = got
@@ -2607,6 +2612,16 @@ def trace_check(src: _Source, probes: Probes, first: FirstTrace, req: Request) -
     costed2 = cost_ops(trace2, lambda v: v, strict=req.strict, options=req.rule_options)
     _check(first.costed, first.counts, costed2, probe2, probe2.layers if first.stacks else None)
     return CheckTrace(trace2, costed2)
+
+
+def _following_layers(src: _Source, probe: Probe, stacks: list[str]) -> list[str]:
+    """The stacks of the first probe (lists of ``LAYERS[0]`` numbered modules, ``find_stacks``) that hold
+    ``LAYERS[1]`` in the model built at its sizes with one layer more (on fake tensors; the constructor only):
+    a ``Sequential`` of four layers the model always has, or the four modules of a block applied L times, has as
+    many there and is no layer stack. All of them where that model cannot be built (no evidence)."""
+    lfields = [f for f, letter in src.fields.items() if letter == "L"]
+    more = _repeats(src, {**_field_values(src, probe), **dict.fromkeys(lfields, LAYERS[1])}) if lfields else {}
+    return [p for p in stacks if more.get(p) == LAYERS[1]] if more else stacks
 
 
 def _count_follows_layers(src: _Source, probes: Probes, first: FirstTrace, req: Request) -> bool:

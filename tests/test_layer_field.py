@@ -167,3 +167,111 @@ def test_ids_and_flags_are_not_probed_as_sizes():
         counted = measure_step(model, model.example_inputs(B, S))
         at = acct.at(B=B, S=S)
         assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
+class SequentialBlocks(nn.Module):
+    """A stack of ``depth`` blocks, each a ``Sequential`` of four modules: as many as the probe's layer count."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+            )  # 4 modules: (B, S, width) -> (B, S, width)
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)  # (B, S, width)
+        return self.head(x).sum()  # (B, S, 1) -> scalar
+
+
+def test_a_blocks_sequential_of_as_many_modules_as_the_probes_layers_is_no_stack():
+    """The probe traces 4 blocks, and each block here is a Sequential of 4 modules: the stack is the outer list,
+    not each block's Sequential. Before, every block was taken as a stack of its own: the outer list was left
+    unfactored with L fixed at its value, and ``at(L=...)`` refused."""
+
+    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, model.head.in_features),)
+
+    acct = symacct.derive(lambda D, L: SequentialBlocks(D, L), dims={"D": 8, "L": 3}, inputs=inputs)
+    assert sym("L") in sympy.sympify(acct.flops.total).free_symbols
+    assert any(n.startswith("blocks: layer stack factored") for n in acct.notes), acct.notes
+    for depth in (2, 4, 6):
+        torch.manual_seed(0)
+        model = SequentialBlocks(8, depth)
+        counted = measure_step(model, inputs(model, 3, 5))
+        at = acct.at(B=3, S=5, L=depth)
+        assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
+class StemAndBlocks(nn.Module):
+    """A stem of four Linear layers, always four, before a stack of ``depth`` blocks."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(*(nn.Linear(width, width) for _ in range(4)))  # (B, S, width), 4 at any depth
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))  # (B, S, width)
+        return self.head(x).sum()
+
+
+def test_a_list_of_four_modules_beside_the_stack_is_no_stack():
+    """The stem holds 4 Linear layers at any depth, as many as the probe's blocks: only the list that holds one
+    more at one layer more is the stack. Before, the stem was taken as a stack of L blocks too, and the model was
+    refused as one whose stack "has 4 blocks where its config's L = 3 builds 3"."""
+
+    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, model.head.in_features),)
+
+    acct = symacct.derive(lambda D, L: StemAndBlocks(D, L), dims={"D": 8, "L": 3}, inputs=inputs)
+    assert [n for n in acct.notes if "factored" in n] == [
+        "blocks: layer stack factored as blocks.0 + (L - 1) * blocks.1"
+    ]
+    for depth in (2, 6):
+        torch.manual_seed(0)
+        model = StemAndBlocks(8, depth)
+        counted = measure_step(model, inputs(model, 2, 3))
+        at = acct.at(B=2, S=3, L=depth)
+        assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
+class SharedBlock(nn.Module):
+    """One block of four modules applied ``depth`` times (the layers share it)."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.depth = depth
+        self.block = nn.Sequential(
+            nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.depth):
+            x = x + self.block(x)  # (B, S, width)
+        return self.head(x).sum()
+
+
+def test_a_block_of_four_modules_applied_l_times_is_said_to_share_its_modules():
+    """The block's Sequential holds 4 modules at any depth: no list of L blocks holds the layers, and the note
+    says so (before, it read "the blocks of the layer stack differ", of the four modules of one block). L is
+    fixed at its value, and the figures are exact there."""
+
+    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, model.head.in_features),)
+
+    acct = symacct.derive(lambda D, L: SharedBlock(D, L), dims={"D": 8, "L": 3}, inputs=inputs)
+    assert acct.notes[0].startswith("the ops change with L but no nn.ModuleList of L blocks holds them"), acct.notes
+    torch.manual_seed(0)
+    model = SharedBlock(8, 3)
+    counted = measure_step(model, inputs(model, 2, 3))
+    at = acct.at(B=2, S=3)
+    assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
