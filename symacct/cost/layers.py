@@ -1,9 +1,12 @@
 """Layer stacks: which ModuleLists repeat L times, which block an op belongs to, and how a stack is factored.
 
 A *stack* is a module whose numbered children are exactly ``0 .. n-1`` (a
-``ModuleList`` or ``Sequential``) with ``n`` the probe's layer count. The
-probe is traced with ``LAYERS[0]`` blocks (and the checking trace with one
-more); here:
+``ModuleList`` or ``Sequential``) with ``n`` the probe's layer count, not
+inside a block of another, and (where the first probe has several, or its
+blocks differ) holding one block more in the model built with one layer more
+(``symacct.pipeline._following_layers``): a block's ``Sequential`` of four
+modules is no stack. The probe is traced with ``LAYERS[0]`` blocks (and the
+checking trace with one more); here:
 
 - ``find_stacks``: the stacks of a trace; ``block_of`` / ``op_blocks``: the
   block ``(stack, i)`` a module path or an op belongs to (ops between two
