@@ -869,6 +869,8 @@ def _record(
                 model = src.build(vals)
         else:
             model = _build_fake(lambda: src.build(vals), fake, (precision or {}).get("device", "cpu"))
+            if src.config_at is None:  # a factory's: refused before its step runs, as the model given is
+                _refuse_compiled(model, "the model the factory builds")
         hooks.update(hooks_of(model))  # as built: before a tensor-parallel plan or an optimizer adds its own
         return model
 
@@ -1994,22 +1996,43 @@ def _serving_inputs(
     return lambda m, B, S: m.prefill_inputs(B, S, **kw)
 
 
+def _refuse_compiled(model: nn.Module, who: str = "the model") -> None:
+    """Refuse a model that does not run as eager PyTorch, or holds a module that does not: a torch.compile
+    wrapper (``torch.compile(module)``, at the root or as a child), a module compiled in place
+    (``module.compile()``), a TorchScript module. symacct would trace it as eager (or fail inside the TorchScript
+    interpreter on fake tensors), where a compiled graph may fuse ops and keep other tensors. ``who``: whose
+    model it is (a factory's, built at the sizes given)."""
+    for path, m in model.named_modules():
+        name = who if not path else f"{who}'s module {path}"
+        if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):
+            raise SymacctError(
+                f"{name} is a torch.compile wrapper: symacct traces eager PyTorch, and a compiled graph may fuse "
+                "ops and keep other tensors",
+                module=path or "<root>",
+                hint=f"pass the eager module, {'model' if not path else path}._orig_mod (the figures are then those "
+                "of eager execution)",
+            )
+        if isinstance(m, torch.jit.ScriptModule):
+            raise SymacctError(
+                f"{name} is a TorchScript module ({type(m).__name__}, from torch.jit.script or torch.jit.trace): "
+                "symacct traces eager PyTorch",
+                module=path or "<root>",
+                hint="pass the eager module it was made from (the figures are then those of eager execution)",
+            )
+        if getattr(m, "_compiled_call_impl", None) is not None:  # module.compile(): compiled in place
+            raise SymacctError(
+                f"{who}'s module {path or '<root>'} is compiled in place (module.compile()): symacct traces eager "
+                "PyTorch, and a compiled graph may fuse ops and keep other tensors",
+                module=path or "<root>",
+                hint="derive the model before compiling it (the figures are then those of eager execution)",
+            )
+
+
 def read_source(model: Any, req: Request) -> _Source:
     """Pass 1: which config fields are sizes and which letters they get, the layer count, the step's inputs
     and loss (a transformers model's task), the notes that say what was chosen."""
-    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-        raise SymacctError(
-            "the model is a torch.compile wrapper: symacct traces eager PyTorch, and a compiled graph may fuse "
-            "ops and keep other tensors",
-            hint="pass the eager module, model._orig_mod (the figures are then those of eager execution)",
-        )
     if isinstance(model, nn.Module):
-        if isinstance(model, torch.jit.ScriptModule):  # it failed inside the TorchScript interpreter on fake tensors
-            raise SymacctError(
-                f"the model is a TorchScript module ({type(model).__name__}, from torch.jit.script or "
-                "torch.jit.trace): symacct traces eager PyTorch",
-                hint="pass the eager module it was made from (the figures are then those of eager execution)",
-            )
+        _refuse_compiled(model)
         lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
         if lazy:
             raise SymacctError(
@@ -2018,14 +2041,6 @@ def read_source(model: Any, req: Request) -> _Source:
                 module=lazy[0].rpartition(".")[0] or "<root>",
                 hint="run the model once on an input of the real widths (its parameters then have their shapes), "
                 "then derive",
-            )
-        compiled = [path for path, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
-        if compiled:  # module.compile(): the module itself, compiled in place
-            raise SymacctError(
-                f"the model's module {compiled[0] or '<root>'} is compiled in place (module.compile()): symacct "
-                "traces eager PyTorch, and a compiled graph may fuse ops and keep other tensors",
-                module=compiled[0] or "<root>",
-                hint="derive the model before compiling it (the figures are then those of eager execution)",
             )
     inputs, loss = req.inputs, req.loss
     hf_task = None

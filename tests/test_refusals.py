@@ -566,6 +566,23 @@ def test_bad_options_are_refused_in_one_error():
         symacct.derive(model)
 
 
+def test_a_compiled_module_a_factory_builds_or_a_model_holds_is_refused():
+    """A factory that returns ``torch.compile(model)``, and a model holding a compiled block, were traced as eager
+    without a word (the wrapper is refused only where it is the model given): the figures were eager's, where
+    the compiled graph fuses ops and keeps other tensors."""
+
+    def mlp(D: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    step = {"inputs": lambda m, B, S: (torch.randn(B, S, next(m.parameters()).shape[1]),), "loss": lambda y: y.sum()}
+    with pytest.raises(SymacctError, match=r"the model the factory builds is a torch.compile wrapper.*_orig_mod"):
+        symacct.derive(lambda D: torch.compile(mlp(D)), dims={"D": 8}, **step)
+    holder = nn.Sequential(nn.Linear(8, 8), torch.compile(mlp(8)))
+    with pytest.raises(SymacctError, match=r"the model's module 1 is a torch.compile wrapper.*pass the eager module"):
+        symacct.derive(holder, **step)
+    assert symacct.derive(lambda D: mlp(D), dims={"D": 8}, **step).flops.total != 0  # the eager factory derives
+
+
 def test_a_torchscript_model_is_refused_by_name():
     """It failed inside the TorchScript interpreter and the refusal blamed the probe's sizes."""
     mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
