@@ -1492,6 +1492,7 @@ def _derive(
     _own_fields: str | None = None,
     _strided: bool = False,
     _even: bool = False,
+    _layers_fixed: bool = False,
 ) -> Accounting:
     """Derive the FLOP, byte and memory formulas of one step of ``model`` (``symacct.derive``).
 
@@ -1616,6 +1617,7 @@ def _derive(
         _own_fields=_own_fields,
         _strided=_strided,
         _even=_even,
+        _layers_fixed=_layers_fixed,
     )
     req = _request(**kwargs)
     src: _Source | None = None
@@ -1639,7 +1641,7 @@ def _derive(
                 known = dataclasses.replace(known, memory=memory.copy(), graph=graph.copy(), constraints=constraints)
     except _FixLayers as why:  # exact for this L, not factored by it
         lfields = [f for f, letter in why.src.fields.items() if letter == "L"]
-        acct = _derive(model, **{**kwargs, "fixed": [*req.fixed, *lfields]})
+        acct = _derive(model, **{**kwargs, "fixed": [*req.fixed, *lfields], "_layers_fixed": True})
         acct.notes.insert(0, f"{why.reason}: the layer stack is left unfactored, L fixed at its value")
         return acct
     except _Degenerate as first_difference:  # sizes such as H == H_kv or 1 run other ops: tied or fixed
@@ -1786,6 +1788,9 @@ class Request:
     own_fields: str | None = None  # derive's last tries: the fields of the model's own 'tie'd or kept, or all 'keep'
     strided: bool = False  # derive's retry: S probed as IMAGE_SCALE * prime though no module halves the image side
     even: bool = False  # derive's retry: the widths probed as 2 * prime (a step that halves one)
+    # derive's retry with the layer count fixed (``_FixLayers``): no other field is looked for as one (a list of
+    # experts inside each layer grows with its own count, and would be taken for the stack next)
+    layers_fixed: bool = False
     cache_dtype: torch.dtype | None = None  # the KV cache's dtype (serving steps; None: the compute dtype)
 
 
@@ -1832,6 +1837,7 @@ def _request(
     _own_fields: str | None = None,
     _strided: bool = False,
     _even: bool = False,
+    _layers_fixed: bool = False,
     tensor_parallel: Any = None,
     tp: int = 2,
     sdpa_backend: str | None = None,
@@ -1932,6 +1938,7 @@ def _request(
         own_fields=_own_fields,
         strided=_strided,
         even=_even,
+        layers_fixed=_layers_fixed,
         cache_dtype=kv_dtype,
     )
 
@@ -2098,7 +2105,7 @@ def read_source(model: Any, req: Request) -> _Source:
             check_routing(model, req.routing)
         _eager_transformers(src)
     src.notes += _own_letters(src)
-    layer = _layer_field(src)
+    layer = None if req.layers_fixed else _layer_field(src)
     if layer is not None:
         field_name, path = layer
         src.fields[field_name] = "L"

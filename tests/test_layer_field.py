@@ -7,6 +7,7 @@ prime number of blocks was traced, and the model was refused as size-dependent c
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import sympy
@@ -272,6 +273,81 @@ def test_a_block_of_four_modules_applied_l_times_is_said_to_share_its_modules():
     assert acct.notes[0].startswith("the ops change with L but no nn.ModuleList of L blocks holds them"), acct.notes
     torch.manual_seed(0)
     model = SharedBlock(8, 3)
+    counted = measure_step(model, inputs(model, 2, 3))
+    at = acct.at(B=2, S=3)
+    assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
+class Zipped(nn.Module):
+    """Two stacks of ``depth`` blocks zipped in one loop, the residual adds in the model's own forward."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.attns = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.mlps = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for attn, mlp, norm in zip(self.attns, self.mlps, self.norms):
+            x = x + attn(norm(x))  # (B, S, width): an add of the root module between two stacks' blocks
+            x = x + torch.nn.functional.gelu(mlp(x))
+        return self.head(x).sum()
+
+
+def test_stacks_zipped_in_one_loop_with_the_residual_adds_between_them_are_factored():
+    """Before, the adds between block i of one stack and block i of the next belonged to no block: the model
+    was refused as not the model given at L = 2 or 3 ("aten.add.Tensor runs 4 times in the given model and 8
+    times in the rebuilt one") and as size-dependent control flow at L = 6."""
+
+    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, model.head.in_features),)
+
+    for given in (2, 6):
+        acct = symacct.derive(lambda D, L: Zipped(D, L), dims={"D": 8, "L": given}, inputs=inputs)
+        assert sym("L") in sympy.sympify(acct.flops.total).free_symbols
+        for depth in (2, 5):
+            torch.manual_seed(0)
+            model = Zipped(8, depth)
+            counted = measure_step(model, inputs(model, 2, 3))
+            at = acct.at(B=2, S=3, L=depth)
+            assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
+class ExpertsPerLayer(nn.Module):
+    """A gate and ``n_experts`` experts in each of ``depth`` layers; an auxiliary sum that starts from 0 in the
+    first layer (an add of a Python number there), so the blocks differ and L is fixed."""
+
+    def __init__(self, width: int, n_experts: int, depth: int) -> None:
+        super().__init__()
+        self.gates = nn.ModuleList(nn.Linear(width, n_experts) for _ in range(depth))
+        self.experts = nn.ModuleList(
+            nn.ModuleList(nn.Linear(width, width) for _ in range(n_experts)) for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        aux: Any = 0
+        for gate, experts in zip(self.gates, self.experts):
+            w = gate(x).softmax(-1)  # (B, S, n_experts)
+            x = x + sum(w[..., i : i + 1] * e(x) for i, e in enumerate(experts))  # (B, S, width)
+            aux = aux + (w.mean((0, 1)) ** 2).sum()
+        return x.sum() + aux
+
+
+def test_with_the_layer_count_fixed_no_other_count_is_taken_for_it():
+    """Once L is fixed (the blocks differ), derive ran again and looked for a layer count among the other
+    fields: the experts' count, whose lists grow with it, was taken for L and fixed too, and the note said
+    so twice. Now it says once that L is fixed."""
+
+    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
+        return (torch.randn(B, S, model.experts[0][0].in_features),)
+
+    acct = symacct.derive(lambda D, E, L: ExpertsPerLayer(D, E, L), dims={"D": 8, "E": 3, "L": 2}, inputs=inputs)
+    fixed = [n for n in acct.notes if "L fixed at its value" in n]
+    assert fixed == ["the blocks of the layer stack differ: the layer stack is left unfactored, L fixed at its value"]
+    assert "L" not in acct.fields.values() and not any("counts the layers" in n for n in acct.notes)
+    torch.manual_seed(0)
+    model = ExpertsPerLayer(8, 3, 2)
     counted = measure_step(model, inputs(model, 2, 3))
     at = acct.at(B=2, S=3)
     assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes

@@ -88,7 +88,13 @@ def op_blocks(ops: list[Any], stacks: list[str]) -> list[tuple[str, int] | None]
     same phase: the loop's own per-iteration work, such as the two empty
     tensors that ``torch.utils.checkpoint`` makes per call in torch 2.11; or
     between two ops of block i (the loop calls the block twice, with work in
-    between: ``F.normalize(blk(h)) * blk(h)``).
+    between: ``F.normalize(blk(h)) * blk(h)``). Stacks side by side, zipped
+    in one loop (``for attn, mlp in zip(self.attns, self.mlps): h = h +
+    attn(h); h = h + mlp(h)``), alike: the residual add between block i of
+    one and block i of the other belongs to the later of the two in the op
+    order's index, ties going to the stack named last (ops between stacks
+    whose indices are further apart, an encoder's last block and a
+    decoder's first, belong to none).
     """
     own = [block_of(rec.module, stacks) for rec in ops]
     out = list(own)
@@ -96,8 +102,8 @@ def op_blocks(ops: list[Any], stacks: list[str]) -> list[tuple[str, int] | None]
     for pos, b in enumerate(own):
         if b is None:
             continue
-        if prev is not None and prev[0][0] == b[0] and abs(prev[0][1] - b[1]) <= 1:
-            later = max(prev[0], b)
+        if prev is not None and abs(prev[0][1] - b[1]) <= 1:  # of one stack, or of stacks side by side (zipped)
+            later = max(prev[0], b, key=lambda blk: (blk[1], blk[0]))
             for j in range(prev[1] + 1, pos):
                 if ops[j].phase == ops[pos].phase == ops[prev[1]].phase:
                     out[j] = later
