@@ -369,6 +369,11 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
             lambda: symacct.derive(torch.compile(GPT2(small))),
             Refuse("the model is a torch.compile wrapper"),
         ),
+        (
+            "derive a factory's compiled model",
+            lambda: symacct.derive(lambda L: torch.compile(GPT2(dataclasses.replace(small, n_layer=L))), dims={"L": 2}),
+            Refuse("the model the factory builds is a torch.compile wrapper"),
+        ),
         ("derive in no_grad", in_no_grad, lambda v: v == g.flops.total),
         (
             "derive mask longer",
