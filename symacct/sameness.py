@@ -45,7 +45,7 @@ from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from symacct.cost.layers import op_blocks
+from symacct.cost.layers import op_blocks, zipped_stacks
 from symacct.errors import SymacctError
 from symacct.options import dtype_key
 from symacct.trace.counted import counted_flops, counts_flops
@@ -121,17 +121,29 @@ def _empty_like(t: torch.Tensor, device: str) -> torch.Tensor:
 Groups = tuple[dict[Key, list[OpRecord]], dict[int, dict[Key, list[OpRecord]]]]
 
 
-def _grouped(trace: StepTrace, stacks: list[str], ignore: frozenset[str] = frozenset()) -> Groups:
+def _grouped(
+    trace: StepTrace, stacks: list[str], ignore: frozenset[str] = frozenset(), like: StepTrace | None = None
+) -> Groups:
     """The forward and backward ops by key, in the order they ran: outside the blocks, and per block index
-    (ops named in ``ignore`` left out). Kept on the trace: its ops are final once recorded."""
-    key = (tuple(stacks), ignore)
+    (ops named in ``ignore`` left out), the stacks zipped in one loop as in ``like`` (the probe's trace: a user's
+    model of one block cannot tell). Kept on the trace: its ops are final once recorded."""
+    zipped = _zipped_in(like or trace, stacks)
+    key = (tuple(stacks), ignore, zipped)
     if key not in trace.op_groups:
-        trace.op_groups[key] = _group(trace, stacks, ignore)
+        trace.op_groups[key] = _group(trace, stacks, ignore, set(zipped))
     return trace.op_groups[key]
 
 
-def _group(trace: StepTrace, stacks: list[str], ignore: frozenset[str]) -> Groups:
-    blocks = op_blocks(trace.ops, stacks)
+def _zipped_in(trace: StepTrace, stacks: list[str]) -> frozenset[frozenset[str]]:
+    """``layers.zipped_stacks`` of a trace, kept on it as its groups are."""
+    key = ("zipped", tuple(stacks))
+    if key not in trace.op_groups:
+        trace.op_groups[key] = frozenset(zipped_stacks(trace.ops, stacks))
+    return trace.op_groups[key]
+
+
+def _group(trace: StepTrace, stacks: list[str], ignore: frozenset[str], zipped: set[frozenset[str]]) -> Groups:
+    blocks = op_blocks(trace.ops, stacks, zipped)
     outside: dict[Key, list[OpRecord]] = {}
     per: dict[int, dict[Key, list[OpRecord]]] = {}
     for rec, b in zip(trace.ops, blocks):
@@ -228,7 +240,7 @@ def compare(
     at other lengths than the probe's, a probe's count of an op as a length-proportional count reads at the
     user's lengths (None: the counts must be equal)."""
     differ = functools.partial(_first_difference, scale=scale)
-    at = _difference(_keys(_grouped(user, stacks, ignore)), _keys(_grouped(probe, stacks, ignore)), stacks,
+    at = _difference(_keys(_grouped(user, stacks, ignore, probe)), _keys(_grouped(probe, stacks, ignore)), stacks,
                      probe_blocks, differ)  # fmt: skip
     if at is None:
         return
@@ -266,7 +278,8 @@ def compare_shapes(
     order they ran within each (phase, op, module) key, else matched in any order.
     """
     differ = functools.partial(_shape_difference, read=read, scale=scale)
-    at = _difference(_grouped(user, stacks, ignore), _grouped(probe, stacks, ignore), stacks, probe_blocks, differ)
+    mine = _grouped(user, stacks, ignore, probe)
+    at = _difference(mine, _grouped(probe, stacks, ignore), stacks, probe_blocks, differ)
     if at is None:
         return
     (rec, got, want), i = at
@@ -317,7 +330,7 @@ def compare_flops(
     and shapes that carry them may differ (a Linear's ``addmm`` on a tensor that is contiguous at one position
     where it runs ``mm`` and ``add`` otherwise; a group's query heads folded into one product's rows), the
     FLOPs may not. Their ops are left out of the comparison of ops and shapes there (``pipeline._aside_at_one``)."""
-    mine = _pooled(_grouped(user, stacks), lambda rec: rec.flops)
+    mine = _pooled(_grouped(user, stacks, like=probe), lambda rec: rec.flops)
     theirs = _pooled(_grouped(probe, stacks), lambda rec: _read_flops(rec, read) if counts_flops(rec.op) else None)
     at = _difference(mine, theirs, stacks, probe_blocks, _pool_difference)
     if at is None:

@@ -79,7 +79,9 @@ def generic_path(module: str, stacks: list[str]) -> str:
     return module
 
 
-def op_blocks(ops: list[Any], stacks: list[str]) -> list[tuple[str, int] | None]:
+def op_blocks(
+    ops: list[Any], stacks: list[str], zipped: set[frozenset[str]] | None = None
+) -> list[tuple[str, int] | None]:
     """The layer-stack block ``(stack, i)`` each op belongs to, or None outside every block.
 
     An op belongs to the block whose module path it runs in, and so does an op
@@ -88,27 +90,53 @@ def op_blocks(ops: list[Any], stacks: list[str]) -> list[tuple[str, int] | None]
     same phase: the loop's own per-iteration work, such as the two empty
     tensors that ``torch.utils.checkpoint`` makes per call in torch 2.11; or
     between two ops of block i (the loop calls the block twice, with work in
-    between: ``F.normalize(blk(h)) * blk(h)``). Stacks side by side, zipped
-    in one loop (``for attn, mlp in zip(self.attns, self.mlps): h = h +
-    attn(h); h = h + mlp(h)``), alike: the residual add between block i of
-    one and block i of the other belongs to the later of the two in the op
-    order's index, ties going to the stack named last (ops between stacks
-    whose indices are further apart, an encoder's last block and a
-    decoder's first, belong to none).
+    between: ``F.normalize(blk(h)) * blk(h)``). Stacks zipped in one loop
+    (``for attn, mlp in zip(self.attns, self.mlps): h = h + attn(h); h = h +
+    mlp(h)``; ``zipped_stacks``, or ``zipped`` where another trace tells) alike:
+    the residual add between block i of one and block i or i + 1 of the other
+    belongs to the one of the larger index, of two equal to the stack whose
+    name sorts last. Between stacks run one after the other (an encoder's last
+    block, then a decoder's first) an op belongs to neither.
     """
     own = [block_of(rec.module, stacks) for rec in ops]
     out = list(own)
+    if zipped is None:
+        zipped = _zipped(ops, own)
     prev: tuple[tuple[str, int], int] | None = None  # (block, position) of the last op in a block
     for pos, b in enumerate(own):
         if b is None:
             continue
-        if prev is not None and abs(prev[0][1] - b[1]) <= 1:  # of one stack, or of stacks side by side (zipped)
+        alike = prev is not None and (prev[0][0] == b[0] or frozenset((prev[0][0], b[0])) in zipped)
+        if prev is not None and alike and abs(prev[0][1] - b[1]) <= 1:
             later = max(prev[0], b, key=lambda blk: (blk[1], blk[0]))
             for j in range(prev[1] + 1, pos):
                 if ops[j].phase == ops[pos].phase == ops[prev[1]].phase:
                     out[j] = later
         prev = (b, pos)
     return out
+
+
+def zipped_stacks(ops: list[Any], stacks: list[str]) -> set[frozenset[str]]:
+    """The pairs of stacks zipped in one loop in a trace (``op_blocks``): read off a trace of two blocks or more,
+    as a model of one block runs its stacks' blocks one after the other either way."""
+    return _zipped(ops, [block_of(rec.module, stacks) for rec in ops])
+
+
+def _zipped(ops: list[Any], own: list[tuple[str, int] | None]) -> set[frozenset[str]]:
+    """The pairs of stacks zipped in one loop: their blocks interleave in the forward (the span of one stack's
+    ops overlaps the other's). Stacks run one after the other (an encoder's, then a decoder's) do not, at any
+    number of blocks: an op between the first's last block and the second's first belongs to neither."""
+    span: dict[str, list[int]] = {}
+    for pos, (rec, b) in enumerate(zip(ops, own, strict=True)):
+        if b is not None and rec.phase == "forward":
+            span.setdefault(b[0], [pos, pos])[1] = pos
+    names = sorted(span)
+    return {
+        frozenset((a, c))
+        for i, a in enumerate(names)
+        for c in names[i + 1 :]
+        if span[a][0] < span[c][1] and span[c][0] < span[a][1]
+    }
 
 
 def differing_ends(blocks: list[tuple[str, int] | None], counts: Iterable[Any]) -> tuple[bool, bool]:
