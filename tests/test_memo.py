@@ -221,6 +221,7 @@ def test_a_transformers_family_is_memoised_and_gives_what_a_fresh_derivation_giv
     assert _everything(got) == _everything(_fresh(_hf_llama(128, 6)))
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_switched_on_is_another_family():
     model = _hf_llama(64, 3)
     plain = symacct.derive(model)

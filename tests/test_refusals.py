@@ -206,6 +206,7 @@ def test_a_buffer_cast_after_construction_is_refused():
         symacct.derive(model)
 
 
+@pytest.mark.slow
 def test_a_deep_stacks_middle_block_is_compared_by_name():
     """Blocks beyond the probe's four are compared with the probe block in their position: a frozen or bf16
     sixth block of eight, or its longer mask, is named (before: an op count, or nothing for the mask)."""

@@ -200,6 +200,7 @@ class _LargeBatchLlama(Llama):
         return out * 2 if tokens.shape[0] > 1000 else out
 
 
+@pytest.mark.slow
 def test_serve_stops_its_batch_searches_at_the_largest_batch_the_formulas_hold_at():
     """A decode step that takes another path past B = 1,000 is derived with B <= 1,000 (pass 4 traces the
     user's model at a batch of 8,191). serve's largest batch was the fit's 3,766,057 on the small path's
@@ -639,6 +640,7 @@ def test_deepseek_v3_caches_its_latent_and_decodes_exactly():
     assert at.memory.kv_cache == 2 * B * P * (16 + 8) * 4  # two layers: latent and rotary key, fp32
 
 
+@pytest.mark.slow
 def test_a_model_that_changes_itself_on_its_first_call_is_served_as_after_it():
     """BigBird switches from block-sparse to full attention on its first call of a short sequence: each layer
     builds a new attention module (three new D x D projections, dropped at once, the old ones kept). The
@@ -703,6 +705,7 @@ def test_a_part_the_step_never_runs_counts_its_parameters_as_numbers():
     assert vision > 0 and first.memory.params >= 4 * vision
 
 
+@pytest.mark.slow
 def test_gpt_oss_serves_past_its_window_of_128_positions():
     """GPT-OSS's sliding layers keep 128 positions. The first probe's prompt and cache pass the window (the
     layer then caches window - 1 = 127 positions, a prime no symbol carries) and the second probe's did not,
@@ -725,6 +728,7 @@ def test_gpt_oss_serves_past_its_window_of_128_positions():
     check_exact(model, symacct.derive(model, optimizer="adamw"), [(2, 131)])
 
 
+@pytest.mark.slow
 def test_llama4s_attention_chunk_bounds_the_formulas_as_a_window():
     """Llama 4's chunked layers (``attention_chunk_size``) attend within chunks and cache as a sliding window of
     the chunk (transformers' ``DynamicSlidingWindowLayer``): another mask and a cache that stops growing past
@@ -792,6 +796,7 @@ def test_a_multi_query_caches_single_head_is_read_from_the_model():
     assert first.memory.kv_cache == 2 * 2 * 2 * 5 * 1 * (32 // 4) * 4  # layers, keys and values, B, S, 1 head
 
 
+@pytest.mark.slow
 def test_a_linear_attentions_state_is_refused_by_name_in_a_decode_step():
     """LFM2's convolution layers cache a state of the last positions (``LinearAttentionLayer``), not keys and
     values; symacct does not build it for a decode step, so the step is refused naming the layer and what it
@@ -803,6 +808,7 @@ def test_a_linear_attentions_state_is_refused_by_name_in_a_decode_step():
     assert symacct.derive(model, step="prefill").flops.forward
 
 
+@pytest.mark.slow
 def test_doge_is_derived_within_its_keep_window():
     """Doge masks all but its top keys once the keys pass keep_window_size (2,048): another path, which the
     probe's cache (within the window) does not trace. Exact through generation within it; a context past

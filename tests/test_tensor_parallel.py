@@ -452,7 +452,7 @@ def test_pipeline_stages_of_a_tensor_parallel_rank(plan: str) -> None:
         assert sum(ranks[k].flops for k in kinds) == whole.forward + whole.backward
 
 
-@pytest.mark.parametrize("param_dtype", [None, "bf16"])
+@pytest.mark.parametrize("param_dtype", [None, pytest.param("bf16", marks=pytest.mark.slow)])
 def test_fsdp_reduces_sequence_parallel_norm_gradients_in_backward(param_dtype: str | None) -> None:
     """FSDP2 over sequence-parallel ranks (dp = 2 x tp = 2, rank 0 on the fake process group with real
     tensors, ``_dp_step``: three steps as the gloo runner takes them): every collective of the third step
