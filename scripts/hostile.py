@@ -371,7 +371,11 @@ def api_cases() -> list[tuple[str, Callable[[], Any], Any]]:
         ),
         (
             "derive a factory's compiled model",
-            lambda: symacct.derive(lambda L: torch.compile(GPT2(dataclasses.replace(small, n_layer=L))), dims={"L": 2}),
+            lambda: symacct.derive(
+                lambda L: torch.compile(GPT2(dataclasses.replace(small, n_layer=L))),
+                dims={"L": 2},
+                inputs=lambda m, B, S: (torch.zeros(B, S, dtype=torch.long),),
+            ),
             Refuse("the model the factory builds is a torch.compile wrapper"),
         ),
         ("derive in no_grad", in_no_grad, lambda v: v == g.flops.total),
