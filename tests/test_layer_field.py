@@ -366,3 +366,30 @@ def test_with_the_layer_count_fixed_no_other_count_is_taken_for_it():
     counted = measure_step(model, inputs(model, 2, 3))
     at = acct.at(B=2, S=3)
     assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
+class Squared(nn.Module):
+    """``depth`` blocks of ``depth`` Linear layers each: a list of L inside each block of the stack."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(width, width) for _ in range(depth)) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            for layer in block:
+                x = torch.relu(layer(x))  # (B, S, width)
+        return self.head(x).sum()
+
+
+def test_a_list_of_l_inside_each_block_of_the_stack_is_refused():
+    """The outer list is the stack; the inner one, L long too, is one of each block's parts, which the model
+    given holds another number of than the probe's blocks: refused (before: a crash inside symacct, "ModuleList
+    has no attribute `3`")."""
+    with pytest.raises(symacct.SymacctError, match="not the model given"):
+        symacct.derive(
+            lambda D, L: Squared(D, L),
+            dims={"D": 8, "L": 3},
+            inputs=lambda m, B, S: (torch.randn(B, S, m.head.in_features),),
+        )

@@ -52,7 +52,8 @@ def find_stacks(trace: StepTrace, n: int) -> list[str]:
     """Paths of ModuleLists with exactly ``n`` numbered children, the outermost where one lies in a block of
     another: a block's own ``Sequential`` of ``n`` modules (Linear, GELU, Linear, Dropout at the probe's
     L = 4) is part of the block, not a stack of its own. A list inside a block that does repeat L times too
-    (L * L modules) is then counted as L of the block's parts: the check at L + 1 blocks refuses it."""
+    (L * L modules) is then one of the block's parts, which the model given holds another number of: refused
+    as another model than the probe's (``tests/test_layer_field.py``)."""
     found = sorted(p for p, count in repeated(trace.module_names).items() if count == n)
     return [p for p in found if block_of(p, [q for q in found if q != p]) is None]
 
