@@ -7,6 +7,7 @@ prime number of blocks was traced, and the model was refused as size-dependent c
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -170,6 +171,23 @@ def test_ids_and_flags_are_not_probed_as_sizes():
         assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
 
 
+def _width_inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
+    """(B, S, width): the width read off the model's first Linear."""
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    return (torch.randn(B, S, first.in_features),)
+
+
+def _exact(acct: symacct.Accounting, make: Callable[[int], nn.Module], depths: tuple[int, ...]) -> None:
+    """The derived FLOPs and saved bytes equal a real step's (``measure_step``) of ``make(depth)`` at (B, S) =
+    (2, 3), for each depth (read at L = depth where L is a symbol, else the model's own)."""
+    for depth in depths:
+        torch.manual_seed(0)
+        model = make(depth)
+        counted = measure_step(model, _width_inputs(model, 2, 3))
+        at = acct.at(B=2, S=3, **({"L": depth} if "L" in acct.fields.values() else {}))
+        assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
 class SequentialBlocks(nn.Module):
     """A stack of ``depth`` blocks, each a ``Sequential`` of four modules: as many as the probe's layer count."""
 
@@ -194,18 +212,10 @@ def test_a_blocks_sequential_of_as_many_modules_as_the_probes_layers_is_no_stack
     not each block's Sequential. Before, every block was taken as a stack of its own: the outer list was left
     unfactored with L fixed at its value, and ``at(L=...)`` refused."""
 
-    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
-        return (torch.randn(B, S, model.head.in_features),)
-
-    acct = symacct.derive(lambda D, L: SequentialBlocks(D, L), dims={"D": 8, "L": 3}, inputs=inputs)
+    acct = symacct.derive(lambda D, L: SequentialBlocks(D, L), dims={"D": 8, "L": 3}, inputs=_width_inputs)
     assert sym("L") in sympy.sympify(acct.flops.total).free_symbols
     assert any(n.startswith("blocks: layer stack factored") for n in acct.notes), acct.notes
-    for depth in (2, 4, 6):
-        torch.manual_seed(0)
-        model = SequentialBlocks(8, depth)
-        counted = measure_step(model, inputs(model, 3, 5))
-        at = acct.at(B=3, S=5, L=depth)
-        assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+    _exact(acct, lambda depth: SequentialBlocks(8, depth), (2, 4, 6))
 
 
 class StemAndBlocks(nn.Module):
@@ -229,19 +239,11 @@ def test_a_list_of_four_modules_beside_the_stack_is_no_stack():
     more at one layer more is the stack. Before, the stem was taken as a stack of L blocks too, and the model was
     refused as one whose stack "has 4 blocks where its config's L = 3 builds 3"."""
 
-    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
-        return (torch.randn(B, S, model.head.in_features),)
-
-    acct = symacct.derive(lambda D, L: StemAndBlocks(D, L), dims={"D": 8, "L": 3}, inputs=inputs)
+    acct = symacct.derive(lambda D, L: StemAndBlocks(D, L), dims={"D": 8, "L": 3}, inputs=_width_inputs)
     assert [n for n in acct.notes if "factored" in n] == [
         "blocks: layer stack factored as blocks.0 + (L - 1) * blocks.1"
     ]
-    for depth in (2, 6):
-        torch.manual_seed(0)
-        model = StemAndBlocks(8, depth)
-        counted = measure_step(model, inputs(model, 2, 3))
-        at = acct.at(B=2, S=3, L=depth)
-        assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+    _exact(acct, lambda depth: StemAndBlocks(8, depth), (2, 6))
 
 
 class SharedBlock(nn.Module):
@@ -266,16 +268,9 @@ def test_a_block_of_four_modules_applied_l_times_is_said_to_share_its_modules():
     says so (before, it read "the blocks of the layer stack differ", of the four modules of one block). L is
     fixed at its value, and the figures are exact there."""
 
-    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
-        return (torch.randn(B, S, model.head.in_features),)
-
-    acct = symacct.derive(lambda D, L: SharedBlock(D, L), dims={"D": 8, "L": 3}, inputs=inputs)
+    acct = symacct.derive(lambda D, L: SharedBlock(D, L), dims={"D": 8, "L": 3}, inputs=_width_inputs)
     assert acct.notes[0].startswith("the ops change with L but no nn.ModuleList of L blocks holds them"), acct.notes
-    torch.manual_seed(0)
-    model = SharedBlock(8, 3)
-    counted = measure_step(model, inputs(model, 2, 3))
-    at = acct.at(B=2, S=3)
-    assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+    _exact(acct, lambda depth: SharedBlock(8, depth), (3,))
 
 
 class Zipped(nn.Module):
@@ -315,18 +310,10 @@ def test_stacks_zipped_in_one_loop_or_run_one_after_the_other_are_factored(cls):
     other must stay as they were: an op between them belongs to neither, also where the model given has one
     or two blocks (its trace cannot tell zipped stacks from these: the probe's tells)."""
 
-    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
-        return (torch.randn(B, S, model.head.in_features),)
-
     for given in (1, 2, 6):
-        acct = symacct.derive(lambda D, L: cls(D, L), dims={"D": 8, "L": given}, inputs=inputs)
+        acct = symacct.derive(lambda D, L: cls(D, L), dims={"D": 8, "L": given}, inputs=_width_inputs)
         assert sym("L") in sympy.sympify(acct.flops.total).free_symbols
-        for depth in (1, 2, 5):
-            torch.manual_seed(0)
-            model = cls(8, depth)
-            counted = measure_step(model, inputs(model, 2, 3))
-            at = acct.at(B=2, S=3, L=depth)
-            assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+        _exact(acct, lambda depth: cls(8, depth), (1, 2, 5))
 
 
 class ExpertsPerLayer(nn.Module):
@@ -354,18 +341,11 @@ def test_with_the_layer_count_fixed_no_other_count_is_taken_for_it():
     fields: the experts' count, whose lists grow with it, was taken for L and fixed too, and the note said
     so twice. Now it says once that L is fixed."""
 
-    def inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
-        return (torch.randn(B, S, model.experts[0][0].in_features),)
-
-    acct = symacct.derive(lambda D, E, L: ExpertsPerLayer(D, E, L), dims={"D": 8, "E": 3, "L": 2}, inputs=inputs)
+    acct = symacct.derive(lambda D, E, L: ExpertsPerLayer(D, E, L), dims={"D": 8, "E": 3, "L": 2}, inputs=_width_inputs)
     fixed = [n for n in acct.notes if "L fixed at its value" in n]
     assert fixed == ["the blocks of the layer stack differ: the layer stack is left unfactored, L fixed at its value"]
     assert "L" not in acct.fields.values() and not any("counts the layers" in n for n in acct.notes)
-    torch.manual_seed(0)
-    model = ExpertsPerLayer(8, 3, 2)
-    counted = measure_step(model, inputs(model, 2, 3))
-    at = acct.at(B=2, S=3)
-    assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+    _exact(acct, lambda depth: ExpertsPerLayer(8, 3, depth), (2,))
 
 
 class Squared(nn.Module):
@@ -391,5 +371,5 @@ def test_a_list_of_l_inside_each_block_of_the_stack_is_refused():
         symacct.derive(
             lambda D, L: Squared(D, L),
             dims={"D": 8, "L": 3},
-            inputs=lambda m, B, S: (torch.randn(B, S, m.head.in_features),),
+            inputs=_width_inputs,
         )
