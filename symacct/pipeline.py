@@ -2308,11 +2308,12 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
     trace = _record(src, probe, req.step, src.loss, req.make_opt, req.precision)
     probe.pad(padded_sizes(trace))  # a kernel's rounded-up sizes, read as such
     stacks = find_stacks(trace, LAYERS[0]) if probe.layers is not None else []
-    if len(stacks) > 1:  # a list of L blocks beside one of as many modules by chance (a stem of 4 layers)
+    checked = len(stacks) > 1  # a list of L blocks beside one of as many modules by chance (a stem of 4 layers)
+    if checked:
         stacks = _following_layers(src, probe, stacks)
     costed = cost_ops(trace, probe.to_expr, strict=req.strict, options=req.rule_options)
     got = factor(trace, costed, stacks, LAYERS[0]) if stacks else None
-    if stacks and got is None and (held := _following_layers(src, probe, stacks)) != stacks:
+    if stacks and got is None and not checked and (held := _following_layers(src, probe, stacks)) != stacks:
         stacks = held  # a Sequential of 4 unlike modules is no stack: the step's ops follow L otherwise
         got = factor(trace, costed, stacks, LAYERS[0]) if stacks else None
     if not stacks:

@@ -107,8 +107,11 @@ def op_blocks(
     for pos, b in enumerate(own):
         if b is None:
             continue
-        alike = prev is not None and (prev[0][0] == b[0] or frozenset((prev[0][0], b[0])) in zipped)
-        if prev is not None and alike and abs(prev[0][1] - b[1]) <= 1:
+        if (
+            prev is not None
+            and (prev[0][0] == b[0] or frozenset((prev[0][0], b[0])) in zipped)  # one stack, or two zipped
+            and abs(prev[0][1] - b[1]) <= 1
+        ):
             later = max(prev[0], b, key=lambda blk: (blk[1], blk[0]))
             for j in range(prev[1] + 1, pos):
                 if ops[j].phase == ops[pos].phase == ops[prev[1]].phase:
