@@ -2299,6 +2299,8 @@ class FirstTrace:
     param_counts: dict[str, Any]
     notes: list[str]
     min_layers: int
+    # the stacks were checked against the model built with one layer more (``_following_layers``)
+    followed: bool = False
 
 
 def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
@@ -2313,9 +2315,11 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
         stacks = _following_layers(src, probe, stacks)
     costed = cost_ops(trace, probe.to_expr, strict=req.strict, options=req.rule_options)
     got = factor(trace, costed, stacks, LAYERS[0]) if stacks else None
-    if stacks and got is None and not checked and (held := _following_layers(src, probe, stacks)) != stacks:
-        stacks = held  # a Sequential of 4 unlike modules is no stack: the step's ops follow L otherwise
-        got = factor(trace, costed, stacks, LAYERS[0]) if stacks else None
+    if stacks and got is None and not checked:
+        checked = True
+        if (held := _following_layers(src, probe, stacks)) != stacks:
+            stacks = held  # a Sequential of 4 unlike modules is no stack: the step's ops follow L otherwise
+            got = factor(trace, costed, stacks, LAYERS[0]) if stacks else None
     if not stacks:
         counts = [sympy.Integer(1)] * len(costed)
         param_counts = {ph.name: sympy.Integer(1) for ph in trace.placeholders}
@@ -2323,7 +2327,7 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
     if got is None:
         raise _FixLayers(src, "the blocks of the layer stack differ")
     counts, param_counts, notes, min_layers = got
-    return FirstTrace(trace, stacks, costed, counts, param_counts, notes, min_layers)
+    return FirstTrace(trace, stacks, costed, counts, param_counts, notes, min_layers, followed=checked)
 
 
 def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace, req: Request) -> UserRun | None:
@@ -2356,6 +2360,7 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
             # times) or are kept apart (attributes block0, block1, ...), so the probe's L and the model's run
             # different numbers of ops: exact at the model's L only
             raise _FixLayers(src, NO_LIST_OF_BLOCKS) from e
+        _refuse_no_stack(src, probes.first, first, e)
         _fix_unlike_layers(model, src, first, e)
         _retry_degenerate(src, req, e)
         raise
@@ -2633,8 +2638,31 @@ def trace_check(src: _Source, probes: Probes, first: FirstTrace, req: Request) -
     if count_changed and _count_follows_layers(src, probes, first, req):
         raise _FixLayers(src, NO_LIST_OF_BLOCKS)
     costed2 = cost_ops(trace2, lambda v: v, strict=req.strict, options=req.rule_options)
-    _check(first.costed, first.counts, costed2, probe2, probe2.layers if first.stacks else None)
+    try:
+        _check(first.costed, first.counts, costed2, probe2, probe2.layers if first.stacks else None)
+    except SymacctError as e:
+        _refuse_no_stack(src, probe1, first, e)
+        raise
     return CheckTrace(trace2, costed2)
+
+
+def _refuse_no_stack(src: _Source, probe: Probe, first: FirstTrace, error: SymacctError) -> None:
+    """On a failing comparison (the user's model against the probe's, or the checking trace against the
+    formulas), where a stack was taken without the check of ``_following_layers`` (one candidate list that
+    factors): a list of ``LAYERS[0]`` modules the model holds at every L (a ``Sequential`` of four layers applied
+    L times, or a stem of four beside a loop over one shared layer) is no layer stack, and derive runs again
+    with L fixed (``_FixLayers``) rather than blame the user's block count or the sizes. Built on this failing
+    path only, so a derive that passes pays nothing for it."""
+    if not first.stacks or first.followed or probe.layers is None:
+        return
+    if (held := _following_layers(src, probe, first.stacks)) == first.stacks:
+        return
+    lists = ", ".join(p or "<root>" for p in first.stacks if p not in held)
+    raise _FixLayers(
+        src,
+        f"{lists} holds {LAYERS[0]} modules at every L (built with one layer more, it has as many), so it is no "
+        "layer stack, and no nn.ModuleList of L blocks holds the layers",
+    ) from error
 
 
 def _following_layers(src: _Source, probe: Probe, stacks: list[str]) -> list[str]:

@@ -273,6 +273,41 @@ def test_a_block_of_four_modules_applied_l_times_is_said_to_share_its_modules():
     _exact(acct, lambda depth: SharedBlock(8, depth), (3,))
 
 
+class LikeLayersLoop(nn.Module):
+    """A ``Sequential`` of four identical Linear layers, applied ``depth`` times; with ``stem``, the four are a
+    stem run once and the loop runs one shared Linear. No list holds ``depth`` modules."""
+
+    def __init__(self, width: int, depth: int, stem: bool = False) -> None:
+        super().__init__()
+        self.depth, self.stem = depth, stem
+        self.four = nn.Sequential(*(nn.Linear(width, width) for _ in range(4)))  # (B, S, width) -> (B, S, width)
+        self.shared = nn.Linear(width, width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stem:
+            x = self.four(x)
+        for _ in range(self.depth):
+            x = x + torch.tanh((self.shared if self.stem else self.four)(x))  # (B, S, width)
+        return self.head(x).sum()
+
+
+@pytest.mark.parametrize("stem", [False, True], ids=["applied-l-times", "stem"])
+@pytest.mark.parametrize("depth", [3, 4])
+def test_four_like_layers_the_model_holds_at_every_l_are_no_stack(stem, depth):
+    """Four identical layers factor as a stack of the probe's four blocks, but the model holds four at every L.
+    At L = 3 the user's model then held "4 blocks where its config's L = 3 builds 3" and was refused with that;
+    at L = 4 the formulas missed the checking trace, refused as "the op sequence changes with the sizes". Now
+    either failure builds the model with one layer more, finds the four do not follow L, and derives with L
+    fixed, with a note that names the list; the figures are exact at that L."""
+    acct = symacct.derive(
+        lambda D, L: LikeLayersLoop(D, L, stem), dims={"D": 8, "L": depth}, inputs=_width_inputs
+    )
+    assert acct.notes[0].startswith("four holds 4 modules at every L"), acct.notes
+    assert "L" not in {str(s) for s in acct.flops.total.free_symbols}
+    _exact(acct, lambda d: LikeLayersLoop(8, d, stem), (depth,))
+
+
 class Zipped(nn.Module):
     """Two stacks of ``depth`` blocks zipped in one loop, the residual adds in the model's own forward."""
 
