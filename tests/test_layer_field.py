@@ -300,9 +300,7 @@ def test_four_like_layers_the_model_holds_at_every_l_are_no_stack(stem, depth):
     at L = 4 the formulas missed the checking trace, refused as "the op sequence changes with the sizes". Now
     either failure builds the model with one layer more, finds the four do not follow L, and derives with L
     fixed, with a note that names the list; the figures are exact at that L."""
-    acct = symacct.derive(
-        lambda D, L: LikeLayersLoop(D, L, stem), dims={"D": 8, "L": depth}, inputs=_width_inputs
-    )
+    acct = symacct.derive(lambda D, L: LikeLayersLoop(D, L, stem), dims={"D": 8, "L": depth}, inputs=_width_inputs)
     assert acct.notes[0].startswith("four holds 4 modules at every L"), acct.notes
     assert "L" not in {str(s) for s in acct.flops.total.free_symbols}
     _exact(acct, lambda d: LikeLayersLoop(8, d, stem), (depth,))
