@@ -47,7 +47,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import gc
 import inspect
 import sys
 import threading
@@ -133,7 +132,14 @@ from symacct.trace.probe import (
     Probe,
     make_probe,
 )
-from symacct.trace.record import StepTrace, call_inputs, check_device, padded_sizes, record_step
+from symacct.trace.record import (
+    StepTrace,
+    call_inputs,
+    check_device,
+    no_cycle_collection,
+    padded_sizes,
+    record_step,
+)
 from symacct.trace.sdpa import check_backend
 from symacct.trace.sdpa_choice import Target
 from symacct.trace.tensor_parallel import apply_plan, check_plan, fake_group, mesh_groups
@@ -856,7 +862,13 @@ def _field_values(src: _Source, probe: Probe) -> dict[str, int]:
 
 
 def _record(
-    src: _Source, probe: Probe, step: str, loss: Any, optimizer: Any, precision: dict[str, Any] | None = None
+    src: _Source,
+    probe: Probe,
+    step: str,
+    loss: Any,
+    optimizer: Any,
+    precision: dict[str, Any] | None = None,
+    cycles: bool = False,
 ) -> StepTrace:
     vals = _field_values(src, probe)
     B, S = probe.values["B"], probe.values.get("S", src.seq)
@@ -874,7 +886,7 @@ def _record(
         hooks.update(hooks_of(model))  # as built: before a tensor-parallel plan or an optimizer adds its own
         return model
 
-    trace = _trace(src, probe, build, B, S, step, loss, optimizer, precision or {})
+    trace = _trace(src, probe, build, B, S, step, loss, optimizer, precision or {}, cycles=cycles)
     trace.hooks = hooks
     return trace
 
@@ -898,6 +910,7 @@ def _trace(
     only_ops: bool = False,
     dims: dict[str, int] | None = None,
     tp_world: int | None = None,
+    cycles: bool = False,
 ) -> StepTrace:
     """One step of the model ``build`` makes, at (B, S) and the probe's other input sizes (or ``dims``), in
     the source's context (transformers' eager paths). With a tensor-parallel plan (``precision``'s
@@ -931,6 +944,7 @@ def _trace(
             optimizer=optimizer,
             only_ops=only_ops,
             size_primes=None if only_ops else _size_primes(probe),
+            cycles=cycles,
             **precision,
         )
         trace = run()
@@ -1386,22 +1400,6 @@ class _Identity:
 
 
 _LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def no_cycle_collection() -> Iterator[None]:
-    """Python's cycle collector paused while a derivation runs (reference counting still frees everything
-    else): a collection in the middle of a trace would free a storage held in a reference cycle at an
-    arbitrary op, where eager code frees it only at some later collection; and a derivation makes many
-    short-lived objects, so collections are frequent and cost about a sixth of its time. The planner
-    pauses it too (``symacct.parallel.plan``: a fifth of its time)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @contextlib.contextmanager
@@ -2307,7 +2305,7 @@ def trace_first(src: _Source, probes: Probes, req: Request) -> FirstTrace:
     """Pass 3: trace the probe model, cost every op in symbols, factor the layer stacks
     (``symacct.cost.layers.factor``)."""
     probe = probes.first
-    trace = _record(src, probe, req.step, src.loss, req.make_opt, req.precision)
+    trace = _record(src, probe, req.step, src.loss, req.make_opt, req.precision, cycles=True)
     probe.pad(padded_sizes(trace))  # a kernel's rounded-up sizes, read as such
     stacks = find_stacks(trace, LAYERS[0]) if probe.layers is not None else []
     checked = len(stacks) > 1  # a list of L blocks beside one of as many modules by chance (a stem of 4 layers)
@@ -2601,6 +2599,37 @@ def _bound(name: str, at: int, last: int, found: SymacctError, sizes: str, read:
     return Bound(Constraint("le", lhs, rhs, f"the model given at {where}", path=path), note)
 
 
+def _cycle_note(trace: StepTrace, stacks: list[str]) -> str:
+    """What the step leaves to Python's cycle collector (``StepTrace.cycle_held``): the ops that made it, and
+    whether the step's figures hold it."""
+    made: dict[str, list[str]] = {"step": [], "after": []}
+    for st, when in sorted(trace.cycle_held.items()):
+        op = trace.ops[trace.storage_producer[st]] if st in trace.storage_producer else None
+        what = f"{op.op} in '{generic_path(op.module, stacks) or '<root>'}' ({op.phase})" if op else f"storage {st}"
+        if what not in made[when]:
+            made[when].append(what)
+    parts = []
+
+    def listed(what: list[str]) -> str:
+        return ", ".join(what[:6]) + (f" and {len(what) - 6} more" if len(what) > 6 else "")
+
+    if made["step"]:
+        parts.append(
+            f"tensors made by {listed(made['step'])} are held only by reference cycles at the step's end: the "
+            "figures count them held to the step's end, as with Python's cycle collector paused, and they outlive "
+            "the step until it runs (the next step starts with them); a collection may free them sooner"
+        )
+    if made["after"]:
+        parts.append(
+            f"tensors made by {listed(made['after'])} outlive the step in reference cycles once its loss is "
+            "dropped, until Python's cycle collector runs (not in the figures: the next step starts with them)"
+        )
+    return (
+        "; ".join(parts) + " (an autograd Function that keeps a tensor as an attribute of ctx makes such a cycle: "
+        "ctx.save_for_backward does not)"
+    )
+
+
 def _check_degree(src: _Source, probe: Probe, trace: StepTrace, tp: int) -> None:
     """Refuse a tensor-parallel degree the user's model cannot be split by: the constraints the probe rank's
     trace teaches (tp dividing the heads, F, V; S with sequence parallelism) at the model's own sizes."""
@@ -2855,6 +2884,8 @@ def account(model: Any, src: _Source, known: Known, req: Request) -> Accounting:
         acct.notes.append(experts_note(acct.experts))
         acct.options["routing"] = None if req.routing is None else [str(s) for s in acct.experts[0].shares or ()]
     acct.notes[:0] = src.notes
+    if first.trace.cycle_held:
+        acct.notes.append(_cycle_note(first.trace, stacks))
     if first.trace.warmed:
         acct.notes.append(
             f"the model changes itself on its first call ({first.trace.warmed}): the {req.step} step is traced as "

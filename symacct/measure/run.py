@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from symacct.trace import versions
 from symacct.trace.counted import FLASH_CPU, FLASH_CPU_BACKWARD, counted_flops
+from symacct.trace.record import no_cycle_collection
 from symacct.trace.saved import composing
 
 
@@ -473,7 +474,8 @@ def measure_memory_steps(
     loss: Callable[[Any], torch.Tensor] | None = None,
 ) -> list[MeasuredMemory]:
     """``steps`` real training steps on the CPU, each measured (the peak is reset at each step's start), in train
-    mode (each module's own mode given back afterwards)."""
+    mode (each module's own mode given back afterwards), with Python's cycle collector paused in each step as
+    derive counts (``symacct.trace.record.no_cycle_collection``)."""
     opt = optimizer(model) if optimizer is not None else None
     with _mode(model, True):
         return _train_steps(model, args, opt, StorageTracker(_held(model, args, opt)), loss, autocast, steps)
@@ -490,7 +492,7 @@ def _train_steps(
 ) -> list[MeasuredMemory]:
     out_steps = []
     for _ in range(steps):
-        with tracker:
+        with tracker, no_cycle_collection():  # as derive counts: what only reference cycles hold stays held
             tracker.peak = tracker.current()
             with _autocast(autocast, args):
                 out = _call(model, args)
@@ -548,7 +550,8 @@ def measure_cuda_steps(
     of every figure, as it is out of derive's (a library's scratch is no tensor
     of the step); otherwise the first step of a small model would be off by it.
     Each step's peak is ``max_memory_allocated`` with the peak reset at the
-    step's start; its time is the elapsed time between two CUDA events.
+    step's start; its time is the elapsed time between two CUDA events. Python's
+    cycle collector is paused in each step, as derive counts.
     """
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -570,28 +573,29 @@ def measure_cuda_steps(
         opt = optimizer(model) if optimizer is not None else None
         result = CudaSteps([], [], [], workspace)
         for _ in range(steps):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            with _autocast(autocast, args):
-                out = _call(model, args)
-                value = loss(out) if loss is not None else out
-            after_forward = torch.cuda.memory_allocated() - base
-            value.backward()
-            after_backward = torch.cuda.memory_allocated() - base
-            grads, states = _optimizer_step(model, opt)
-            end.record()
-            torch.cuda.synchronize()
-            after_optimizer = torch.cuda.memory_allocated() - base
-            peak = torch.cuda.max_memory_allocated() - base
-            params = _distinct_nbytes(list(model.parameters()))
-            result.memory.append(
-                MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, peak)
-            )
-            result.reserved.append(torch.cuda.memory_reserved() - base_reserved)
-            result.seconds.append(begin.elapsed_time(end) / 1000.0)
-            del out, value
+            with no_cycle_collection():  # as derive counts: what only reference cycles hold stays held
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                with _autocast(autocast, args):
+                    out = _call(model, args)
+                    value = loss(out) if loss is not None else out
+                after_forward = torch.cuda.memory_allocated() - base
+                value.backward()
+                after_backward = torch.cuda.memory_allocated() - base
+                grads, states = _optimizer_step(model, opt)
+                end.record()
+                torch.cuda.synchronize()
+                after_optimizer = torch.cuda.memory_allocated() - base
+                peak = torch.cuda.max_memory_allocated() - base
+                params = _distinct_nbytes(list(model.parameters()))
+                result.memory.append(
+                    MeasuredMemory(params, grads, states, after_forward, after_backward, after_optimizer, peak)
+                )
+                result.reserved.append(torch.cuda.memory_reserved() - base_reserved)
+                result.seconds.append(begin.elapsed_time(end) / 1000.0)
+                del out, value
         free, total = torch.cuda.mem_get_info()
         result.context = total - free - torch.cuda.memory_reserved()
         return result

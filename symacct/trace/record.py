@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import logging
 import math
@@ -168,6 +169,9 @@ class StepTrace:
     changed: str = ""
     warmed: str = ""
     cache_untouched: bool = False  # a KV cache given (args["cache"]) that the step neither filled nor extended
+    # storages only reference cycles hold (record_step's ``cycles``): -> "step" (so at the step's end, with the
+    # output and the loss still held) or "after" (once the caller drops them)
+    cycle_held: dict[int, str] = field(default_factory=dict)
     owner: dict[int, str] = field(default_factory=dict)  # storage -> parameter it belongs to (param, grad, state)
     storage_end: dict[int, float] = field(default_factory=dict)  # storage -> position it died at (see reap)
     persistent_buffers: set[int] = field(default_factory=set)  # buffer storages that state_dict() saves
@@ -897,6 +901,7 @@ def record_step(
     step_context: Callable[[nn.Module, Any], contextlib.AbstractContextManager[Any]] | None = None,
     size_primes: dict[int, str] | None = None,
     warm: str = "",
+    cycles: bool = False,
 ) -> StepTrace:
     """Build a model and run one step on fake tensors, recording every aten op.
 
@@ -929,6 +934,8 @@ def record_step(
     ``warm`` (that description, from a first trace) runs one call first, untraced and without gradients, on
     inputs of its own, and records the step as a second call runs it: what the model does once on its first
     call (BigBird's switch to full attention builds a new attention module) is then not in the step.
+    ``cycles``: a training step records in ``trace.cycle_held`` the storages only reference cycles hold
+    (``_cycle_collected``), found by two collections at its end (a few milliseconds).
     """
     check_device(device)
     if python_engine is None:
@@ -1083,6 +1090,7 @@ def record_step(
         with (
             recorder,
             _removing(hooks),
+            _step_objects_apart(cycles and step == "train" and not only_ops),
             _quiet("torch._subclasses.fake_tensor"),
             _sharding_prop_unrecorded(),
             choosing(sdpa_backend, device, sdpa_target, sdpa_size) as kernels,
@@ -1156,6 +1164,11 @@ def record_step(
                     opt.zero_grad(set_to_none=True)
                 recorder.reap(len(trace.ops) + 0.25)  # what zero_grad freed
                 trace.marks["after_optimizer"] = len(trace.ops)
+                if cycles and not only_ops:
+                    trace.cycle_held = dict.fromkeys(_cycle_collected(ids, 0), "step")
+                    out = value = t = None  # the caller lets go of the output and the loss
+                    ids.reap()  # freed by reference counting
+                    trace.cycle_held.update(dict.fromkeys(_cycle_collected(ids, 1), "after"))
             else:
                 before = _structure(model)
                 cache = args.get("cache") if isinstance(args, dict) else None
@@ -1174,6 +1187,49 @@ def record_step(
                 recorder.mark("after_forward")
     trace.sdpa_kernels = kernels
     return trace
+
+
+@contextlib.contextmanager
+def no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector paused while a derivation runs (reference counting still frees everything
+    else): a collection in the middle of a trace would free a storage held in a reference cycle at an
+    arbitrary op, where eager code frees it only at some later collection; and a derivation makes many
+    short-lived objects, so collections are frequent and cost about a sixth of its time. The planner
+    pauses it too (``symacct.parallel.plan``: a fifth of its time), and so does a measured real step
+    (``symacct.measure.run``): what only reference cycles hold stays held there as derive counts it
+    (``StepTrace.cycle_held``)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _step_objects_apart(on: bool) -> Iterator[None]:
+    """With ``on``, the objects made before the step set apart from the cycle collector while it runs
+    (``gc.freeze``), so that ``_cycle_collected`` scans the step's own objects only: a few milliseconds, where a
+    process's young objects would take tens to hundreds. Not where the caller has frozen objects of its own
+    (``gc.unfreeze`` would release theirs too)."""
+    frozen = on and gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.unfreeze()
+
+
+def _cycle_collected(ids: _Ids, generation: int) -> list[int]:
+    """The storages a collection of Python's cycle collector frees: held only by reference cycles (an autograd
+    Function that keeps its output as an attribute of ``ctx``: the output's ``grad_fn`` is the node that holds
+    it). Derive pauses the collector (``no_cycle_collection``), so every object the step made is
+    in generation 0 until the first such collection, in 1 after it."""
+    gc.collect(generation)
+    return ids.reap()
 
 
 def _first_call(
