@@ -699,7 +699,8 @@ def _not_sizes(src: _Source) -> tuple[list[str], list[str]]:
     """
     if src.configless:
         return [], []
-    unknown = sorted(f for f, letter in src.fields.items() if letter == f and letter != "L")
+    # a field named by its letter (a factory's dims={"H": ...}) is a size by that name, as n_head is
+    unknown = sorted(f for f, letter in src.fields.items() if letter == f and letter not in ORDER)
     if not unknown:  # every field a known size name or the layer count: nothing to build
         return [], []
     lfield = next((f for f, letter in src.fields.items() if letter == "L"), None)

@@ -171,6 +171,38 @@ def test_ids_and_flags_are_not_probed_as_sizes():
         assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
 
 
+class HeadsOnly(nn.Module):
+    """Attention whose head count sets no parameter's shape (its projections are D x D), only the heads' views
+    and the (B, H, S, S) scores."""
+
+    def __init__(self, D: int, H: int) -> None:
+        super().__init__()
+        self.heads = H
+        self.qkv = nn.Linear(D, 3 * D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)  # (B, H, S, D/H)
+        scores = (q @ k.transpose(-1, -2)).softmax(-1)  # (B, H, S, S)
+        return self.out((scores @ v).transpose(1, 2).reshape(B, S, D)).sum()
+
+
+def test_a_factory_dim_named_by_its_letter_is_a_size():
+    """dims={"H": ...} names the head count by its letter, as n_head does in a config. It was taken for a field
+    of no known name, tried for a parameter shape it changes, found none, and kept at its value with the note
+    "H set no tensor size", which is false: the scores' bytes grow with it. Now it is a symbol, and the
+    figures are exact at another head count."""
+    acct = symacct.derive(lambda D, H: HeadsOnly(D, H), dims={"D": 16, "H": 2}, inputs=_width_inputs)
+    assert "H" in acct.symbols and not [n for n in acct.notes if "set no tensor size" in n], acct.notes
+    for D, H in ((16, 2), (24, 3)):
+        torch.manual_seed(0)
+        model = HeadsOnly(D, H)
+        counted = measure_step(model, _width_inputs(model, 2, 5))
+        at = acct.at(B=2, S=5, D=D, H=H)
+        assert at.flops.total == counted.flops_total and at.memory.activations == counted.saved_bytes
+
+
 def _width_inputs(model: nn.Module, B: int, S: int) -> tuple[torch.Tensor]:
     """(B, S, width): the width read off the model's first Linear."""
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
