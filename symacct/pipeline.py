@@ -695,11 +695,12 @@ def _not_sizes(src: _Source) -> tuple[list[str], list[str]]:
     ``decoder_sparse_step`` turns expert blocks into dense MLPs): a switch, not
     a size. A field that changes how many numbered modules a list holds is a
     count of modules: probed at a prime in the hundreds it would build that
-    many modules (and, nested, their product), so it keeps its value too.
+    many modules (and, nested, their product), so it keeps its value too. A field named by a letter (a
+    factory's ``dims={"H": ...}``) is that size by name and is tried for none of this: the head count of
+    attention whose projections are D x D sets no parameter's shape, only its views and scores.
     """
     if src.configless:
         return [], []
-    # a field named by its letter (a factory's dims={"H": ...}) is a size by that name, as n_head is
     unknown = sorted(f for f, letter in src.fields.items() if letter == f and letter not in ORDER)
     if not unknown:  # every field a known size name or the layer count: nothing to build
         return [], []
