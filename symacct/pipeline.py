@@ -696,12 +696,12 @@ def _not_sizes(src: _Source) -> tuple[list[str], list[str]]:
     a size. A field that changes how many numbered modules a list holds is a
     count of modules: probed at a prime in the hundreds it would build that
     many modules (and, nested, their product), so it keeps its value too. A field named by a letter (a
-    factory's ``dims={"H": ...}``) is that size by name and is tried for none of this: the head count of
-    attention whose projections are D x D sets no parameter's shape, only its views and scores.
+    factory's ``dims={"H": ...}``) is that size by name unless it counts modules: the head count of attention
+    whose projections are D x D sets no parameter's shape, only its views and scores.
     """
     if src.configless:
         return [], []
-    unknown = sorted(f for f, letter in src.fields.items() if letter == f and letter not in ORDER)
+    unknown = sorted(f for f, letter in src.fields.items() if letter == f and letter != "L")
     if not unknown:  # every field a known size name or the layer count: nothing to build
         return [], []
     lfield = next((f for f, letter in src.fields.items() if letter == "L"), None)
@@ -718,7 +718,7 @@ def _not_sizes(src: _Source) -> tuple[list[str], list[str]]:
         if other is None:
             continue
         shapes, kinds, grown = other
-        if shapes == base or any(kinds[n] != t for n, t in types.items() if n in kinds):
+        if f not in ORDER and (shapes == base or any(kinds[n] != t for n, t in types.items() if n in kinds)):
             out.append(f)
         elif grown != lists:
             counts.append(f)
