@@ -321,7 +321,8 @@ class Accounting:
     def peak_every_step(self, **values: int) -> int:
         """The exact peak a run of many steps holds at these sizes: the larger of the first step's (``peak``)
         and a later step's (``steady``: the optimizer's states alive from its start). What must fit for a
-        training run to get past its first step; for a step without an optimizer, the first step's peak."""
+        training run to get past its first step; for a step without an optimizer, a later step carries the
+        last one's gradients in (they accumulate: ``Liveness.later``)."""
         if self.liveness is None:
             raise SymacctError("no liveness for this accounting", hint="see acct.notes")
         full = {s.name: v for s, v in self._subs(values).items()}
@@ -330,11 +331,12 @@ class Accounting:
             return first
         cached = self.__dict__.get("_steady_liveness")
         if cached is None or cached[0] is not self.liveness:  # lifted once per liveness (searches call this often)
-            cached = self.__dict__["_steady_liveness"] = (self.liveness, self.liveness.steady())
+            cached = self.__dict__["_steady_liveness"] = (self.liveness, self.liveness.later())
         return max(first, cached[1].evaluate(full)[0])
 
     def steady(self, **values: int) -> dict[str, int]:
-        """Memory of every step after the first (optimizer states live from the start), exactly.
+        """Memory of every step after the first (optimizer states live from the start; without an optimizer,
+        the last step's gradients, into which the new ones accumulate: ``Liveness.later``), exactly.
 
         Keys: ``after_forward``, ``after_backward``, ``after_optimizer``, ``peak``
         (bytes). The first step, which creates the states, is ``at(...).memory``.
@@ -342,7 +344,7 @@ class Accounting:
         if self.liveness is None:
             raise SymacctError("no liveness for this accounting", hint="see acct.notes")
         full = {s.name: v for s, v in self._subs(values).items()}
-        live = self.liveness.steady()
+        live = self.liveness.later()
         out = {m: live.mark_value(m, full) for m in ("after_forward", "after_backward", "after_optimizer")}
         out["peak"] = live.evaluate(full)[0]
         return out

@@ -313,6 +313,44 @@ class Liveness:
         other = lift(self.other, self.other_states) if self.other is not None else None
         return dataclasses.replace(self, base=lift(self.base, self.states), other=other)
 
+    def later(self) -> Liveness:
+        """Every step after the first (``steady``), with the gradients a step leaves alive at its end (no
+        optimizer, so no ``zero_grad``) carried into the next: each is alive from its start, and the new
+        gradient lives from the op that makes it to the one at which autograd's AccumulateGrad adds it in
+        (``grad_ready``; else the next op), as a later micro-batch's does (``without(brief=True)``). With an
+        optimizer, whose ``zero_grad(set_to_none=True)`` frees them, this is ``steady``."""
+        steady = self.steady()
+
+        def carry(iv: Intervals, grads: frozenset[int], taken: dict[int, int]) -> tuple[Intervals, frozenset[int]]:
+            # alive at the step's end: never freed in it (``_lifetimes``' forever; zero_grad frees at n + 0.25)
+            carried = sorted(st for st in grads if st in iv.start and iv.end[st] >= iv.n + 2)
+            if not carried:
+                return iv, frozenset()
+            start, end, nbytes = dict(iv.start), dict(iv.end), dict(iv.nbytes)
+            fresh = max(start) + 1
+            for k, st in enumerate(carried):  # the last step's gradient, under a storage id of its own
+                start[fresh + k], end[fresh + k], nbytes[fresh + k] = -1.0, iv.end[st], iv.nbytes[st]
+                end[st] = min(iv.end[st], taken.get(st, start[st] + 1))
+            return Intervals(iv.n, start, end, nbytes), frozenset(range(fresh, fresh + len(carried)))
+
+        base, held = carry(steady.base, self.grads, self.grad_taken)
+        if not held:
+            return steady
+        other, other_held = (
+            carry(steady.other, self.other_grads, self.other_grad_taken)
+            if steady.other is not None
+            else (None, frozenset())
+        )
+        return dataclasses.replace(
+            steady,
+            base=base,
+            other=other,
+            grads=self.grads | held,
+            other_grads=self.other_grads | other_held,
+            owned=self.owned | held,
+            other_owned=self.other_owned | other_held,
+        )
+
     def mark_value(self, name: str, values: Mapping[str, int]) -> int:
         """Live bytes at a phase point, evaluated exactly."""
         return evaluate(self.at_mark(name), dict(values))
