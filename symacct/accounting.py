@@ -256,21 +256,27 @@ class Accounting:
             c, at = broken
             vals = ", ".join(f"{k}={v}" for k, v in sorted(at.items(), key=lambda kv: sort_key(kv[0])))
             fields = ", ".join(f"{self.fields[s]} ({s})" for s in sorted(c.symbols(), key=sort_key) if s in self.fields)
-            raise SymacctError(
-                (
+            if c.path:
+                what = (
                     f"the formulas hold on one side only: {vals} breaks {c.describe()} (from {c.where}); the model "
                     "takes another path there than the one derived"
-                    if c.path
-                    else f"the model cannot run these sizes: {vals} breaks {c.describe()} (from {c.where})"
-                ),
-                hint=(
+                )
+                hint = (
                     "choose sizes on the side derived, the side the probe's sizes fell on: the other side is "
                     "another path, which this derivation did not trace (a sliding window: docs/serving.md)"
-                    if c.path
-                    else "choose sizes the model runs"
-                    + (f", or change the config fields they come from: {fields}" if fields else "")
-                ),
-            )
+                )
+            elif c.rounds:
+                what = (
+                    f"the formulas hold where {c.describe()}: at {vals} {c.where} rounds a size down, which the "
+                    "derived formulas do not follow"
+                )
+                hint = f"choose sizes where {c.describe()}"
+            else:
+                what = f"the model cannot run these sizes: {vals} breaks {c.describe()} (from {c.where})"
+                hint = "choose sizes the model runs" + (
+                    f", or change the config fields they come from: {fields}" if fields else ""
+                )
+            raise SymacctError(what, hint=hint)
         return full
 
     def values_at(self, **values: int) -> dict[str, int]:

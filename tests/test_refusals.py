@@ -229,6 +229,33 @@ def test_a_deep_stacks_middle_block_is_compared_by_name():
 # ---- sizes the model cannot run ----------------------------------------------------------------
 
 
+class StridedThenPooled(nn.Module):
+    """A stride-2 convolution and a 2 x 2 max pooling: image sides PyTorch rounds down where they do not halve."""
+
+    def __init__(self, C: int) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, C, 3, stride=2, padding=1)  # (B, 3, S, S) -> (B, C, ceil(S/2), ceil(S/2))
+        self.head = nn.Linear(C, 1)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.max_pool2d(self.stem(img), 2)  # (B, C, S/4, S/4) where 4 divides S
+        return self.head(h.mean((2, 3))).sum()
+
+
+def test_a_size_an_op_rounds_down_is_refused_as_beyond_the_formulas_not_the_model():
+    """At S = 6 the pooling's output side is 1 (3 // 2), which the formula's S/4 does not follow. The refusal
+    said "the model cannot run these sizes", but a real step runs there; it now says the formulas hold where 4
+    divides S, and which op rounds."""
+    acct = symacct.derive(
+        lambda C: StridedThenPooled(C), dims={"C": 8}, inputs=lambda m, B, S: (torch.randn(B, 3, S, S),)
+    )
+    assert StridedThenPooled(8)(torch.randn(2, 3, 6, 6)).isfinite()  # the model runs at S = 6
+    with pytest.raises(SymacctError, match="the formulas hold where 4 divides S: at S=6 aten.max_pool2d") as e:
+        acct.at(B=2, S=6)
+    assert "cannot run" not in e.value.what
+    assert acct.at(B=2, S=8).flops.total > 0
+
+
 def test_sequence_beyond_the_position_table_is_refused(gpt2):
     model = GPT2(GPT2Config(**SMALL))
     with pytest.raises(IndexError):  # the real step cannot run it either

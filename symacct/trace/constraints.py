@@ -8,7 +8,10 @@ that breaks one:
 
 - **integer**: a traced dimension with a symbol in its denominator (a head
   width ``D/H``, a group size ``H/H_kv``) must be a whole number: the model
-  views a tensor to that size, which fails in eager PyTorch otherwise.
+  views a tensor to that size, which fails in eager PyTorch otherwise. Where
+  an op makes it by rounding down (a strided convolution's or a pooling's
+  output side, ``rounds``), the model runs there, with sizes the formulas do
+  not follow: refused as such.
 - **slice within the tensor**: ``x[:S]`` of a dimension of size ``S_max``
   (a causal mask, a rotary table) needs ``S <= S_max``; beyond it PyTorch
   clamps the slice and the shapes no longer match.
@@ -49,6 +52,9 @@ class Constraint:
     where: str  # the op and module it was read from
     # True: the model runs beyond it, but takes another path there than the one derived (a sliding window)
     path: bool = False
+    # True: an integer size an op makes by rounding down (a strided convolution's or a pooling's output side):
+    # the model runs where it is not whole, with sizes the formulas do not follow
+    rounds: bool = False
 
     def describe(self) -> str:
         if self.kind == "integer":
@@ -100,6 +106,10 @@ def _always_le(lhs: sympy.Expr, rhs: sympy.Expr) -> bool:
     )
 
 
+# ops whose output sides PyTorch rounds down where the input's do not divide (strides, pooling windows): a
+# size such an op makes whole at the probe's sizes is not whole at every size the model runs
+_ROUNDING = ("convolution", "max_pool", "avg_pool", "im2col", "col2im", "upsample", "_upsample")
+
 _VALUE_KEEPING = ("_to_copy", "clone", "contiguous", "expand", "unsqueeze", "view", "reshape", "repeat", "detach")
 
 
@@ -108,7 +118,7 @@ def learn(trace: StepTrace, to_expr: Callable[[int], Any]) -> list[Constraint]:
     out: dict[tuple[Any, ...], Constraint] = {}
     whole: set[Any] = set()  # dimensions already known to need nothing
 
-    def add(kind: str, lhs: Any, rhs: Any, where: str) -> None:
+    def add(kind: str, lhs: Any, rhs: Any, where: str, rounds: bool = False) -> None:
         if lhs is None or (kind == "le" and rhs is None):
             return
         lhs = sympy.sympify(lhs)
@@ -123,19 +133,20 @@ def learn(trace: StepTrace, to_expr: Callable[[int], Any]) -> list[Constraint]:
             if _always_le(lhs, rhs):
                 return
         key = (kind, lhs, rhs)
-        out.setdefault(key, Constraint(kind, lhs, rhs if kind == "le" else None, where))
+        out.setdefault(key, Constraint(kind, lhs, rhs if kind == "le" else None, where, rounds=rounds))
 
     bound: dict[int, Any] = {}  # value id -> exclusive upper bound of its values (arange provenance)
     for rec in trace.ops:
         where = f"{rec.op} in '{rec.module or '<root>'}'"
-        for t in (*rec.inputs, *rec.outputs):
+        name = rec.op.overloadpacket.__name__
+        rounding = name.startswith(_ROUNDING)
+        for i, t in enumerate((*rec.inputs, *rec.outputs)):
             for s in t.shape:
                 e = to_expr(s)
                 if e is not None:
-                    add("integer", e, None, where)
+                    add("integer", e, None, where, rounds=rounding and i >= len(rec.inputs))
                     if isinstance(e, sympy.Add):  # a shifted size (S - 1) must stay a size
                         add("le", sympy.Integer(1), e, where)
-        name = rec.op.overloadpacket.__name__
         if name == "arange" and rec.outputs:
             ints = [a for a in rec.args if isinstance(a, int) and not isinstance(a, bool)]
             if ints:
