@@ -941,3 +941,55 @@ def test_a_bert_decoder_prefills_one_sequence_and_one_position_exactly():
         at = prefill.at(B=B, S=S)
         got = _generation_call(model, cache, torch.randint(3, 64, (B, S)))
         assert got == (at.flops.forward, at.memory.peak, at.memory.kv_cache)
+
+
+class StaticCacheLM(torch.nn.Module):
+    """A decoder whose KV cache is allocated ahead for every position (``StaticCache``'s way): each layer's keys
+    and values are (B, H, S_max, D/H) buffers the step is given and writes in place at ``pos``."""
+
+    def __init__(self, V: int, D: int, H: int, L: int, S_max: int) -> None:
+        super().__init__()
+        self.heads, self.positions = H, S_max
+        self.emb, self.pos = torch.nn.Embedding(V, D), torch.nn.Embedding(S_max, D)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(D, 3 * D) for _ in range(L))
+        self.out = torch.nn.Linear(D, V, bias=False)
+
+    def forward(self, idx: torch.Tensor, cache: list, pos: int) -> torch.Tensor:
+        B, S = idx.shape
+        h = self.emb(idx) + self.pos(torch.arange(pos, pos + S))  # (B, S, D)
+        for qkv, (kc, vc) in zip(self.qkv, cache):
+            q, k, v = qkv(h).view(B, S, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # each (B, H, S, D/H)
+            kc[:, :, pos : pos + S], vc[:, :, pos : pos + S] = k, v
+            y = torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, : pos + S], vc[:, :, : pos + S])
+            h = h + y.transpose(1, 2).reshape(B, S, -1)
+        return self.out(h[:, -1])  # (B, V)
+
+    def buffers_ahead(self, B: int) -> list:
+        D = self.emb.embedding_dim
+        shape = (B, self.heads, self.positions, D // self.heads)
+        return [(torch.zeros(shape), torch.zeros(shape)) for _ in self.qkv]
+
+
+def test_a_cache_allocated_ahead_is_counted_a_layer_each():
+    """The cache the step is given, written in place, was counted as the probe's four layers' buffers: 32 * B *
+    D * S_max bytes at every L (twice a real two-layer model's). Each buffer is now counted as the one block
+    that uses it: 8 * B * D * L * S_max; the FLOPs and the peak were right, and stay so."""
+    dims = {"V": 16, "D": 16, "H": 2, "L": 2, "S_max": 24}
+    acct = symacct.derive(
+        lambda V, D, H, L, S_max: StaticCacheLM(V, D, H, L, S_max),
+        dims=dims,
+        inputs=lambda m, B, S, C: {"idx": torch.randint(0, 16, (B, 1)), "cache": m.buffers_ahead(B), "pos": C},
+        step="decode",
+    )
+    B, D, L, S_max = sym("B"), sym("D"), sym("L"), sym("S_max")
+    assert sympy.expand(acct.memory.kv_cache - 8 * B * D * L * S_max) == 0
+    for batch, C, depth in [(2, 5, 2), (3, 11, 3)]:
+        torch.manual_seed(0)
+        model = StaticCacheLM(**{**dims, "L": depth}).eval()
+        kv = model.buffers_ahead(batch)
+        at = acct.at(B=batch, C=C, L=depth)
+        tracker = StorageTracker([*model.parameters(), *(t for pair in kv for t in pair)])
+        with torch.no_grad(), tracker, FlopCounterMode(display=False) as fc, CpuFlashCounter() as flash:
+            model(torch.randint(0, 16, (batch, 1)), kv, C)
+        assert (at.flops.forward, at.memory.peak) == (fc.get_total_flops() + flash.total, tracker.peak)
+        assert at.memory.kv_cache == _cache_bytes(kv)

@@ -118,6 +118,36 @@ def _counted(counts: list[Any], trace: StepTrace, storage: int) -> bool:
     return producer is not None and sympy.sympify(counts[producer]).has(sym("L"))
 
 
+def _given_counts(trace: StepTrace, counts: list[Any], blocks: list[tuple[str, int] | None]) -> dict[int, Any]:
+    """Storages the step was given (its inputs) that are a layer each: a KV cache of one layer's keys and values
+    a block. Each is counted as the op that first uses it is (the ops of the probe's blocks are counted so that
+    they sum to L blocks: the cache a layer's ops write after the stack's last module, outside it, is counted
+    once, as they are), where every op that uses it lies in one block (or all outside the stack) and such
+    storages lie in two blocks of a stack or more. One used by several blocks (a mask every block reads), or
+    where one block alone has any (the stack's own input, which the first block reads: its ops are counted 0
+    where another block counts for them), is not here: it is counted once."""
+    given = {ph.meta.storage for ph in trace.placeholders if ph.kind == "input"}
+    first: dict[int, tuple[tuple[str, int] | None, int]] = {}
+    shared: set[int] = set()
+    for rec in trace.ops:
+        for m in (*rec.inputs, *rec.mutated):
+            st = m.storage
+            if st not in given or st in shared:
+                continue
+            seen = first.setdefault(st, (blocks[rec.index], rec.index))
+            if seen[0] != blocks[rec.index]:
+                shared.add(st)
+    alone = {st: (b, i) for st, (b, i) in first.items() if st not in shared}
+    spans: dict[str, set[int]] = defaultdict(set)
+    for b, _ in alone.values():
+        if b is not None:
+            spans[b[0]].add(b[1])
+    per_layer = {stack for stack, held in spans.items() if len(held) >= 2}
+    if not per_layer:
+        return {}
+    return {st: counts[i] for st, (b, i) in alone.items() if b is None or b[0] in per_layer}
+
+
 def _counted_by_others(trace: StepTrace, counts: list[Any], storage: int) -> bool:
     """Whether the op making ``storage`` has no count of its own (its block is counted by another's)."""
     producer = trace.storage_producer.get(storage)
@@ -201,11 +231,13 @@ def static_and_activations(
                 buffers += b
     mem.buffers = sympy.expand(all_buffers)
     mem.checkpoint = sympy.expand(params + buffers + sum(by_state.values(), sympy.Integer(0)))
-    # the KV cache after a serving step: each storage a layer made, counted as its layer is
+    # the KV cache after a serving step: each storage a layer made, counted as its layer is; one the step was
+    # given (a cache allocated ahead for every position, written in place), as the one block that uses it
+    given = _given_counts(trace, counts, blocks)
     cache = sympy.Integer(0)
     for st in trace.cache_storages:
         producer = trace.storage_producer.get(st)
-        c = counts[producer] if producer is not None else 1
+        c = counts[producer] if producer is not None else given.get(st, 1)
         cache += trace.bytes_of(st, nb) * c
     mem.kv_cache = sympy.expand(cache)
     # autocast's low-precision copies of the weights: casts whose input is a parameter
@@ -237,7 +269,9 @@ def static_and_activations(
     mem.activations_ends = {k: sympy.expand(v) for k, v in end_bytes.items()}
     mem.boundary = _boundary(trace, nb, blocks)
     inputs = {ph.meta.storage for ph in trace.placeholders if ph.kind == "input"}
-    mem.inputs = sympy.expand(sum((trace.bytes_of(st, nb) for st in sorted(inputs)), sympy.Integer(0)))
+    mem.inputs = sympy.expand(
+        sum((trace.bytes_of(st, nb) * given.get(st, 1) for st in sorted(inputs)), sympy.Integer(0))
+    )
     if trace.loss_storage is not None:
         mem.loss = trace.bytes_of(trace.loss_storage, nb)
     return mem
