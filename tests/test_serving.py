@@ -973,7 +973,8 @@ class StaticCacheLM(torch.nn.Module):
 def test_a_cache_allocated_ahead_is_counted_a_layer_each():
     """The cache the step is given, written in place, was counted as the probe's four layers' buffers: 32 * B *
     D * S_max bytes at every L (twice a real two-layer model's). Each buffer is now counted as the one block
-    that uses it: 8 * B * D * L * S_max; the FLOPs and the peak were right, and stay so."""
+    that uses it: 8 * B * D * L * S_max, in the step's inputs too; the FLOPs and the peak were right, and stay
+    so."""
     dims = {"V": 16, "D": 16, "H": 2, "L": 2, "S_max": 24}
     acct = symacct.derive(
         lambda V, D, H, L, S_max: StaticCacheLM(V, D, H, L, S_max),
@@ -983,6 +984,7 @@ def test_a_cache_allocated_ahead_is_counted_a_layer_each():
     )
     B, D, L, S_max = sym("B"), sym("D"), sym("L"), sym("S_max")
     assert sympy.expand(acct.memory.kv_cache - 8 * B * D * L * S_max) == 0
+    assert sympy.expand(acct.memory.inputs - 8 * B * D * L * S_max - 8 * B) == 0  # and the token ids
     for batch, C, depth in [(2, 5, 2), (3, 11, 3)]:
         torch.manual_seed(0)
         model = StaticCacheLM(**{**dims, "L": depth}).eval()
