@@ -2360,7 +2360,7 @@ def check_same_model(model: Any, src: _Source, probes: Probes, first: FirstTrace
             # times) or are kept apart (attributes block0, block1, ...), so the probe's L and the model's run
             # different numbers of ops: exact at the model's L only
             raise _FixLayers(src, NO_LIST_OF_BLOCKS) from e
-        _refuse_no_stack(src, probes.first, first, e)
+        _fix_no_stack(src, probes.first, first, e)
         _fix_unlike_layers(model, src, first, e)
         _retry_degenerate(src, req, e)
         raise
@@ -2607,7 +2607,7 @@ def _cycle_note(trace: StepTrace, stacks: list[str]) -> str:
     made: dict[str, list[str]] = {"step": [], "after": []}
     for st, when in sorted(trace.cycle_held.items()):
         op = trace.ops[trace.storage_producer[st]] if st in trace.storage_producer else None
-        what = f"{op.op} in '{generic_path(op.module, stacks) or '<root>'}' ({op.phase})" if op else f"storage {st}"
+        what = f"{op.op} in '{generic_path(op.module, stacks) or '<root>'}' ({op.phase})" if op else "the step's inputs"
         if what not in made[when]:
             made[when].append(what)
     parts = []
@@ -2672,12 +2672,12 @@ def trace_check(src: _Source, probes: Probes, first: FirstTrace, req: Request) -
     try:
         _check(first.costed, first.counts, costed2, probe2, probe2.layers if first.stacks else None)
     except SymacctError as e:
-        _refuse_no_stack(src, probe1, first, e)
+        _fix_no_stack(src, probe1, first, e)
         raise
     return CheckTrace(trace2, costed2)
 
 
-def _refuse_no_stack(src: _Source, probe: Probe, first: FirstTrace, error: SymacctError) -> None:
+def _fix_no_stack(src: _Source, probe: Probe, first: FirstTrace, error: SymacctError) -> None:
     """On a failing comparison (the user's model against the probe's, or the checking trace against the
     formulas), where a stack was taken without the check of ``_following_layers`` (one candidate list that
     factors): a list of ``LAYERS[0]`` modules the model holds at every L (a ``Sequential`` of four layers applied

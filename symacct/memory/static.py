@@ -120,12 +120,12 @@ def _counted(counts: list[Any], trace: StepTrace, storage: int) -> bool:
 
 def _given_counts(trace: StepTrace, counts: list[Any], blocks: list[tuple[str, int] | None]) -> dict[int, Any]:
     """Storages the step was given (its inputs) that are a layer each: a KV cache of one layer's keys and values
-    a block. Each is counted as the op that first uses it is (the ops of the probe's blocks are counted so that
-    they sum to L blocks: the cache a layer's ops write after the stack's last module, outside it, is counted
-    once, as they are), where every op that uses it lies in one block (or all outside the stack) and such
-    storages lie in two blocks of a stack or more. One used by several blocks (a mask every block reads), or
-    where one block alone has any (the stack's own input, which the first block reads: its ops are counted 0
-    where another block counts for them), is not here: it is counted once."""
+    a block. Each is counted as the op that first uses it is (the probe's blocks are counted so that they sum
+    to L), where every op that uses it lies in one block and such storages lie in two blocks of the stack or
+    more. The rest are counted once, as the default: one outside the stack (token ids; the last layer's cache
+    where its ops follow the stack's last module, counted once as they are), one used by several blocks (a
+    mask every block reads), and one in a block where no other block has any (the stack's own input, which
+    the first block reads: its ops are counted 0 where another block counts for them)."""
     given = {ph.meta.storage for ph in trace.placeholders if ph.kind == "input"}
     first: dict[int, tuple[tuple[str, int] | None, int]] = {}
     shared: set[int] = set()
@@ -142,10 +142,7 @@ def _given_counts(trace: StepTrace, counts: list[Any], blocks: list[tuple[str, i
     for b, _ in alone.values():
         if b is not None:
             spans[b[0]].add(b[1])
-    per_layer = {stack for stack, held in spans.items() if len(held) >= 2}
-    if not per_layer:
-        return {}
-    return {st: counts[i] for st, (b, i) in alone.items() if b is None or b[0] in per_layer}
+    return {st: counts[i] for st, (b, i) in alone.items() if b is not None and len(spans[b[0]]) >= 2}
 
 
 def _counted_by_others(trace: StepTrace, counts: list[Any], storage: int) -> bool:
