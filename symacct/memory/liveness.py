@@ -290,7 +290,7 @@ class Liveness:
             taken = self.other_grad_taken if other else self.grad_taken
             start = {st: s for st, s in iv.start.items() if st in short or not drop(st, made(st), other)}
             end = {
-                st: (min(e, taken.get(st, start[st] + 1)) if st in short and st in start else e)
+                st: (_until_taken(e, st, start, taken) if st in short and st in start else e)
                 for st, e in iv.end.items()
             }
             return Intervals(iv.n, start, end, iv.nbytes)
@@ -330,7 +330,7 @@ class Liveness:
             fresh = max(start) + 1
             for k, st in enumerate(carried):  # the last step's gradient, under a storage id of its own
                 start[fresh + k], end[fresh + k], nbytes[fresh + k] = -1.0, iv.end[st], iv.nbytes[st]
-                end[st] = min(iv.end[st], taken.get(st, start[st] + 1))
+                end[st] = _until_taken(iv.end[st], st, start, taken)
             return Intervals(iv.n, start, end, nbytes), frozenset(range(fresh, fresh + len(carried)))
 
         base, held = carry(steady.base, self.grads, self.grad_taken)
@@ -502,6 +502,12 @@ def _expr(terms: Terms) -> sympy.Expr:
             for m, c in terms.items()
         )
     )
+
+
+def _until_taken(end: float, st: int, start: Mapping[int, float], taken: Mapping[int, int]) -> float:
+    """A gradient's end where a gradient already exists: the op at which autograd's AccumulateGrad adds it in
+    (``grad_ready``; else the op after the one that made it), or its own end if that comes first."""
+    return min(end, taken.get(st, start[st] + 1))
 
 
 def liveness(
